@@ -1,0 +1,16 @@
+"""Lazy FSDP2 weight export for PyTorch Lightning, streamed into vLLM for RL post-training.
+
+Importing the package registers the ``"lazy_fsdp2"`` strategy name with Lightning. vLLM is imported
+only when a vLLM target is built.
+"""
+
+from lightning.pytorch.strategies import StrategyRegistry
+
+from lightning_fsdp_export.export import ExportReport, lazy_export
+from lightning_fsdp_export.names import export_name
+from lightning_fsdp_export.strategy import LazyExportFSDP2
+
+__all__ = ["ExportReport", "LazyExportFSDP2", "export_name", "lazy_export"]
+__version__ = "0.1.0"
+
+LazyExportFSDP2.register_strategies(StrategyRegistry)

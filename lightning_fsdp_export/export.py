@@ -1,0 +1,125 @@
+"""Lazy per-DTensor export of an FSDP2 module: torch only, no Lightning.
+
+The whole algorithm, for every entry of ``module.state_dict()`` in order::
+
+    full = tensor.to(device).full_tensor() if isinstance(tensor, DTensor) else tensor.to(device)
+    yield export_name(name), full
+
+Only the tensor being gathered is staged on ``device``; nothing moves the module as a whole, so a
+module whose shards live on the CPU (offloaded) costs one shard-sized copy per tensor instead of a
+model-wide round trip. Every rank must iterate the generator fully and in the same order, because
+each DTensor's ``full_tensor()`` is a collective.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
+
+from lightning_fsdp_export.names import export_name
+
+__all__ = ["ExportReport", "lazy_export", "plan_export"]
+
+
+@dataclass(frozen=True)
+class ExportReport:
+    """What one export did; ``strategy.last_export`` holds the latest.
+
+    Attributes:
+        path: ``"lazy"`` (per-tensor staging) or ``"staged"`` (the module moved as a whole; LoRA).
+        tensors: number of ``(name, tensor)`` pairs yielded (a tied tensor counts once per name).
+        bytes: bytes of the yielded tensors, after the ``dtype`` cast.
+        seconds: time spent inside the exporter (gathers, copies, casts), not in the consumer.
+        module_moves: model-wide stage/unstage moves performed (0 on the lazy path).
+    """
+
+    path: Literal["lazy", "staged"]
+    tensors: int
+    bytes: int
+    seconds: float
+    module_moves: int
+
+
+def plan_export(module: nn.Module) -> list[tuple[list[str], Tensor]]:
+    """Group ``module.state_dict()`` into ``(names, tensor)`` entries, tied tensors together.
+
+    The order is the state dict's, with a tied tensor's later names moved up to its first
+    occurrence (so it is gathered once and not kept alive until its last name). Names are already
+    passed through :func:`~lightning_fsdp_export.names.export_name`.
+
+    Args:
+        module: the module to export (FSDP2-sharded or not).
+    """
+    groups: dict[int, tuple[list[str], Tensor]] = {}
+    for name, tensor in module.state_dict(keep_vars=True).items():
+        if not isinstance(tensor, Tensor):  # extra state entries
+            continue
+        key = id(tensor)
+        if key not in groups:
+            groups[key] = ([], tensor)
+        groups[key][0].append(export_name(name))
+    return list(groups.values())
+
+
+def gather_full(tensor: Tensor, *, device: torch.device, dtype: torch.dtype | None) -> Tensor:
+    """Stage one tensor on ``device`` and return it whole (collective for a DTensor).
+
+    The result never shares memory with the module's own tensor, so a consumer may keep it while
+    training goes on (a plain tensor already on ``device``, or a replicated DTensor, is copied).
+    """
+    with torch.no_grad():
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        full = tensor.to(device).full_tensor() if isinstance(tensor, DTensor) else tensor.detach().to(device)
+        if dtype is not None and full.is_floating_point():
+            full = full.to(dtype)
+        if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+            full = full.clone()
+    return full
+
+
+def lazy_export(
+    module: nn.Module,
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+    on_finish: Callable[[ExportReport], None] | None = None,
+) -> Iterator[tuple[str, Tensor]]:
+    """Yield ``(hf_name, full_tensor)`` for every state-dict entry of ``module``, one at a time.
+
+    A collective generator: every rank of the module's mesh must drain it in the same order.
+
+    Args:
+        module: an FSDP2 (``fully_shard``) module, or any module (then it is a plain state-dict walk).
+        device: where each tensor is staged and gathered (``"cuda"`` for NCCL); default: the device
+            of the first DTensor's mesh, else CPU.
+        dtype: cast floating tensors to this dtype; ``None`` keeps each tensor's own.
+        on_finish: called with the :class:`ExportReport` once the generator is exhausted.
+    """
+    entries = plan_export(module)
+    device = torch.device(device) if device is not None else _default_device(entries)
+    tensors = nbytes = 0
+    seconds = 0.0
+    for names, tensor in entries:
+        start = time.perf_counter()
+        full = gather_full(tensor, device=device, dtype=dtype)
+        seconds += time.perf_counter() - start
+        for name in names:
+            tensors += 1
+            nbytes += full.numel() * full.element_size()
+            yield name, full
+        del full
+    if on_finish is not None:
+        on_finish(ExportReport("lazy", tensors, nbytes, seconds, module_moves=0))
+
+
+def _default_device(entries: list[tuple[list[str], Tensor]]) -> torch.device:
+    for _, tensor in entries:
+        if isinstance(tensor, DTensor):
+            return torch.device(tensor.device_mesh.device_type)
+    return torch.device("cpu")

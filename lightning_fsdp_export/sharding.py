@@ -1,0 +1,92 @@
+"""Applying FSDP2 (``fully_shard``) to a model that did not shard itself, and recognising one that did."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.tensor import DTensor
+
+__all__ = ["auto_shard", "default_shard_classes", "is_fully_sharded", "reject_fsdp1"]
+
+
+def is_fully_sharded(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module`` or any submodule."""
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def reject_fsdp1(module: nn.Module, strategy_name: str) -> None:
+    """Raise a ``TypeError`` if any submodule is wrapped by FSDP1 (``FullyShardedDataParallel``)."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapped = [name or "<root>" for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
+    if wrapped:
+        raise TypeError(
+            f"{strategy_name} supports FSDP2 (`torch.distributed.fsdp.fully_shard`) only, but these modules are"
+            f" wrapped with FSDP1 `FullyShardedDataParallel`: {wrapped[:5]}. Apply `fully_shard` in"
+            " `configure_model` instead, or leave sharding to the strategy."
+        )
+
+
+def default_shard_classes(module: nn.Module) -> set[str]:
+    """The class names of every ``_no_split_modules`` declared by Hugging Face models inside ``module``.
+
+    For a Qwen2 model this is ``{"Qwen2DecoderLayer"}``.
+    """
+    names: set[str] = set()
+    for m in module.modules():
+        declared = getattr(m, "_no_split_modules", None)
+        if declared:
+            names.update(declared)
+    return names
+
+
+def _class_names(shard_modules: Iterable[type[nn.Module] | str]) -> set[str]:
+    return {c if isinstance(c, str) else c.__name__ for c in shard_modules}
+
+
+def auto_shard(
+    module: nn.Module,
+    *,
+    mesh: DeviceMesh,
+    shard_modules: Sequence[type[nn.Module] | str] | None,
+    roots: Sequence[nn.Module],
+    fsdp_kwargs: dict[str, Any],
+) -> list[str]:
+    """``fully_shard`` every submodule whose class is in ``shard_modules``, then each root.
+
+    A root is a module whose ``forward`` is called (FSDP2 gathers a root's own parameters in its
+    pre-forward hook), so the LightningModule itself is not one: its ``training_step`` calls its
+    children. After ``roots``, every direct child of ``module`` still holding unsharded parameters is
+    sharded as a root of its own (say a value head beside the policy).
+
+    Args:
+        module: the LightningModule.
+        mesh: the 1-D data-parallel mesh to shard over.
+        shard_modules: classes or class names to shard one by one; ``None`` means
+            :func:`default_shard_classes`.
+        roots: modules to shard after the layers, typically the exported HF model.
+        fsdp_kwargs: passed to every ``fully_shard`` call (``mp_policy``, ``reshard_after_forward``,
+            ``offload_policy``).
+
+    Returns:
+        The names of the submodules sharded on their own, roots included.
+    """
+    wanted = default_shard_classes(module) if shard_modules is None else _class_names(shard_modules)
+    names = {m: name for name, m in module.named_modules()}
+    layers = [m for name, m in module.named_modules() if name and type(m).__name__ in wanted]
+    extra_roots = [child for child in module.children() if _has_unsharded_parameters(child)]
+    done: list[str] = []
+    for m in [*layers, *roots, *extra_roots]:
+        if m is module or isinstance(m, FSDPModule) or not _has_unsharded_parameters(m) and m not in roots:
+            continue
+        fully_shard(m, mesh=mesh, **fsdp_kwargs)
+        done.append(names[m])
+    return done
+
+
+def _has_unsharded_parameters(module: nn.Module) -> bool:
+    return any(not isinstance(p, DTensor) for p in module.parameters())

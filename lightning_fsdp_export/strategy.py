@@ -1,0 +1,361 @@
+"""``LazyExportFSDP2``: Lightning's FSDP2 strategy that owns a lazy, collective weight export."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.pytorch.strategies import ModelParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch import Tensor, nn
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from typing_extensions import override
+
+from lightning_fsdp_export.export import ExportReport, lazy_export
+from lightning_fsdp_export.offload import OffloadMode, move_module, move_optimizer_state
+from lightning_fsdp_export.sharding import auto_shard, is_fully_sharded, reject_fsdp1
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import StrategyRegistry as _Registry
+
+__all__ = ["LazyExportFSDP2"]
+
+
+class LazyExportFSDP2(ModelParallelStrategy):
+    """FSDP2 (``fully_shard``) with optional CPU offload and a lazy, per-tensor weight export.
+
+    Example::
+
+        trainer = Trainer(strategy=LazyExportFSDP2(offload="params"), callbacks=[VLLMWeightSync(...)])
+        for name, tensor in trainer.strategy.export_weights(dtype=torch.bfloat16):  # on every rank
+            ...
+
+    Unlike :class:`~lightning.pytorch.strategies.ModelParallelStrategy`, the LightningModule need not
+    override ``configure_model``: a model that ``configure_model`` did not shard is sharded here.
+
+    Args:
+        shard_modules: classes (or class names) whose instances are ``fully_shard``-ed one by one
+            before the root. Default: every Hugging Face model's ``_no_split_modules`` (for Qwen2,
+            ``Qwen2DecoderLayer``). Ignored when ``configure_model`` applied ``fully_shard`` itself.
+        export_module: dotted name of the submodule of the LightningModule that ``export_weights``
+            exports (say ``"policy"``). Default: the single ``transformers.PreTrainedModel`` (or peft
+            model) found inside it; with none or several, setup raises and lists the candidates.
+        mixed_precision: FSDP2's ``MixedPrecisionPolicy`` for the automatic sharding.
+        reshard_after_forward: FSDP2's ``reshard_after_forward`` for the automatic sharding.
+        offload: ``None`` keeps shards on the device; ``"params"`` moves sharded parameters to the
+            (pinned, on CUDA) host outside the training step and back for it; ``"policy"`` uses FSDP2's
+            ``CPUOffloadPolicy`` (shards always on the host, gathered to the device per layer).
+        offload_optimizer: with ``offload="params"``, move the optimizer state along with the
+            parameters.
+        data_parallel_size: ranks to shard over. Default: the whole world (pure FSDP).
+        tensor_parallel_size: tensor-parallel ranks, applied by your own ``configure_model``. Default 1.
+        save_distributed_checkpoint: as in ``ModelParallelStrategy``.
+        process_group_backend: as in ``ModelParallelStrategy`` (``"gloo"`` on CPU, ``"nccl"`` on CUDA).
+        timeout: as in ``ModelParallelStrategy``; also bounds every collective of an export.
+    """
+
+    strategy_name = "lazy_fsdp2"
+
+    def __init__(
+        self,
+        *,
+        shard_modules: Sequence[type[nn.Module] | str] | None = None,
+        export_module: str | None = None,
+        mixed_precision: MixedPrecisionPolicy | None = None,
+        reshard_after_forward: bool = True,
+        offload: Literal["params", "policy"] | None = None,
+        offload_optimizer: bool = False,
+        data_parallel_size: Literal["auto"] | int = "auto",
+        tensor_parallel_size: int = 1,
+        save_distributed_checkpoint: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+    ) -> None:
+        super().__init__(
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
+            save_distributed_checkpoint=save_distributed_checkpoint,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+        )
+        self._offload = OffloadMode.parse(offload)
+        _validate_options(self, shard_modules, export_module, mixed_precision, offload_optimizer, tensor_parallel_size)
+        self._shard_modules = shard_modules
+        self._export_module_name = export_module
+        self._mixed_precision = mixed_precision
+        self._reshard_after_forward = reshard_after_forward
+        self._offload_optimizer = offload_optimizer
+        self._export_module: nn.Module | None = None
+        self._params_offloaded = False
+        self._last_export: ExportReport | None = None
+        self.offload_moves = 0
+        """Model-wide moves made by ``offload="params"`` around training steps (host and back count 1 each)."""
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _Registry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="FSDP2 with lazy per-DTensor weight export (lightning-fsdp-export)"
+            )
+
+    @property
+    def offload(self) -> str | None:
+        """The ``offload`` mode: ``None``, ``"params"`` or ``"policy"``."""
+        return self._offload.value
+
+    @property
+    def last_export(self) -> ExportReport | None:
+        """The report of the latest fully drained :meth:`export_weights`, or ``None``."""
+        return self._last_export
+
+    @property
+    def export_module(self) -> nn.Module:
+        """The module :meth:`export_weights` exports; available after setup."""
+        if self._export_module is None:
+            raise RuntimeError(
+                f"{type(self).__name__}.export_weights() was called before the strategy was set up. Call it from"
+                " a hook that runs during fit/validate (for instance `on_train_batch_end`), not before `trainer.fit`."
+            )
+        return self._export_module
+
+    def export_weights(
+        self, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    ) -> Iterator[tuple[str, Tensor]]:
+        """Yield ``(hf_name, full_tensor)`` for every weight of the exported model; a collective.
+
+        Every rank must iterate the returned generator fully and in the same order. Non-LoRA models
+        take the lazy path: each tensor is staged on ``device`` and gathered alone, with no model-wide
+        move, even while parameters are offloaded. A tied tensor is gathered once and yielded under
+        each of its names, consecutively. ``last_export`` holds the report once drained.
+
+        Args:
+            dtype: cast floating tensors to this dtype (``None``: their own dtype).
+            device: where tensors are staged and gathered; default: this rank's ``root_device``.
+        """
+        module = self.export_module
+        if _is_peft_model(module):
+            raise NotImplementedError(
+                f"{type(module).__name__} is a peft model: LoRA models need the staged export path, which this"
+                " version does not implement yet. Export a merged model (`merge_and_unload()`) for now."
+            )
+        target = torch.device(device) if device is not None else self.root_device
+        return lazy_export(module, device=target, dtype=dtype, on_finish=self._record_export)
+
+    def _record_export(self, report: ExportReport) -> None:
+        self._last_export = report
+
+    @override
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":  # pure FSDP over the whole world, not Lightning's "nodes"
+            self._data_parallel_size = (self.num_nodes * self.num_processes) // self._tensor_parallel_size
+        super().setup_environment()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
+        self.accelerator.setup(trainer)
+        reject_fsdp1(self.model, type(self).__name__)
+        self._export_module = _find_export_module(self.lightning_module, self._export_module_name)
+        self._shard(self.model)
+        _materialize_meta(self.model, self.root_device)
+        self.model = self.precision_plugin.convert_module(self.model)
+        if self._offload is OffloadMode.POLICY:
+            _move_unsharded(self.model, self.root_device)  # keep the host shards where the policy put them
+        else:
+            self.model_to_device()
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            for optimizer in self.optimizers:
+                move_optimizer_state(optimizer, None)  # next to each parameter, wherever it lives
+        self._offload_params()
+
+    def _shard(self, model: nn.Module) -> None:
+        if is_fully_sharded(model):
+            if self._offload is OffloadMode.POLICY:
+                raise ValueError(
+                    f"{type(self).__name__}(offload='policy') shards the model itself, but `configure_model` already"
+                    " applied `fully_shard`. Pass `offload_policy=CPUOffloadPolicy()` to your own `fully_shard`"
+                    " calls and use offload=None, or remove them and let the strategy shard."
+                )
+            return
+        if self.device_mesh["tensor_parallel"].size() > 1:
+            raise ValueError(
+                f"{type(self).__name__}(tensor_parallel_size={self._tensor_parallel_size}) needs `configure_model` to"
+                " apply tensor parallelism and `fully_shard` itself; the automatic sharding is pure FSDP."
+            )
+        roots = [] if self._export_module is model else [self._export_module]
+        auto_shard(model, mesh=self.device_mesh["data_parallel"], shard_modules=self._shard_modules,
+                   roots=roots, fsdp_kwargs=self._fsdp_kwargs())
+
+    def _fsdp_kwargs(self) -> dict[str, Any]:
+        policy: OffloadPolicy = OffloadPolicy()
+        if self._offload is OffloadMode.POLICY:
+            policy = CPUOffloadPolicy(pin_memory=self.root_device.type == "cuda")
+        return {
+            "mp_policy": self._mixed_precision or MixedPrecisionPolicy(),
+            "reshard_after_forward": self._reshard_after_forward,
+            "offload_policy": policy,
+        }
+
+    # -- offload="params": shards on the host outside the training step ------------------------------
+
+    def _offload_params(self) -> None:
+        if self._offload is not OffloadMode.PARAMS or self._params_offloaded:
+            return
+        self._move_params(torch.device("cpu"))
+        self._params_offloaded = True
+
+    def _load_params(self) -> None:
+        if not self._params_offloaded:
+            return
+        self._move_params(self.root_device)
+        self._params_offloaded = False
+
+    def _move_params(self, device: torch.device) -> None:
+        assert self.model is not None
+        move_module(self.model, device, pin_memory=device.type == "cpu")
+        if self._offload_optimizer:
+            for optimizer in self.optimizers:
+                move_optimizer_state(optimizer, device)
+        self.offload_moves += 1
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        self._load_params()
+        output = super().training_step(*args, **kwargs)
+        if not self.lightning_module.automatic_optimization:  # manual: the step ran inside training_step
+            self._offload_params()
+        return output
+
+    @override
+    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().optimizer_step(*args, **kwargs)
+        if self.lightning_module.automatic_optimization:
+            self._offload_params()
+        return output
+
+    @override
+    def on_validation_start(self) -> None:
+        self._load_params()
+        super().on_validation_start()
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            self._offload_params()
+
+    @override
+    def on_test_start(self) -> None:
+        self._load_params()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._load_params()
+        super().on_predict_start()
+
+
+def _validate_options(
+    strategy: LazyExportFSDP2,
+    shard_modules: Sequence[type[nn.Module] | str] | None,
+    export_module: str | None,
+    mixed_precision: MixedPrecisionPolicy | None,
+    offload_optimizer: bool,
+    tensor_parallel_size: int,
+) -> None:
+    name = type(strategy).__name__
+    if shard_modules is not None and (
+        isinstance(shard_modules, str)
+        or not all(isinstance(c, str) or (isinstance(c, type) and issubclass(c, nn.Module)) for c in shard_modules)
+    ):
+        raise TypeError(
+            f"{name}(shard_modules={shard_modules!r}) must be a list of nn.Module classes or class names,"
+            " for example shard_modules=['Qwen2DecoderLayer']."
+        )
+    if export_module is not None and not isinstance(export_module, str):
+        raise TypeError(f"{name}(export_module={export_module!r}) must be a submodule's dotted name, like 'policy'.")
+    if mixed_precision is not None and not isinstance(mixed_precision, MixedPrecisionPolicy):
+        raise TypeError(
+            f"{name}(mixed_precision={mixed_precision!r}) must be a torch.distributed.fsdp.MixedPrecisionPolicy."
+        )
+    if offload_optimizer and strategy._offload is not OffloadMode.PARAMS:
+        raise ValueError(
+            f"{name}(offload_optimizer=True) needs offload='params' (got offload={strategy._offload.value!r})."
+        )
+    if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+        raise ValueError(f"{name}(tensor_parallel_size={tensor_parallel_size!r}) must be a positive integer.")
+
+
+def _is_peft_model(module: nn.Module) -> bool:
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    return isinstance(module, PeftModel)
+
+
+def _is_export_candidate(module: nn.Module) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(module, PreTrainedModel) or _is_peft_model(module)
+
+
+def _find_export_module(root: nn.Module, name: str | None) -> nn.Module:
+    """The submodule named ``name``, else the single outermost HF/peft model inside ``root``."""
+    candidates: list[str] = []
+    for sub_name, sub in root.named_modules():
+        if _is_export_candidate(sub) and not any(sub_name.startswith(f"{c}.") or not c for c in candidates):
+            candidates.append(sub_name)
+    if name is not None:
+        try:
+            return root.get_submodule(name)
+        except AttributeError:
+            raise ValueError(
+                f"export_module={name!r} names no submodule of {type(root).__name__}. Candidates found:"
+                f" {candidates or 'none'}; pass the attribute name of the model to export."
+            ) from None
+    if len(candidates) == 1:
+        return root.get_submodule(candidates[0])
+    if not candidates:
+        raise ValueError(
+            f"Found no transformers PreTrainedModel (or peft model) inside {type(root).__name__} to export."
+            " Pass LazyExportFSDP2(export_module='<attribute name>') to name the module to export."
+        )
+    raise ValueError(
+        f"Found several models inside {type(root).__name__} that could be exported: {candidates}."
+        f" Pass LazyExportFSDP2(export_module=...) with one of them, e.g. export_module={candidates[0]!r}."
+    )
+
+
+def _materialize_meta(module: nn.Module, device: torch.device) -> None:
+    """Allocate and initialise parameters created on the meta device (``empty_init=True``)."""
+    if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+        return
+    module.to_empty(device=device)
+    for sub in module.modules():
+        reset = getattr(sub, "reset_parameters", None)
+        if callable(reset):
+            reset()
+
+
+def _move_unsharded(module: nn.Module, device: torch.device) -> None:
+    """Move plain (non-DTensor) parameters and buffers to ``device``, leaving FSDP2's host shards alone."""
+    from torch.distributed.tensor import DTensor
+
+    with torch.no_grad():
+        for sub in module.modules():
+            for key, param in sub._parameters.items():
+                if param is not None and not isinstance(param, DTensor) and param.device != device:
+                    sub._parameters[key] = nn.Parameter(param.to(device), requires_grad=param.requires_grad)
+            for key, buf in sub._buffers.items():
+                if buf is not None and buf.device != device:
+                    sub._buffers[key] = buf.to(device)

@@ -1,0 +1,31 @@
+"""Shared helpers: launching real 2-rank jobs with torchrun."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_torchrun(script: str, out: Path, *args: str, nproc: int = 2, timeout: int = 600,
+                 env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run ``tests/scripts/<script>`` on ``nproc`` gloo ranks and return the JSON rank 0 wrote to ``out``."""
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
+           str(ROOT / "tests" / "scripts" / script), "--out", str(out), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, **(env or {})})
+    if proc.returncode != 0 or not out.exists():
+        raise AssertionError(f"{script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
+    return json.loads(out.read_text())

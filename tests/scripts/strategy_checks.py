@@ -1,0 +1,201 @@
+"""Run under ``torchrun --nproc-per-node 2``: every LazyExportFSDP2 check that needs real ranks.
+
+Rank 0 writes ``{scenario: result}`` as JSON to ``--out``; ``tests/test_strategy_distributed.py``
+asserts on it. Each scenario is one ``Trainer.fit`` on 2 gloo ranks with a tiny real HF model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import traceback
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer, seed_everything
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from lightning_fsdp_export import LazyExportFSDP2  # noqa: E402
+from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2  # noqa: E402
+
+
+def batches(n: int = 8, seq: int = 16) -> torch.utils.data.DataLoader:
+    g = torch.Generator().manual_seed(123)
+    data = torch.randint(0, VOCAB, (n, seq), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=2)
+
+
+class LM(pl.LightningModule):
+    """A causal LM; optionally applies activation checkpointing or its own sharding in configure_model."""
+
+    def __init__(self, build: Any = tiny_qwen2, *, checkpointing: bool = False, own_sharding: str | None = None,
+                 export_each_step: bool = False) -> None:
+        super().__init__()
+        self.model = build()
+        self.checkpointing = checkpointing
+        self.own_sharding = own_sharding
+        self.export_each_step = export_each_step
+        self.losses: list[float] = []
+        self.exports: list[dict[str, torch.Tensor]] = []
+
+    def configure_model(self) -> None:
+        if self.checkpointing:
+            from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import apply_activation_checkpointing
+
+            apply_activation_checkpointing(self.model, check_fn=lambda m: type(m).__name__.endswith("DecoderLayer"))
+        if self.own_sharding == "layers_only":  # leaves root params (embeddings, norm, extra) plain
+            for layer in self.model.model.layers:
+                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+        elif self.own_sharding == "fsdp1":
+            from torch.distributed.fsdp import FullyShardedDataParallel
+
+            self.model.model.layers[0] = FullyShardedDataParallel(self.model.model.layers[0], device_id=torch.device("cpu"))
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.export_each_step:
+            self.exports.append(dict(self.trainer.strategy.export_weights()))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+class WithExtras(LM):
+    """A model with a plain (never sharded) parameter and a persistent buffer beside the HF model."""
+
+    def __init__(self) -> None:
+        super().__init__(own_sharding="layers_only")
+        torch.manual_seed(1)
+        self.model.register_parameter("extra_scale", nn.Parameter(torch.randn(4)))
+        self.model.register_buffer("extra_buffer", torch.arange(3.0), persistent=True)
+
+
+def fit(module: LM, strategy: LazyExportFSDP2, steps: int, capture_start: bool = True) -> dict[str, Any]:
+    """Fit for ``steps``; export right after sharding (on_train_start) and at the end."""
+    out: dict[str, Any] = {}
+
+    class Capture(pl.Callback):
+        def on_train_start(self, trainer: Trainer, pl_module: LM) -> None:
+            if capture_start:
+                out["start"] = list(trainer.strategy.export_weights())
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+                      enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[Capture()])
+    trainer.fit(module, batches())
+    out["end"] = list(strategy.export_weights())
+    out["report"] = strategy.last_export
+    out["full_state"] = get_model_state_dict(strategy.export_module, options=StateDictOptions(full_state_dict=True))
+    return out
+
+
+def same(exported: list[tuple[str, torch.Tensor]], reference: dict[str, torch.Tensor]) -> dict[str, Any]:
+    names = [n for n, _ in exported]
+    mismatched = [n for n, t in exported if n not in reference or not torch.equal(t, reference[n])]
+    # Same names; order is the state dict's except that a tied tensor's names come together.
+    return {"names_equal": sorted(names) == sorted(reference) and len(set(names)) == len(names),
+            "names": names, "ref_names": list(reference),
+            "mismatched": mismatched, "all_dtypes": sorted({str(t.dtype) for _, t in exported})}
+
+
+def scenario_right_after_sharding(build: Any, **strategy_kwargs: Any) -> dict[str, Any]:
+    seed_everything(0)
+    got = fit(LM(build), LazyExportFSDP2(**strategy_kwargs), steps=1)
+    return same(got["start"], build().state_dict())
+
+
+def scenario_checkpointing() -> dict[str, Any]:
+    seed_everything(0)
+    got = fit(LM(tiny_qwen2, checkpointing=True), LazyExportFSDP2(), steps=1)
+    return same(got["start"], tiny_qwen2().state_dict())
+
+
+def scenario_extras() -> dict[str, Any]:
+    seed_everything(0)
+    module = WithExtras()
+    got = fit(module, LazyExportFSDP2(export_module="model"), steps=2)
+    ref = WithExtras().model.state_dict()
+    result = same(got["start"], ref)
+    result["extra_is_dtensor"] = type(module.model.extra_scale).__name__ == "DTensor"
+    result["after_steps"] = same(got["end"], got["full_state"])
+    return result
+
+
+def scenario_training(offload: str | None, export_each_step: bool) -> dict[str, Any]:
+    seed_everything(0)
+    module = LM(tiny_qwen2, export_each_step=export_each_step)
+    strategy = LazyExportFSDP2(offload=offload, offload_optimizer=offload == "params")
+    got = fit(module, strategy, steps=4, capture_start=False)
+    report = got["report"]
+    return {"losses": module.losses, "after_steps": same(got["end"], got["full_state"]),
+            "exports_per_step": len(module.exports), "module_moves": report.module_moves, "path": report.path,
+            "tensors": report.tensors, "bytes": report.bytes, "offload_moves": strategy.offload_moves,
+            "exports_changed": len(module.exports) > 1 and not all(
+                torch.equal(module.exports[0][k], module.exports[-1][k]) for k in module.exports[0])}
+
+
+def scenario_error(make: Any) -> dict[str, Any]:
+    seed_everything(0)
+    try:
+        module, strategy = make()
+        fit(module, strategy, steps=1, capture_start=False)
+    except Exception as err:  # noqa: BLE001 - recorded for the test to check
+        return {"error": type(err).__name__, "message": str(err)}
+    return {"error": None}
+
+
+class TwoModels(LM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.reference = tiny_qwen2(seed=1)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    results: dict[str, Any] = {}
+    scenarios = {
+        "qwen2_tied": lambda: scenario_right_after_sharding(tiny_qwen2),
+        "llama_untied": lambda: scenario_right_after_sharding(tiny_llama),
+        "mixed_precision": lambda: scenario_right_after_sharding(
+            tiny_qwen2, mixed_precision=MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)),
+        "policy_offload": lambda: scenario_right_after_sharding(tiny_qwen2, offload="policy"),
+        "checkpointing": scenario_checkpointing,
+        "extras": scenario_extras,
+        "train_plain": lambda: scenario_training(None, False),
+        "train_exporting": lambda: scenario_training(None, True),
+        "train_offload_params": lambda: scenario_training("params", True),
+        "train_offload_policy": lambda: scenario_training("policy", False),
+        "err_fsdp1": lambda: scenario_error(lambda: (LM(own_sharding="fsdp1"), LazyExportFSDP2())),
+        "err_export_module": lambda: scenario_error(lambda: (LM(), LazyExportFSDP2(export_module="policy"))),
+        "err_several": lambda: scenario_error(lambda: (TwoModels(), LazyExportFSDP2())),
+    }
+    only = os.environ.get("ONLY")
+    for name, run in scenarios.items():
+        if only and name not in only.split(","):
+            continue
+        try:
+            results[name] = run()
+        except Exception:  # noqa: BLE001 - reported as a failed scenario
+            results[name] = {"crash": traceback.format_exc()}
+        dist.barrier() if dist.is_initialized() else None
+    if int(os.environ.get("RANK", "0")) == 0:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1, default=str)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,106 @@
+"""Unit tests: no processes, no process group."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_fsdp_export import ExportReport, LazyExportFSDP2, export_name, lazy_export
+from lightning_fsdp_export.names import is_lora_name
+from lightning_fsdp_export.offload import OffloadMode
+from tests.tiny_models import tiny_qwen2
+
+NAMES = [
+    ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight"),
+    ("model.layers.0._checkpoint_wrapped_module.mlp.up_proj.weight", "model.layers.0.mlp.up_proj.weight"),
+    ("_orig_mod.model.norm.weight", "model.norm.weight"),
+    ("model._fsdp_wrapped_module.embed_tokens.weight", "model.embed_tokens.weight"),
+    ("base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight", "model.layers.0.self_attn.q_proj.weight"),
+    ("base_model.model.lm_head.weight", "lm_head.weight"),
+    ("base_model.model.model.layers.1._checkpoint_wrapped_module.mlp.down_proj.base_layer.bias",
+     "model.layers.1.mlp.down_proj.bias"),
+    ("model.base_layers.weight", "model.base_layers.weight"),  # only the exact ".base_layer." part goes
+]
+
+
+@pytest.mark.parametrize(("raw", "hf"), NAMES)
+def test_export_name_table(raw: str, hf: str) -> None:
+    assert export_name(raw) == hf
+
+
+def test_lora_names() -> None:
+    assert is_lora_name("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight")
+    assert not is_lora_name("model.layers.0.self_attn.q_proj.weight")
+
+
+def test_lazy_export_of_unsharded_module_is_its_state_dict_without_aliasing() -> None:
+    model = tiny_qwen2()
+    reports: list[ExportReport] = []
+    exported = list(lazy_export(model, dtype=torch.bfloat16, on_finish=reports.append))
+    reference = model.state_dict()
+    assert sorted(n for n, _ in exported) == sorted(reference)
+    for name, tensor in exported:
+        assert tensor.dtype == torch.bfloat16
+        assert torch.equal(tensor, reference[name].to(torch.bfloat16))
+    (report,) = reports
+    assert (report.path, report.tensors, report.module_moves) == ("lazy", len(reference), 0)
+    assert report.bytes == sum(t.numel() * 2 for t in reference.values())
+    # fp32 export of a CPU module: copies, never the parameter itself
+    name, first = next(iter(lazy_export(model)))
+    first.add_(1.0)
+    assert not torch.equal(first, model.state_dict()[name])
+
+
+def test_offload_mode_parse() -> None:
+    assert OffloadMode.parse(None) is OffloadMode.NONE
+    assert OffloadMode.parse("params") is OffloadMode.PARAMS
+    with pytest.raises(ValueError, match=r"offload='gpu'.*None, 'params', 'policy'"):
+        OffloadMode.parse("gpu")
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"offload": "cpu"}, ValueError, "offload='cpu'"),
+        ({"offload_optimizer": True}, ValueError, "offload_optimizer=True.*offload='params'"),
+        ({"shard_modules": "Qwen2DecoderLayer"}, TypeError, "shard_modules='Qwen2DecoderLayer'"),
+        ({"shard_modules": [3]}, TypeError, "shard_modules"),
+        ({"mixed_precision": "bf16"}, TypeError, "MixedPrecisionPolicy"),
+        ({"export_module": 1}, TypeError, "export_module=1"),
+        ({"tensor_parallel_size": 0}, ValueError, "tensor_parallel_size=0"),
+    ],
+)
+def test_bad_arguments_fail_in_init(kwargs: dict, error: type, match: str) -> None:
+    with pytest.raises(error, match=match):
+        LazyExportFSDP2(**kwargs)
+
+
+def test_export_before_setup_is_a_clear_error() -> None:
+    with pytest.raises(RuntimeError, match=r"export_weights\(\) was called before the strategy was set up"):
+        LazyExportFSDP2().export_weights()
+
+
+def test_registered_with_lightning() -> None:
+    from lightning.pytorch.strategies import StrategyRegistry
+
+    assert StrategyRegistry["lazy_fsdp2"]["strategy"] is LazyExportFSDP2
+    LazyExportFSDP2.register_strategies(StrategyRegistry)  # a second registration is harmless
+    from lightning.pytorch import Trainer
+
+    trainer = Trainer(strategy="lazy_fsdp2", accelerator="cpu", devices=1, logger=False)
+    assert isinstance(trainer.strategy, LazyExportFSDP2)
+
+
+def test_import_does_not_import_vllm() -> None:
+    code = "import sys, lightning_fsdp_export; assert 'vllm' not in sys.modules, 'vllm imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_sharding_defaults_come_from_hf_no_split_modules() -> None:
+    from lightning_fsdp_export.sharding import default_shard_classes
+
+    assert default_shard_classes(nn.ModuleDict({"m": tiny_qwen2()})) == {"Qwen2DecoderLayer"}
