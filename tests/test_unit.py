@@ -12,7 +12,7 @@ from torch import nn
 from lightning_fsdp_export import ExportReport, LazyExportFSDP2, export_name, lazy_export
 from lightning_fsdp_export.names import is_lora_name
 from lightning_fsdp_export.offload import OffloadMode
-from tests.tiny_models import tiny_qwen2
+from lightning_fsdp_export.testing import tiny_qwen2
 
 NAMES = [
     ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight"),

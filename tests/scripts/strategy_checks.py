@@ -23,7 +23,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import LazyExportFSDP2  # noqa: E402
-from tests.tiny_models import VOCAB, tiny_llama, tiny_qwen2  # noqa: E402
+from lightning_fsdp_export.testing import VOCAB, tiny_llama, tiny_qwen2  # noqa: E402
 
 
 def batches(n: int = 8, seq: int = 16) -> torch.utils.data.DataLoader:

