@@ -6,11 +6,25 @@ only when a vLLM target is built.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
+from lightning_fsdp_export.callback import VLLMWeightSync, WeightSyncError
 from lightning_fsdp_export.export import ExportReport, lazy_export
 from lightning_fsdp_export.names import export_name
 from lightning_fsdp_export.strategy import LazyExportFSDP2
+from lightning_fsdp_export.targets import ColocatedVLLM, DirectoryTarget, InMemoryTarget, RemoteVLLM, WeightTarget
 
-__all__ = ["ExportReport", "LazyExportFSDP2", "export_name", "lazy_export"]
+__all__ = [
+    "ColocatedVLLM",
+    "DirectoryTarget",
+    "ExportReport",
+    "InMemoryTarget",
+    "LazyExportFSDP2",
+    "RemoteVLLM",
+    "VLLMWeightSync",
+    "WeightSyncError",
+    "WeightTarget",
+    "export_name",
+    "lazy_export",
+]
 __version__ = "0.1.0"
 
 LazyExportFSDP2.register_strategies(StrategyRegistry)

@@ -1,0 +1,106 @@
+"""A vLLM engine on every trainer rank, updated in place by streaming the export into it."""
+
+from __future__ import annotations
+
+import os
+import random
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+
+from lightning_fsdp_export._compat import engine_dtype, engine_runs_in_process, import_vllm
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+
+class ColocatedVLLM:
+    """An ``LLM`` built on every rank at setup (``external_launcher``), exposed as ``.llm`` for rollouts.
+
+    Each sync is one call per rank: ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator":
+    stream})`` (never one call per tensor: measured 13.7x slower), then ``llm.reset_prefix_cache()``
+    so no prompt KV computed with the old weights is reused.
+
+    Args:
+        model: path of the HF checkpoint the engine starts from (the trainer's initial weights).
+        llm: an ``LLM`` you built yourself instead; it must run its engine in this process (built with
+            ``distributed_executor_backend="external_launcher"`` or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
+        tensor_parallel_size: vLLM tensor parallelism across the trainer's ranks (1 or the world size).
+        **llm_kwargs: passed to ``vllm.LLM`` (``dtype``, ``max_model_len``, ``enforce_eager``, ...).
+    """
+
+    def __init__(self, model: str | os.PathLike[str] | None = None, *, llm: Any = None,
+                 tensor_parallel_size: int = 1, **llm_kwargs: Any) -> None:
+        if (model is None) == (llm is None):
+            raise ValueError("ColocatedVLLM needs exactly one of model=PATH (an HF checkpoint directory) or llm=LLM(...).")
+        if llm is not None and llm_kwargs:
+            raise ValueError(f"ColocatedVLLM(llm=...) builds nothing, so {sorted(llm_kwargs)} would be ignored.")
+        if llm is not None:
+            _check_in_process(llm)
+        if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
+            raise ValueError(f"ColocatedVLLM(tensor_parallel_size={tensor_parallel_size!r}) must be a positive int.")
+        self._model = None if model is None else os.fspath(model)
+        self._tp = tensor_parallel_size
+        self._llm_kwargs = llm_kwargs
+        self.llm: Any = llm
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return None if self.llm is None else engine_dtype(self.llm)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        if self.llm is not None:
+            return
+        vllm = import_vllm()
+        world = trainer.world_size
+        if world % self._tp:
+            raise ValueError(f"ColocatedVLLM(tensor_parallel_size={self._tp}) must divide the world size {world}.")
+        os.environ.update(RANK=str(trainer.global_rank), LOCAL_RANK=str(trainer.local_rank), WORLD_SIZE=str(world))
+        kwargs = {"seed": 0, **self._llm_kwargs}
+        with _preserved_rng():  # building an LLM with a seed reseeds the process's global RNG
+            self.llm = vllm.LLM(model=self._model, tensor_parallel_size=self._tp,
+                                distributed_executor_backend="external_launcher", **kwargs)
+
+    def push(self, weights: Iterator[tuple[str, Tensor]], *, version: int) -> None:
+        if self.llm is None:
+            raise RuntimeError("ColocatedVLLM.push() before setup(): the engine is built when the fit starts.")
+        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.llm.reset_prefix_cache()
+
+    def teardown(self) -> None:
+        pass
+
+
+def _check_in_process(llm: Any) -> None:
+    if not engine_runs_in_process(llm):
+        raise ValueError(
+            "ColocatedVLLM(llm=...) needs an engine running in this process: a multiprocess engine receives"
+            " streamed tensors as lists. Build it with distributed_executor_backend='external_launcher' (or set"
+            " VLLM_ENABLE_V1_MULTIPROCESSING=0), or pass model=PATH and let the target build it."
+        )
+
+
+@contextmanager
+def _preserved_rng() -> Iterator[None]:
+    state = (random.getstate(), torch.get_rng_state(),
+             torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
+    try:
+        import numpy as np
+
+        np_state = np.random.get_state()
+    except ImportError:  # pragma: no cover
+        np_state = None
+    try:
+        yield
+    finally:
+        random.setstate(state[0])
+        torch.set_rng_state(state[1])
+        if state[2] is not None:
+            torch.cuda.set_rng_state_all(state[2])
+        if np_state is not None:
+            import numpy as np
+
+            np.random.set_state(np_state)

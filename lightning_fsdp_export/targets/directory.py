@@ -1,0 +1,136 @@
+"""Writing an export as a Hugging Face-loadable safetensors checkpoint, shard by shard, while it runs."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from safetensors.torch import save_file
+from torch import Tensor
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+DEFAULT_SHARD_BYTES = 2 * 2**30
+
+
+def write_safetensors(weights: Iterator[tuple[str, Tensor]], directory: Path, *, shard_bytes: int,
+                      write: bool = True) -> int:
+    """Write ``weights`` into ``directory`` as safetensors files of at most ``shard_bytes`` each.
+
+    Tensors are held only until their shard is full (a single larger tensor gets a shard of its own),
+    so memory stays bounded by one shard. With several shards, a ``model.safetensors.index.json``
+    maps names to files, as ``save_pretrained`` does. With ``write=False`` the stream is only drained
+    (ranks other than the writer must still take part in the collective export).
+
+    Returns:
+        The number of bytes written.
+    """
+    current: dict[str, Tensor] = {}
+    current_bytes = total = 0
+    files: list[str] = []
+
+    def flush() -> None:
+        nonlocal current, current_bytes
+        if current:
+            name = f"part-{len(files):05d}.safetensors"
+            save_file(current, str(directory / name), metadata={"format": "pt"})
+            files.append(name)
+            current, current_bytes = {}, 0
+
+    if write:
+        directory.mkdir(parents=True, exist_ok=True)
+    for name, tensor in weights:
+        if not write:
+            continue
+        size = tensor.numel() * tensor.element_size()
+        if current and current_bytes + size > shard_bytes:
+            flush()
+        if any(tensor is t for t in current.values()):  # a tied tensor under its second name
+            tensor = tensor.clone()
+        current[name] = tensor.contiguous()
+        current_bytes += size
+        total += size
+    if write:
+        flush()
+        _finish_names(directory, files)
+    return total
+
+
+def _finish_names(directory: Path, files: list[str]) -> None:
+    from safetensors import safe_open
+
+    if len(files) == 1:
+        os.replace(directory / files[0], directory / "model.safetensors")
+        return
+    weight_map: dict[str, str] = {}
+    for file in files:
+        final = file.replace("part-", "model-")
+        os.replace(directory / file, directory / final)
+        with safe_open(str(directory / final), framework="pt") as f:
+            weight_map.update(dict.fromkeys(f.keys(), final))
+    (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+
+
+class DirectoryTarget:
+    """Writes each sync as an HF checkpoint under ``directory/v{version:06d}`` (rank 0 writes).
+
+    ``config.json`` (and the generation config) of the exported model are saved beside the weights,
+    so ``AutoModelForCausalLM.from_pretrained`` or ``vllm serve`` can load a version directly.
+
+    Args:
+        directory: where version directories are created.
+        dtype: the dtype to write (``None``: the trainer's own).
+        shard_bytes: the largest safetensors file to write.
+        keep_last: version directories to keep (older ones are deleted); ``None`` keeps all.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], *, dtype: torch.dtype | None = None,
+                 shard_bytes: int = DEFAULT_SHARD_BYTES, keep_last: int | None = 2) -> None:
+        if shard_bytes <= 0:
+            raise ValueError(f"DirectoryTarget(shard_bytes={shard_bytes}) must be a positive number of bytes.")
+        if keep_last is not None and keep_last < 1:
+            raise ValueError(f"DirectoryTarget(keep_last={keep_last}) must be None or at least 1.")
+        self.directory = Path(directory)
+        self._dtype = dtype
+        self._shard_bytes = shard_bytes
+        self._keep_last = keep_last
+        self._is_writer = True
+        self._config: object | None = None
+        self.current: Path | None = None
+
+    @property
+    def dtype(self) -> torch.dtype | None:
+        return self._dtype
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        self._is_writer = trainer.global_rank == 0
+        self._config = getattr(trainer.strategy.export_module, "config", None)
+
+    def version_dir(self, version: int) -> Path:
+        return self.directory / f"v{version:06d}"
+
+    def push(self, weights: Iterator[tuple[str, Tensor]], *, version: int) -> None:
+        path = self.version_dir(version)
+        write_safetensors(weights, path, shard_bytes=self._shard_bytes, write=self._is_writer)
+        if self._is_writer:
+            if self._config is not None and hasattr(self._config, "save_pretrained"):
+                self._config.save_pretrained(path)
+            self.current = path
+            self._prune(version)
+
+    def _prune(self, version: int) -> None:
+        if self._keep_last is None:
+            return
+        import shutil
+
+        for old in sorted(self.directory.glob("v[0-9]*")):
+            if old.is_dir() and int(old.name[1:]) <= version - self._keep_last:
+                shutil.rmtree(old, ignore_errors=True)
+
+    def teardown(self) -> None:
+        pass
