@@ -22,7 +22,7 @@ setup: $(STAMP)
 	$(VPY) -c "import vllm, transformers.models.qwen2, lightning_fsdp_export; print('setup ok: vllm', vllm.__version__)"
 
 demo: setup
-	$(VPY) examples/export_demo.py
+	$(VPY) examples/grpo_tiny.py
 
 test: setup
 	$(VPY) -m pytest -q -rs tests

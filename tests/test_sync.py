@@ -149,5 +149,6 @@ def test_remote_server_scores_like_the_trainer_after_sync(server: str, tmp_path:
     got = run_torchrun("sync_checks.py", tmp_path / "remote.json", "--only", "remote", "--server", server)
     remote = scenario(got, "remote")
     assert remote["version"] == 2
-    assert remote["gen_max_diff"] < LOGPROB_TOLERANCE, remote
+    # vLLM's greedy tokens are the trainer model's most likely ones, up to the bf16 tolerance.
+    assert remote["greedy_gap"] < LOGPROB_TOLERANCE, remote
     assert "2" in str(remote["server_version"])

