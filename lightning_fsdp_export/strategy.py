@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
@@ -145,6 +146,17 @@ class LazyExportFSDP2(ModelParallelStrategy):
             )
         target = torch.device(device) if device is not None else self.root_device
         return lazy_export(module, device=target, dtype=dtype, on_finish=self._record_export)
+
+    @contextmanager
+    def params_on_device(self) -> Iterator[None]:
+        """Within the block, offloaded (``offload="params"``) parameters are on the device, then go back."""
+        was_offloaded = self._params_offloaded
+        self._load_params()
+        try:
+            yield
+        finally:
+            if was_offloaded:
+                self._offload_params()
 
     def _record_export(self, report: ExportReport) -> None:
         self._last_export = report

@@ -49,6 +49,7 @@ def test_colocated_engine_matches_trainer_after_every_sync(results: dict[str, An
         assert check["prompt_max_diff"] < LOGPROB_TOLERANCE, check
         assert check["gen_max_diff"] < LOGPROB_TOLERANCE, check
         assert check["cached_tokens"] == 0, "prefix cache survived a sync"
+        assert check["verify_diff"] is not None and check["verify_diff"] < LOGPROB_TOLERANCE  # verify="logprobs" ran
     for check in checks[1:]:
         assert check["stale_prompt_max_diff"] > 10 * LOGPROB_TOLERANCE  # the check can see staleness
         assert check["cached_tokens_without_sync"] > 0  # ...and the prefix cache is really on
@@ -103,6 +104,10 @@ def test_bad_arguments() -> None:
         VLLMWeightSync(target, every_n_train_steps=0)
     with pytest.raises(TypeError, match="dtype='bf16'"):
         VLLMWeightSync(target, dtype="bf16")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="verify='logprobs'.*InMemoryTarget has none"):
+        VLLMWeightSync(target, verify="logprobs")
+    with pytest.raises(ValueError, match="verify='tokens'"):
+        VLLMWeightSync(target, verify="tokens")  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="is not a weight target"):
         VLLMWeightSync(object())  # type: ignore[arg-type]
 

@@ -70,6 +70,14 @@ class ColocatedVLLM:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
 
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
+        """The engine's logprob of each token of ``token_ids`` given the ones before it (used by ``verify``)."""
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        (out,) = self.llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)
+        return [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], token_ids[1:])]
+
     def teardown(self) -> None:
         pass
 

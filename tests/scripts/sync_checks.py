@@ -106,6 +106,7 @@ class CheckAfterSync(pl.Callback):
         weights = dict(trainer.strategy.export_weights(dtype=torch.bfloat16))
         result = compare(self.sync.target.llm, weights)
         result["version"] = self.sync.version
+        result["verify_diff"] = self.sync.last_verify_diff
         result["step"] = trainer.global_step
         if self.previous is not None:  # what a stale engine would have scored: must be clearly worse
             again = compare(self.sync.target.llm, self.previous)
@@ -144,7 +145,7 @@ def trainer_for(callbacks: list[pl.Callback], steps: int, root: Path, **kwargs: 
 def scenario_colocated(root: Path, model_dir: Path) -> dict[str, Any]:
     seed_everything(0)
     target = ColocatedVLLM(model=model_dir, dtype="bfloat16", max_model_len=128, enforce_eager=True, block_size=32)
-    sync = VLLMWeightSync(target, every_n_train_steps=1)
+    sync = VLLMWeightSync(target, every_n_train_steps=1, verify="logprobs")
     check = CheckAfterSync(sync)
     logger = CSVLogger(str(root), name="csv")
     trainer = trainer_for([sync, check], steps=3, root=root, logger=logger)
