@@ -35,3 +35,22 @@ def engine_runs_in_process(llm: Any) -> bool:
 def engine_dtype(llm: Any) -> Any:
     """The ``torch.dtype`` the engine's model runs in (public ``LLM.llm_engine.model_config``)."""
     return llm.llm_engine.model_config.dtype
+
+
+def add_lora(llm: Any, request: Any) -> None:
+    """Load a LoRA adapter into the engine now, so a bad adapter fails the sync, not a rollout.
+
+    ``LLM`` has no public ``add_lora``/``remove_lora`` in vLLM 0.32; they live on ``llm.llm_engine``.
+    """
+    if not llm.llm_engine.add_lora(request):
+        raise RuntimeError(f"vLLM refused LoRA adapter {request.lora_name!r} from {request.lora_path}.")
+
+
+def remove_lora(llm: Any, lora_id: int) -> None:
+    """Unload the LoRA adapter with ``lora_id`` from the engine (see :func:`add_lora`)."""
+    llm.llm_engine.remove_lora(lora_id)
+
+
+def list_loras(llm: Any) -> set[int]:
+    """The ids of the LoRA adapters the engine holds (see :func:`add_lora`)."""
+    return set(llm.llm_engine.list_loras())

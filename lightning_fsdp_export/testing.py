@@ -32,3 +32,20 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
                       num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256,
                       tie_word_embeddings=False)
     return LlamaForCausalLM(cfg)
+
+
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def tiny_lora_qwen2(seed: int = 0, rank: int = 8, *, random_b: bool = True) -> "PeftModel":  # noqa: F821
+    """``tiny_qwen2`` wrapped by peft LoRA on every linear layer.
+
+    With ``random_b`` (tests) ``lora_B`` is non-zero so merging matters; without it, peft's standard
+    initialisation (``lora_B = 0``: the model starts as its base), as for training.
+    """
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_qwen2(seed)
+    torch.manual_seed(seed + 1)
+    config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, init_lora_weights=not random_b)
+    return get_peft_model(base, config)

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch import Tensor
 
-from lightning_fsdp_export._compat import engine_dtype, engine_runs_in_process, import_vllm
+from lightning_fsdp_export._compat import add_lora, engine_dtype, engine_runs_in_process, import_vllm, remove_lora
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -46,6 +46,9 @@ class ColocatedVLLM:
         self._tp = tensor_parallel_size
         self._llm_kwargs = llm_kwargs
         self.llm: Any = llm
+        self.lora_request: Any = None
+        """The ``LoRARequest`` of the latest adapter pushed with ``VLLMWeightSync(lora="adapter")``; pass it to
+        ``llm.generate(..., lora_request=...)`` so rollouts use the current adapter."""
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -70,12 +73,27 @@ class ColocatedVLLM:
         self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
         self.llm.reset_prefix_cache()
 
+    def push_adapter(self, path: str | os.PathLike[str], *, version: int) -> None:
+        """Load the peft adapter directory ``path`` as a new LoRA (id ``version``) and drop the previous one."""
+        from vllm.lora.request import LoRARequest
+
+        request = LoRARequest(f"policy-v{version}", version, os.fspath(path))
+        add_lora(self.llm, request)
+        if self.lora_request is not None and self.lora_request.lora_int_id != version:
+            remove_lora(self.llm, self.lora_request.lora_int_id)
+        self.lora_request = request
+        self.llm.reset_prefix_cache()
+
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
-        """The engine's logprob of each token of ``token_ids`` given the ones before it (used by ``verify``)."""
+        """The engine's logprob of each token of ``token_ids`` given the ones before it (used by ``verify``).
+
+        Uses the current adapter (``lora_request``) when one was pushed.
+        """
         from vllm import SamplingParams
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
-        (out,) = self.llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False)
+        (out,) = self.llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False,
+                                   lora_request=self.lora_request)
         return [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], token_ids[1:])]
 
     def teardown(self) -> None:

@@ -67,15 +67,16 @@ def reference_logprobs(weights: dict[str, torch.Tensor], seqs: list[list[int]]) 
     return out
 
 
-def vllm_scores(llm: Any) -> tuple[list[list[float]], list[list[int]], list[list[float]], int]:
+def vllm_scores(llm: Any, lora_request: Any = None) -> tuple[list[list[float]], list[list[int]], list[list[float]], int]:
     """vLLM's prompt logprobs, greedy continuations, their logprobs, and cached prompt tokens."""
     from vllm import SamplingParams
 
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     # Greedy first: it reads the prefix cache, so a cache kept across a sync shows up here.
     greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=GEN, logprobs=0, detokenize=False),
-                          use_tqdm=False)
-    scored = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)
+                          use_tqdm=False, lora_request=lora_request)
+    scored = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False,
+                          lora_request=lora_request)
     prompt_lp = [[next(iter(d.values())).logprob if len(d) == 1 else d[tok].logprob
                   for d, tok in zip(o.prompt_logprobs[1:], p[1:])] for o, p in zip(scored, PROMPTS)]
     tokens = [list(o.outputs[0].token_ids) for o in greedy]
