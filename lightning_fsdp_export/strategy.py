@@ -15,11 +15,10 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from typing_extensions import override
 
-from lightning_fsdp_export.export import ExportReport, lazy_export
+from lightning_fsdp_export.export import ExportReport, lazy_export, nonfinite
 from lightning_fsdp_export.lora import (
     LoraMode,
-    adapter_export,
-    base_export,
+    entries_for,
     is_peft_model,
     parse_lora_mode,
     staged_merged_export,
@@ -153,19 +152,29 @@ class LazyExportFSDP2(ModelParallelStrategy):
         module = self.export_module
         mode = parse_lora_mode(lora)
         target = torch.device(device) if device is not None else self.root_device
-        if not is_peft_model(module):
-            if mode != "merged":
-                raise ValueError(
-                    f"export_weights(lora={lora!r}) needs a peft model, but {type(module).__name__} has no adapters;"
-                    " call it without `lora`."
-                )
-            return lazy_export(module, device=target, dtype=dtype, on_finish=self._record_export)
-        if mode == "adapter":
-            return adapter_export(module, device=target, dtype=dtype, on_finish=self._record_export)
-        if mode == "base":
-            return base_export(module, device=target, dtype=dtype, on_finish=self._record_export)
-        return staged_merged_export(module, device=target, dtype=dtype, stage=self._stage_for_export,
-                                    unstage=self._offload_params, on_finish=self._record_export)
+        entries = self._entries(lora)
+        if mode == "merged" and is_peft_model(module):
+            return staged_merged_export(module, device=target, dtype=dtype, stage=self._stage_for_export,
+                                        unstage=self._offload_params, on_finish=self._record_export)
+        return lazy_export(module, device=target, dtype=dtype, on_finish=self._record_export, entries=entries)
+
+    def export_shapes(self, *, lora: LoraMode = "merged") -> list[tuple[str, tuple[int, ...]]]:
+        """``(name, full shape)`` of what :meth:`export_weights` would yield, in order; no collective runs."""
+        return [(name, tuple(tensor.shape)) for names, tensor in self._entries(lora) for name in names]
+
+    def nonfinite_weights(self, *, lora: LoraMode = "merged") -> list[str]:
+        """Names of exported tensors whose local shard on this rank holds NaN or Inf; no collective runs."""
+        return nonfinite(self._entries(lora))
+
+    def _entries(self, lora: LoraMode) -> list[tuple[list[str], Tensor]]:
+        module = self.export_module
+        mode = parse_lora_mode(lora)
+        if mode != "merged" and not is_peft_model(module):
+            raise ValueError(
+                f"export_weights(lora={lora!r}) needs a peft model, but {type(module).__name__} has no adapters;"
+                " call it without `lora`."
+            )
+        return entries_for(module, mode)
 
     def _stage_for_export(self) -> bool:
         """Bring offloaded shards to the device for a staged export; whether anything moved."""

@@ -134,3 +134,15 @@ class DirectoryTarget:
 
     def teardown(self) -> None:
         pass
+
+
+def read_checkpoint_shapes(directory: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
+    """``{name: shape}`` from the safetensors headers of an HF checkpoint directory (no tensor is read)."""
+    from safetensors import safe_open
+
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in sorted(Path(directory).glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            for key in f.keys():
+                shapes[key] = tuple(f.get_slice(key).get_shape())
+    return shapes

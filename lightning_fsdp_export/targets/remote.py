@@ -65,9 +65,7 @@ class RemoteVLLM:
 
     def setup(self, trainer: pl.Trainer) -> None:
         self._writer.setup(trainer)
-        self._is_rank_zero = trainer.global_rank == 0
-        if self._is_rank_zero:
-            self.request("GET", "/health")
+        self._is_rank_zero = trainer.global_rank == 0  # the server is first contacted by the first push
 
     def push(self, weights: Iterator[tuple[str, Tensor]], *, version: int) -> None:
         self._writer.push(weights, version=version)
