@@ -130,9 +130,9 @@ class VLLMWeightSync(Callback):
     @property
     @override
     def state_key(self) -> str:
-        # Stable across a resume and unique per target kind and mode, so one Trainer may sync several
-        # engines (say a merged and an adapter one).
-        return self._generate_state_key(target=type(self.target).__name__, lora=self._lora)
+        # Stable across a resume, even one that swaps the target (a new server); unique per mode, so one
+        # Trainer may sync a merged and an adapter engine side by side.
+        return self._generate_state_key(lora=self._lora)
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -344,6 +344,7 @@ class _Stream:
             self._bar = tqdm(total=total, delay=_PROGRESS_AFTER_S, desc="weight sync", unit="tensor", leave=False)
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        self.done = False
         for name, tensor in self._weights:
             self.last_name = name
             self.tensors += 1
@@ -351,9 +352,12 @@ class _Stream:
             if self._bar is not None:
                 self._bar.update()
             yield name, tensor
+        self.done = True
 
     def where(self) -> str:
         """Where the stream stood, for error messages."""
+        if getattr(self, "done", False):
+            return f"after all {self.tensors} tensors were streamed"
         if self.last_name is None:
             return "before the first tensor"
         of = f" of {self._total}" if self._total else ""

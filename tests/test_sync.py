@@ -108,6 +108,14 @@ def test_bad_arguments() -> None:
         VLLMWeightSync(target, verify="logprobs")
     with pytest.raises(ValueError, match="verify='tokens'"):
         VLLMWeightSync(target, verify="tokens")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="on_error='ignore'"):
+        VLLMWeightSync(target, on_error="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="timeout=-1"):
+        VLLMWeightSync(target, timeout=-1)
+    with pytest.raises(ValueError, match="lora='both'"):
+        VLLMWeightSync(target, lora="both")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="lora='adapter'.*push_adapter"):
+        VLLMWeightSync(target, lora="adapter")
     with pytest.raises(TypeError, match="is not a weight target"):
         VLLMWeightSync(object())  # type: ignore[arg-type]
 

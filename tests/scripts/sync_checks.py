@@ -45,10 +45,13 @@ class LM(pl.LightningModule):
         super().__init__()
         self.model = tiny_qwen2()
         self.lr = lr
+        self.losses: list[float] = []
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         (ids,) = batch
-        return self.model(input_ids=ids, labels=ids).loss
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.losses.append(loss.item())
+        return loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
