@@ -101,10 +101,11 @@ class VLLMWeightSync(Callback):
             raise ValueError(f"VLLMWeightSync(on_error={on_error!r}) must be 'raise' or 'warn'.")
         self._on_error = on_error
         self._check_finite = bool(check_finite)
+        given = timeout
         if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
             timeout = timedelta(seconds=timeout)
         if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
-            raise ValueError(f"VLLMWeightSync(timeout={timeout!r}) must be a positive timedelta or number of seconds.")
+            raise ValueError(f"VLLMWeightSync(timeout={given!r}) must be a positive timedelta or number of seconds.")
         self._timeout = timeout
         self._group: SyncGroup = SyncGroup.__new__(SyncGroup)
         self._adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
