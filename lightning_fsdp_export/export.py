@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
+from lightning_fsdp_export.buckets import bucketable, gather_bucket
 from lightning_fsdp_export.names import export_name
 
 __all__ = ["ExportReport", "lazy_export", "plan_export"]
@@ -98,6 +99,12 @@ def gather_full(tensor: Tensor, *, device: torch.device, dtype: torch.dtype | No
     return full
 
 
+# Off by default: on CPU/gloo, gathers are bandwidth-bound (2 x 200M params: no gain measured) and
+# gloo stages a flat copy of every gather (extra memory ~2.5 x the bucket). benchmarks/gpu_check.py
+# measures it on NCCL, where per-tensor latency is what bucketing saves.
+DEFAULT_BUCKET_BYTES = 0
+
+
 def lazy_export(
     module: nn.Module,
     *,
@@ -105,10 +112,14 @@ def lazy_export(
     dtype: torch.dtype | None = None,
     on_finish: Callable[[ExportReport], None] | None = None,
     entries: list[tuple[list[str], Tensor]] | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
 ) -> Iterator[tuple[str, Tensor]]:
-    """Yield ``(hf_name, full_tensor)`` for every state-dict entry of ``module``, one at a time.
+    """Yield ``(hf_name, full_tensor)`` for every state-dict entry of ``module``, in order.
 
     A collective generator: every rank of the module's mesh must drain it in the same order.
+    With ``bucket_bytes``, consecutive FSDP2 shards are gathered together, up to that many bytes of
+    full tensors per all-gather (:mod:`lightning_fsdp_export.buckets`); larger tensors and other
+    layouts one by one.
 
     Args:
         module: an FSDP2 (``fully_shard``) module, or any module (then it is a plain state-dict walk).
@@ -117,22 +128,57 @@ def lazy_export(
         dtype: cast floating tensors to this dtype; ``None`` keeps each tensor's own.
         on_finish: called with the :class:`ExportReport` once the generator is exhausted.
         entries: what to export, from :func:`plan_export` (default: ``plan_export(module)``).
+        bucket_bytes: the most bytes of full tensors gathered by one collective; 0 (default) gathers
+            every tensor alone (one all-gather each, as ``full_tensor()`` does).
     """
+    if bucket_bytes < 0:
+        raise ValueError(f"lazy_export(bucket_bytes={bucket_bytes}) must be 0 (no buckets) or a positive size.")
     entries = plan_export(module) if entries is None else entries
     device = torch.device(device) if device is not None else _default_device(entries)
-    tensors = nbytes = 0
-    seconds = 0.0
-    for names, tensor in entries:
+    stats = [0, 0, 0.0]  # tensors, bytes, seconds
+    for group in _group_entries(entries, bucket_bytes):
         start = time.perf_counter()
-        full = gather_full(tensor, device=device, dtype=dtype)
-        seconds += time.perf_counter() - start
-        for name in names:
-            tensors += 1
-            nbytes += full.numel() * full.element_size()
-            yield name, full
-        del full
+        if len(group) == 1:
+            fulls: Iterator[Tensor] = iter([gather_full(group[0][1], device=device, dtype=dtype)])
+        else:
+            fulls = (_cast(f, dtype) for f in gather_bucket([t for _, t in group], device=device))
+        for names, _ in group:
+            full = next(fulls)
+            stats[2] += time.perf_counter() - start
+            for name in names:
+                stats[0] += 1
+                stats[1] += full.numel() * full.element_size()
+                yield name, full
+            del full
+            start = time.perf_counter()
+        del fulls
     if on_finish is not None:
-        on_finish(ExportReport("lazy", tensors, nbytes, seconds, module_moves=0))
+        on_finish(ExportReport("lazy", int(stats[0]), int(stats[1]), float(stats[2]), module_moves=0))
+
+
+def _cast(full: Tensor, dtype: torch.dtype | None) -> Tensor:
+    return full.to(dtype) if dtype is not None and full.is_floating_point() else full
+
+
+def _group_entries(entries: list[tuple[list[str], Tensor]],
+                   bucket_bytes: int) -> Iterator[list[tuple[list[str], Tensor]]]:
+    """Consecutive runs of bucketable entries on one mesh, each under ``bucket_bytes``; others alone."""
+    run: list[tuple[list[str], Tensor]] = []
+    size = 0
+    for entry in entries:
+        tensor = entry[1]
+        nbytes = tensor.numel() * tensor.element_size()
+        fits = bucketable(tensor) and nbytes <= bucket_bytes // 2
+        if run and (not fits or size + nbytes > bucket_bytes or tensor.device_mesh is not run[0][1].device_mesh):
+            yield run
+            run, size = [], 0
+        if fits:
+            run.append(entry)
+            size += nbytes
+        else:
+            yield [entry]
+    if run:
+        yield run
 
 
 def _default_device(entries: list[tuple[list[str], Tensor]]) -> torch.device:

@@ -102,7 +102,8 @@ def entries_for(module: nn.Module, mode: LoraMode) -> list[tuple[list[str], Tens
 
 def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torch.dtype | None,
                          stage: Callable[[], bool], unstage: Callable[[], None],
-                         on_finish: Callable[[ExportReport], None]) -> Iterator[tuple[str, Tensor]]:
+                         on_finish: Callable[[ExportReport], None],
+                         bucket_bytes: int = 0) -> Iterator[tuple[str, Tensor]]:
     """Yield the merged base weights of a peft model under HF names; a collective generator.
 
     Args:
@@ -112,6 +113,7 @@ def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torc
         stage: moves offloaded shards to the device; returns whether it moved anything.
         unstage: moves them back (called only if ``stage`` moved them).
         on_finish: receives the :class:`ExportReport` once the generator is exhausted.
+        bucket_bytes: as in :func:`~lightning_fsdp_export.export.lazy_export`.
     """
     reports: list[ExportReport] = []
     start = time.perf_counter()
@@ -121,7 +123,7 @@ def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torc
         with merged_in_place(module):
             seconds += time.perf_counter() - start
             for name, tensor in lazy_export(module, device=device, dtype=dtype, on_finish=reports.append,
-                                            entries=entries_for(module, "merged")):
+                                            entries=entries_for(module, "merged"), bucket_bytes=bucket_bytes):
                 yield name, tensor
             start = time.perf_counter()
     finally:

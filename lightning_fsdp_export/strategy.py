@@ -15,7 +15,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from typing_extensions import override
 
-from lightning_fsdp_export.export import ExportReport, lazy_export, nonfinite
+from lightning_fsdp_export.export import DEFAULT_BUCKET_BYTES, ExportReport, lazy_export, nonfinite
 from lightning_fsdp_export.lora import (
     LoraMode,
     entries_for,
@@ -59,6 +59,10 @@ class LazyExportFSDP2(ModelParallelStrategy):
             ``CPUOffloadPolicy`` (shards always on the host, gathered to the device per layer).
         offload_optimizer: with ``offload="params"``, move the optimizer state along with the
             parameters.
+        export_bucket_bytes: gather consecutive FSDP2 shards together, up to this many bytes of full
+            tensors per all-gather (bit-identical results, fewer collectives); 0 (default) gathers
+            each tensor alone. Costs about 2x this in extra memory (2.5x on gloo, which stages a
+            flat copy); measured on 2 CPU ranks it saves no time, so it is meant for NCCL.
         data_parallel_size: ranks to shard over. Default: the whole world (pure FSDP).
         tensor_parallel_size: tensor-parallel ranks, applied by your own ``configure_model``. Default 1.
         save_distributed_checkpoint: as in ``ModelParallelStrategy``.
@@ -77,6 +81,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
         reshard_after_forward: bool = True,
         offload: Literal["params", "policy"] | None = None,
         offload_optimizer: bool = False,
+        export_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: int = 1,
         save_distributed_checkpoint: bool = True,
@@ -97,6 +102,12 @@ class LazyExportFSDP2(ModelParallelStrategy):
         self._mixed_precision = mixed_precision
         self._reshard_after_forward = reshard_after_forward
         self._offload_optimizer = offload_optimizer
+        if not isinstance(export_bucket_bytes, int) or export_bucket_bytes < 0:
+            raise ValueError(
+                f"{type(self).__name__}(export_bucket_bytes={export_bucket_bytes!r}) must be 0 (no buckets) or a"
+                " positive number of bytes."
+            )
+        self._bucket_bytes = export_bucket_bytes
         self._export_module: nn.Module | None = None
         self._params_offloaded = False
         self._last_export: ExportReport | None = None
@@ -155,8 +166,10 @@ class LazyExportFSDP2(ModelParallelStrategy):
         entries = self._entries(lora)
         if mode == "merged" and is_peft_model(module):
             return staged_merged_export(module, device=target, dtype=dtype, stage=self._stage_for_export,
-                                        unstage=self._offload_params, on_finish=self._record_export)
-        return lazy_export(module, device=target, dtype=dtype, on_finish=self._record_export, entries=entries)
+                                        unstage=self._offload_params, on_finish=self._record_export,
+                                        bucket_bytes=self._bucket_bytes)
+        return lazy_export(module, device=target, dtype=dtype, on_finish=self._record_export, entries=entries,
+                           bucket_bytes=self._bucket_bytes)
 
     def export_shapes(self, *, lora: LoraMode = "merged") -> list[tuple[str, tuple[int, ...]]]:
         """``(name, full shape)`` of what :meth:`export_weights` would yield, in order; no collective runs."""

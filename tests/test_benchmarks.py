@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -12,14 +13,24 @@ from tests.conftest import ROOT
 
 def test_export_bench_tiny(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
-    subprocess.run([sys.executable, "benchmarks/export_bench.py", "--vocab", "512", "--hidden", "256", "--layers",
-                    "2", "--repeats", "1", "--json", str(out)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    tiny = ["--vocab", "512", "--hidden", "256", "--layers", "2", "--repeats", "1", "--push", "--push-vocab", "512",
+            "--push-hidden", "256", "--push-layers", "2", "--workdir", str(tmp_path), "--json", str(out)]
+    subprocess.run([sys.executable, "benchmarks/export_bench.py", *tiny], cwd=ROOT, check=True, capture_output=True,
+                   timeout=300, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     result = json.loads(out.read_text())
-    assert set(result["methods"]) == {"lazy", "full_state_dict"}
-    assert result["methods"]["lazy"]["bytes"] == result["methods"]["full_state_dict"]["bytes"] > 0
+    methods = result["methods"]
+    assert set(methods) == {"lazy", "lazy_bucketed", "staged", "full_state_dict", "push_model_lazy", "stream_push",
+                            "per_tensor_push"}
+    assert result["world_size"] == 2 and set(result["model"]) == {"params", "bytes", "largest_tensor_bytes"}
+    assert methods["lazy"]["bytes"] == methods["lazy_bucketed"]["bytes"] == methods["full_state_dict"]["bytes"] > 0
+    assert methods["lazy"]["module_moves"] == 0 and methods["staged"]["module_moves"] == 2
+    assert methods["stream_push"]["tensors"] == methods["per_tensor_push"]["tensors"] == 27
+    for stats in methods.values():
+        assert {"seconds_median", "peak_extra_bytes", "module_moves"} <= set(stats)
 
 
 def test_gpu_check_runs_on_cpu_fallback() -> None:
-    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--hidden", "256", "--layers", "2", "--vocab",
-                           "512", "--repeats", "1"], cwd=ROOT, check=True, capture_output=True, text=True, timeout=300)
-    assert "staged" in proc.stdout and "lazy" in proc.stdout
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--preset", "tiny", "--repeats", "1"], cwd=ROOT,
+                          check=True, capture_output=True, text=True, timeout=300)
+    for word in ("staged", "lazy", "floor", "goals: staged/lazy"):
+        assert word in proc.stdout

@@ -73,6 +73,13 @@ def test_offload_params_moves_around_steps_but_lazy_export_moves_nothing(results
     assert scenario(results, "train_plain")["offload_moves"] == 0
 
 
+def test_bucketed_gather_handles_uneven_rows_and_dtypes_exactly(results: dict[str, Any]) -> None:
+    got = scenario(results, "odd_shapes")
+    assert got["names_equal"] and got["mismatched"] == []
+    assert got["same_as_unbucketed"] is True
+    assert got["dtypes"] == ["torch.float32", "torch.float32", "torch.bfloat16", "torch.float32"]
+
+
 @pytest.mark.parametrize(
     ("name", "error", "words"),
     [

@@ -156,6 +156,51 @@ def scenario_error(make: Any) -> dict[str, Any]:
     return {"error": None}
 
 
+class OddNet(nn.Module):
+    """Rows that do not split evenly over 2 ranks (7, 1, 5, 3), mixed dtypes: the bucketed gather's edge cases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a = nn.Parameter(torch.randn(7, 3))
+        self.b = nn.Parameter(torch.randn(1))
+        self.c = nn.Parameter(torch.randn(5).to(torch.bfloat16))
+        self.d = nn.Parameter(torch.randn(3, 2, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x[:, :3].float() @ self.a.T).sum() + self.b.sum() + self.c.float().sum() + self.d.sum()
+
+
+class OddLM(LM):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = OddNet()
+
+    # The net is only exported, never run: FSDP2 refuses mixed dtypes in one group at forward time.
+
+
+def scenario_odd_shapes() -> dict[str, Any]:
+    from lightning_fsdp_export import lazy_export
+
+    seed_everything(0)
+    module = OddLM()
+    out: dict[str, Any] = {}
+
+    class Capture(pl.Callback):
+        def on_train_start(self, trainer: Trainer, pl_module: OddLM) -> None:
+            bucketed = list(lazy_export(pl_module.net, bucket_bytes=1 << 20))
+            single = list(lazy_export(pl_module.net, bucket_bytes=0))
+            out["result"] = same(bucketed, OddNet().state_dict())
+            out["same_as_unbucketed"] = all(torch.equal(a, b) for (_, a), (_, b) in zip(bucketed, single))
+            out["dtypes"] = [str(t.dtype) for _, t in bucketed]
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(export_module="net"), max_steps=1,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[Capture()])
+    trainer.fit(module, batches())
+    return {**out["result"], "same_as_unbucketed": out["same_as_unbucketed"], "dtypes": out["dtypes"]}
+
+
 class TwoModels(LM):
     def __init__(self) -> None:
         super().__init__()
@@ -179,6 +224,7 @@ def main() -> None:
         "train_exporting": lambda: scenario_training(None, True),
         "train_offload_params": lambda: scenario_training("params", True),
         "train_offload_policy": lambda: scenario_training("policy", False),
+        "odd_shapes": scenario_odd_shapes,
         "err_fsdp1": lambda: scenario_error(lambda: (LM(own_sharding="fsdp1"), LazyExportFSDP2())),
         "err_export_module": lambda: scenario_error(lambda: (LM(), LazyExportFSDP2(export_module="policy"))),
         "err_several": lambda: scenario_error(lambda: (TwoModels(), LazyExportFSDP2())),
