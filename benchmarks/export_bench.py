@@ -109,8 +109,8 @@ def qwen2(vocab: int, hidden: int, layers: int) -> Qwen2ForCausalLM:
 
 def shard(model: torch.nn.Module) -> torch.nn.Module:
     mesh = dist.device_mesh.init_device_mesh("cpu", (dist.get_world_size(),))
-    for layer in model.model.layers:
-        fully_shard(layer, mesh=mesh)
+    for layer in [m for m in model.modules() if type(m).__name__ == "Qwen2DecoderLayer"]:
+        fully_shard(layer, mesh=mesh)  # adapters are sharded with their layer, as the strategy does
     fully_shard(model, mesh=mesh)
     return model
 
@@ -171,6 +171,18 @@ def push_methods(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Cal
     return methods, model
 
 
+def lora_methods(model: torch.nn.Module, device: torch.device) -> dict[str, Callable[[], tuple[int, int, int]]]:
+    """A peft model's two exports: merged base weights (the staged path) vs adapter tensors only."""
+    from lightning_fsdp_export.lora import entries_for, staged_merged_export
+
+    def merged() -> tuple[int, int, int]:
+        return drain(staged_merged_export(model, device=device, dtype=None, stage=lambda: False, unstage=lambda: None,
+                                          on_finish=lambda report: None))
+
+    return {"lora_merged": merged,
+            "lora_adapter": lambda: drain(lazy_export(model, device=device, entries=entries_for(model, "adapter")))}
+
+
 def run_all(methods: dict[str, Callable[[], tuple[int, int, int]]], repeats: int) -> dict[str, list[Sample]]:
     samples: dict[str, list[Sample]] = {m: [] for m in methods}
     for name, run in methods.items():  # warm-up: first calls pay one-off allocations
@@ -216,6 +228,8 @@ def main() -> None:
     parser.add_argument("--push-vocab", type=int, default=8192)
     parser.add_argument("--push-hidden", type=int, default=512)
     parser.add_argument("--push-layers", type=int, default=12)
+    parser.add_argument("--lora-rank", type=int, default=0, help="also compare merged vs adapter export of a"
+                        " peft LoRA model of this rank on every linear layer (0: skip)")
     parser.add_argument("--workdir", default="runs/bench")
     parser.add_argument("--json", default=None, help="write the results to this path (rank 0)")
     args = parser.parse_args()
@@ -232,6 +246,16 @@ def main() -> None:
     model = shard(qwen2(*shape))
     samples = run_all(export_methods(model, torch.device("cpu")), args.repeats)
     result: dict[str, Any] = {"world_size": dist.get_world_size(), "model": describe(model), "methods": {}}
+    lora_samples = None
+    if args.lora_rank:
+        from peft import LoraConfig, get_peft_model
+
+        targets = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+        config = LoraConfig(r=args.lora_rank, lora_alpha=2 * args.lora_rank, target_modules=targets,
+                            init_lora_weights=False)
+        peft_model = shard(get_peft_model(qwen2(*shape), config))
+        lora_samples = run_all(lora_methods(peft_model, torch.device("cpu")), args.repeats)
+        result["lora_model"] = describe(peft_model)
     push_samples = None
     if args.push:
         methods, push_model = push_methods(args, workdir)
@@ -243,6 +267,10 @@ def main() -> None:
                  f" params, {m['bytes'] / 1e6:.0f} MB bf16, largest tensor {m['largest_tensor_bytes'] / 2**20:.1f} MiB"
                  f" ({100 * m['largest_tensor_bytes'] / m['bytes']:.1f}%), 2 ranks, {args.repeats} repeats, rank 0")
         result["methods"] = table(title, samples, "lazy")
+        if lora_samples is not None:
+            result["methods"].update(table(
+                f"LoRA rank {args.lora_rank} on every linear layer of the same base: merged (staged) vs adapter-only",
+                lora_samples, "lora_merged"))
         if push_samples is not None:
             p = result["push_model"]
             result["methods"].update(table(
