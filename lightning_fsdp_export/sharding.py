@@ -74,7 +74,17 @@ def auto_shard(
 
     Returns:
         The names of the submodules sharded on their own, roots included.
+
+    Raises:
+        ValueError: if ``module`` holds parameters directly: no root would gather them, and their
+            gradients would not be reduced across ranks.
     """
+    own = [name for name, p in module.named_parameters(recurse=False)]
+    if own:
+        raise ValueError(
+            f"{type(module).__name__} holds parameters directly ({own[:5]}); the automatic sharding cannot give them"
+            " a root whose forward gathers them. Move them into a submodule, or shard in `configure_model`."
+        )
     wanted = default_shard_classes(module) if shard_modules is None else _class_names(shard_modules)
     names = {m: name for name, m in module.named_modules()}
     layers = [m for name, m in module.named_modules() if name and type(m).__name__ in wanted]

@@ -29,3 +29,10 @@ def run_torchrun(script: str, out: Path, *args: str, nproc: int = 2, timeout: in
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"{script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return json.loads(out.read_text())
+
+
+def scenario(results: dict[str, Any], name: str) -> Any:
+    """One scenario's result from a torchrun job; a crashed scenario fails the test with its traceback."""
+    got = results[name]
+    assert "crash" not in got, got.get("crash")
+    return got

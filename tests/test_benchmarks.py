@@ -14,13 +14,15 @@ from tests.conftest import ROOT
 def test_export_bench_tiny(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     tiny = ["--vocab", "512", "--hidden", "256", "--layers", "2", "--repeats", "1", "--push", "--push-vocab", "512",
-            "--push-hidden", "256", "--push-layers", "2", "--workdir", str(tmp_path), "--json", str(out)]
+            "--push-hidden", "256", "--push-layers", "2", "--lora-rank", "4", "--workdir", str(tmp_path), "--json",
+            str(out)]
     subprocess.run([sys.executable, "benchmarks/export_bench.py", *tiny], cwd=ROOT, check=True, capture_output=True,
                    timeout=300, env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
     result = json.loads(out.read_text())
     methods = result["methods"]
     assert set(methods) == {"lazy", "lazy_bucketed", "staged", "full_state_dict", "push_model_lazy", "stream_push",
-                            "per_tensor_push"}
+                            "per_tensor_push", "lora_merged", "lora_adapter"}
+    assert methods["lora_merged"]["tensors"] == 27 and methods["lora_adapter"]["tensors"] == 28
     assert result["world_size"] == 2 and set(result["model"]) == {"params", "bytes", "largest_tensor_bytes"}
     assert methods["lazy"]["bytes"] == methods["lazy_bucketed"]["bytes"] == methods["full_state_dict"]["bytes"] > 0
     assert methods["lazy"]["module_moves"] == 0 and methods["staged"]["module_moves"] == 2
@@ -34,3 +36,10 @@ def test_gpu_check_runs_on_cpu_fallback() -> None:
                           check=True, capture_output=True, text=True, timeout=300)
     for word in ("staged", "lazy", "floor", "goals: staged/lazy"):
         assert word in proc.stdout
+
+
+def test_sync_bench_tiny(tmp_path: Path) -> None:
+    proc = subprocess.run([sys.executable, "benchmarks/sync_bench.py", "--steps", "2", "--workdir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "1.3M params, 2 ranks, offload=None: sync median" in proc.stdout

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from lightning_fsdp_export.lora import parse_lora_mode
-from tests.conftest import run_torchrun
+from tests.conftest import run_torchrun, scenario
 from tests.test_sync import ENGINE_ENV, LOGPROB_TOLERANCE
 
 
@@ -16,11 +16,6 @@ from tests.test_sync import ENGINE_ENV, LOGPROB_TOLERANCE
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_torchrun("lora_checks.py", tmp_path_factory.mktemp("lora") / "results.json", env=ENGINE_ENV)
 
-
-def scenario(results: dict[str, Any], name: str) -> Any:
-    got = results[name]
-    assert "crash" not in got, got.get("crash")
-    return got
 
 
 def test_merged_export_equals_unsharded_merge_and_unload(results: dict[str, Any]) -> None:

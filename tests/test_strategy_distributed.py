@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import run_torchrun
+from tests.conftest import run_torchrun, scenario
 
 pytestmark = pytest.mark.distributed
 
@@ -18,11 +18,6 @@ pytestmark = pytest.mark.distributed
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_torchrun("strategy_checks.py", tmp_path_factory.mktemp("dist") / "results.json")
 
-
-def scenario(results: dict[str, Any], name: str) -> dict[str, Any]:
-    got = results[name]
-    assert "crash" not in got, got.get("crash")
-    return got
 
 
 @pytest.mark.parametrize("name", ["qwen2_tied", "llama_untied", "mixed_precision", "policy_offload", "checkpointing"])
@@ -86,6 +81,7 @@ def test_bucketed_gather_handles_uneven_rows_and_dtypes_exactly(results: dict[st
         ("err_fsdp1", "TypeError", ["FSDP1", "model.layers.0", "fully_shard"]),
         ("err_export_module", "ValueError", ["export_module='policy'", "['model']"]),
         ("err_several", "ValueError", ["['model', 'reference']", "export_module="]),
+        ("err_lora_mode", "ValueError", ["lora='adapter'", "needs a peft model", "Qwen2ForCausalLM"]),
     ],
 )
 def test_setup_errors_are_clear(results: dict[str, Any], name: str, error: str, words: list[str]) -> None:

@@ -20,7 +20,7 @@ import torch
 
 from lightning_fsdp_export import InMemoryTarget, VLLMWeightSync
 from lightning_fsdp_export.testing import tiny_qwen2
-from tests.conftest import ROOT, free_port, run_torchrun
+from tests.conftest import free_port, run_torchrun, scenario
 
 # vLLM bf16 against an fp32 forward of the same bf16-rounded weights: measured <= 0.016 here. A stale
 # engine (weights one step old) is off by >= 2.7, a missing tied lm_head by up to 7.45 (NOTES.md).
@@ -32,11 +32,6 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     return run_torchrun("sync_checks.py", tmp_path_factory.mktemp("sync") / "results.json", env=ENGINE_ENV)
 
-
-def scenario(results: dict[str, Any], name: str) -> Any:
-    got = results[name]
-    assert "crash" not in got, got.get("crash")
-    return got
 
 
 @pytest.mark.vllm

@@ -104,3 +104,16 @@ def test_sharding_defaults_come_from_hf_no_split_modules() -> None:
     from lightning_fsdp_export.sharding import default_shard_classes
 
     assert default_shard_classes(nn.ModuleDict({"m": tiny_qwen2()})) == {"Qwen2DecoderLayer"}
+
+
+def test_auto_shard_refuses_parameters_held_by_the_lightning_module() -> None:
+    from lightning_fsdp_export.sharding import auto_shard
+
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(2))
+            self.model = nn.Linear(2, 2)
+
+    with pytest.raises(ValueError, match=r"Holder holds parameters directly \(\['scale'\]\)"):
+        auto_shard(Holder(), mesh=None, shard_modules=None, roots=[], fsdp_kwargs={})  # type: ignore[arg-type]

@@ -13,7 +13,6 @@ import os
 import socket
 import sys
 import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import (  # noqa: E402
     ColocatedVLLM, InMemoryTarget, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync)
 from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
+from tests.scripts.common import run_scenarios  # noqa: E402
 from tests.scripts.sync_checks import LM, loader  # noqa: E402
 
 
@@ -221,13 +221,7 @@ def main() -> None:
             "nan": scenario_nan, "order": scenario_order, "remote_down": scenario_remote_down,
             "resume": lambda: scenario_resume_after_failure(root), "engine": lambda: scenario_engine_mismatch(root),
             "skipped": scenario_skipped}
-    results: dict[str, Any] = {}
-    for name in args.only.split(","):
-        try:
-            results[name] = runs[name]()
-        except Exception:  # noqa: BLE001
-            results[name] = {"crash": traceback.format_exc()}
-        dist.barrier()
+    results = run_scenarios(runs, args.only.split(","))
     out = args.out if dist.get_rank() == 0 else f"{args.out}.rank{dist.get_rank()}"
     Path(out).write_text(json.dumps(results, indent=1, default=str))
 

@@ -23,36 +23,18 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, VLLMWeightSync  # noqa: E402
 from lightning_fsdp_export._compat import list_loras  # noqa: E402
-from lightning_fsdp_export.testing import VOCAB, tiny_lora_qwen2, tiny_qwen2  # noqa: E402
+from lightning_fsdp_export.testing import tiny_lora_qwen2, tiny_qwen2  # noqa: E402
+from tests.scripts.common import CausalLM, run_scenarios, token_loader  # noqa: E402
 from tests.scripts.sync_checks import PROMPTS, reference_logprobs, vllm_scores  # noqa: E402
 
 
 def loader() -> torch.utils.data.DataLoader:
-    g = torch.Generator().manual_seed(123)
-    data = torch.randint(0, VOCAB, (16, 16), generator=g)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=2)
+    return token_loader()
 
 
-class LoraLM(pl.LightningModule):
+class LoraLM(CausalLM):
     def __init__(self, export_each_step: bool = False) -> None:
-        super().__init__()
-        self.model = tiny_lora_qwen2()
-        self.export_each_step = export_each_step
-        self.losses: list[float] = []
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        (ids,) = batch
-        loss = self.model(input_ids=ids, labels=ids).loss
-        self.losses.append(loss.item())
-        return loss
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        if self.export_each_step:
-            for _ in self.trainer.strategy.export_weights():
-                pass
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
+        super().__init__(tiny_lora_qwen2, export_each_step=export_each_step)
 
 
 def local_shards(module: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -162,15 +144,7 @@ def main() -> None:
     if not dist.is_initialized():
         dist.init_process_group("gloo")
     runs = {"exact": scenario_exact, "losses": scenario_losses, "vllm": lambda: scenario_vllm(root)}
-    results: dict[str, Any] = {}
-    for name in args.only.split(","):
-        try:
-            results[name] = runs[name]()
-        except Exception:  # noqa: BLE001 - reported to the test
-            import traceback
-
-            results[name] = {"crash": traceback.format_exc()}
-        dist.barrier()
+    results = run_scenarios(runs, args.only.split(","))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
 

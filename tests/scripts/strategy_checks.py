@@ -10,12 +10,10 @@ import argparse
 import json
 import os
 import sys
-import traceback
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Trainer, seed_everything
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -23,27 +21,22 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import LazyExportFSDP2  # noqa: E402
-from lightning_fsdp_export.testing import VOCAB, tiny_llama, tiny_qwen2  # noqa: E402
+from lightning_fsdp_export.testing import tiny_llama, tiny_qwen2  # noqa: E402
+from tests.scripts.common import CausalLM, run_scenarios, token_loader  # noqa: E402
 
 
-def batches(n: int = 8, seq: int = 16) -> torch.utils.data.DataLoader:
-    g = torch.Generator().manual_seed(123)
-    data = torch.randint(0, VOCAB, (n, seq), generator=g)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=2)
+def batches() -> torch.utils.data.DataLoader:
+    return token_loader(n=8)
 
 
-class LM(pl.LightningModule):
+class LM(CausalLM):
     """A causal LM; optionally applies activation checkpointing or its own sharding in configure_model."""
 
     def __init__(self, build: Any = tiny_qwen2, *, checkpointing: bool = False, own_sharding: str | None = None,
                  export_each_step: bool = False) -> None:
-        super().__init__()
-        self.model = build()
+        super().__init__(build, export_each_step=export_each_step)
         self.checkpointing = checkpointing
         self.own_sharding = own_sharding
-        self.export_each_step = export_each_step
-        self.losses: list[float] = []
-        self.exports: list[dict[str, torch.Tensor]] = []
 
     def configure_model(self) -> None:
         if self.checkpointing:
@@ -57,19 +50,6 @@ class LM(pl.LightningModule):
             from torch.distributed.fsdp import FullyShardedDataParallel
 
             self.model.model.layers[0] = FullyShardedDataParallel(self.model.model.layers[0], device_id=torch.device("cpu"))
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        (ids,) = batch
-        loss = self.model(input_ids=ids, labels=ids).loss
-        self.losses.append(loss.item())
-        return loss
-
-    def on_train_batch_end(self, *args: Any) -> None:
-        if self.export_each_step:
-            self.exports.append(dict(self.trainer.strategy.export_weights()))
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-2)
 
 
 class WithExtras(LM):
@@ -201,6 +181,11 @@ def scenario_odd_shapes() -> dict[str, Any]:
     return {**out["result"], "same_as_unbucketed": out["same_as_unbucketed"], "dtypes": out["dtypes"]}
 
 
+class AsksForAdapters(LM):
+    def on_train_start(self) -> None:
+        list(self.trainer.strategy.export_weights(lora="adapter"))
+
+
 class TwoModels(LM):
     def __init__(self) -> None:
         super().__init__()
@@ -211,7 +196,6 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     args = parser.parse_args()
-    results: dict[str, Any] = {}
     scenarios = {
         "qwen2_tied": lambda: scenario_right_after_sharding(tiny_qwen2),
         "llama_untied": lambda: scenario_right_after_sharding(tiny_llama),
@@ -227,17 +211,11 @@ def main() -> None:
         "odd_shapes": scenario_odd_shapes,
         "err_fsdp1": lambda: scenario_error(lambda: (LM(own_sharding="fsdp1"), LazyExportFSDP2())),
         "err_export_module": lambda: scenario_error(lambda: (LM(), LazyExportFSDP2(export_module="policy"))),
+        "err_lora_mode": lambda: scenario_error(lambda: (AsksForAdapters(), LazyExportFSDP2())),
         "err_several": lambda: scenario_error(lambda: (TwoModels(), LazyExportFSDP2())),
     }
     only = os.environ.get("ONLY")
-    for name, run in scenarios.items():
-        if only and name not in only.split(","):
-            continue
-        try:
-            results[name] = run()
-        except Exception:  # noqa: BLE001 - reported as a failed scenario
-            results[name] = {"crash": traceback.format_exc()}
-        dist.barrier() if dist.is_initialized() else None
+    results = run_scenarios(scenarios, only.split(",") if only else list(scenarios))
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1, default=str)

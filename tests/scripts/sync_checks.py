@@ -28,33 +28,20 @@ from lightning.pytorch.loggers import CSVLogger
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import (  # noqa: E402
     ColocatedVLLM, DirectoryTarget, InMemoryTarget, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync)
-from lightning_fsdp_export.testing import VOCAB, qwen2_config, tiny_qwen2  # noqa: E402
+from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
+from tests.scripts.common import CausalLM, run_scenarios, token_loader  # noqa: E402
 
 PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(100)] for i in range(1, 4)]  # long: prefix cache matters
 GEN = 8
 
 
 def loader(n: int = 16) -> torch.utils.data.DataLoader:
-    g = torch.Generator().manual_seed(123)
-    data = torch.randint(0, VOCAB, (n, 16), generator=g)
-    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=2)
+    return token_loader(n)
 
 
-class LM(pl.LightningModule):
+class LM(CausalLM):
     def __init__(self, lr: float = 3e-2) -> None:
-        super().__init__()
-        self.model = tiny_qwen2()
-        self.lr = lr
-        self.losses: list[float] = []
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        (ids,) = batch
-        loss = self.model(input_ids=ids, labels=ids).loss
-        self.losses.append(loss.item())
-        return loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+        super().__init__(lr=lr)
 
 
 def reference_logprobs(weights: dict[str, torch.Tensor], seqs: list[list[int]]) -> list[list[float]]:
@@ -246,7 +233,6 @@ def main() -> None:
     args = parser.parse_args()
     root = Path(args.out).parent / "work"
     root.mkdir(parents=True, exist_ok=True)
-    results: dict[str, Any] = {}
     wanted = args.only.split(",")
     if not dist.is_initialized():
         dist.init_process_group("gloo")  # Lightning reuses it
@@ -257,14 +243,7 @@ def main() -> None:
             "resume": lambda: scenario_resume(root / "resume"),
             "directory": lambda: scenario_directory(root / "directory"),
             "remote": lambda: scenario_remote(root / "remote", args.server)}
-    for name in wanted:
-        try:
-            results[name] = runs[name]()
-        except Exception:  # noqa: BLE001 - reported to the test
-            import traceback
-
-            results[name] = {"crash": traceback.format_exc()}
-        dist.barrier()
+    results = run_scenarios(runs, wanted)
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
     else:

@@ -1,0 +1,59 @@
+"""Pieces shared by the torchrun scripts: a tiny causal LM, its data, and the scenario loop."""
+
+from __future__ import annotations
+
+import traceback
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from lightning_fsdp_export.testing import VOCAB, tiny_qwen2
+
+
+def token_loader(n: int = 16, seq: int = 16, batch_size: int = 2) -> torch.utils.data.DataLoader:
+    """The same random token batches on every rank and run."""
+    g = torch.Generator().manual_seed(123)
+    data = torch.randint(0, VOCAB, (n, seq), generator=g)
+    return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=batch_size)
+
+
+class CausalLM(pl.LightningModule):
+    """A causal LM trained on its own tokens; records its losses, optionally exports after every step."""
+
+    def __init__(self, build: Callable[[], torch.nn.Module] = tiny_qwen2, *, lr: float = 1e-2,
+                 export_each_step: bool = False) -> None:
+        super().__init__()
+        self.model = build()
+        self.lr = lr
+        self.export_each_step = export_each_step
+        self.losses: list[float] = []
+        self.exports: list[dict[str, torch.Tensor]] = []
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        loss = self.model(input_ids=ids, labels=ids).loss
+        self.losses.append(loss.item())
+        return loss
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        if self.export_each_step:
+            self.exports.append(dict(self.trainer.strategy.export_weights()))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+def run_scenarios(runs: dict[str, Callable[[], Any]], names: list[str]) -> dict[str, Any]:
+    """Run the named scenarios in order; a crash is recorded (for the test to show), not raised."""
+    results: dict[str, Any] = {}
+    for name in names:
+        try:
+            results[name] = runs[name]()
+        except Exception:  # noqa: BLE001 - reported to the test
+            results[name] = {"crash": traceback.format_exc()}
+        if dist.is_initialized():
+            dist.barrier()
+    return results
