@@ -57,6 +57,29 @@ def test_engine_build_keeps_the_trainers_random_state(results: dict[str, Any]) -
 
 
 @pytest.mark.vllm
+def test_in_process_detection_still_matches_vllm(results: dict[str, Any]) -> None:
+    # Fails when vLLM renames its in-process engine client, the one private name _compat relies on.
+    assert scenario(results, "colocated")["in_process"] is True
+
+
+def test_multiprocess_engine_is_refused() -> None:
+    # A stand-in: a real multiprocess vLLM engine costs ~20 s to start here. Its engine core client is
+    # vLLM's SyncMPClient, whose RPC kwargs go through msgpack (tensors arrive as lists).
+    from types import SimpleNamespace
+
+    from lightning_fsdp_export import ColocatedVLLM
+
+    class SyncMPClient:
+        pass
+
+    fake = SimpleNamespace(llm_engine=SimpleNamespace(engine_core=SyncMPClient()))
+    with pytest.raises(ValueError, match="needs an engine running in this process.*external_launcher"):
+        ColocatedVLLM(llm=fake)
+    with pytest.raises(ValueError, match="exactly one of model=PATH"):
+        ColocatedVLLM()
+
+
+@pytest.mark.vllm
 def test_metrics_reach_the_csv_logger(results: dict[str, Any]) -> None:
     got = scenario(results, "colocated")
     for key in ("weight_sync/seconds", "weight_sync/gigabytes", "weight_sync/tensors", "weight_sync/version"):

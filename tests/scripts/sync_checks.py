@@ -142,11 +142,15 @@ def scenario_colocated(root: Path, model_dir: Path) -> dict[str, Any]:
     trainer = trainer_for([sync, check], steps=3, root=root, logger=logger)
     start = time.perf_counter()
     trainer.fit(LM(), loader())
+    from lightning_fsdp_export._compat import engine_runs_in_process
+
+    in_process = engine_runs_in_process(target.llm)  # the private path _compat relies on
+    ColocatedVLLM(llm=target.llm)  # a user-built in-process engine is accepted
     metrics_file = Path(logger.log_dir) / "metrics.csv"
     return {"checks": check.checks, "version": sync.version, "fit_seconds": time.perf_counter() - start,
             "dtype": str(target.dtype), "metrics_header": metrics_file.read_text().splitlines()[0]
             if metrics_file.exists() else "", "last_metrics": sync.last_metrics,
-            "rng_kept": check.rng_kept}
+            "rng_kept": check.rng_kept, "in_process": in_process}
 
 
 def scenario_triggers(root: Path) -> dict[str, Any]:
