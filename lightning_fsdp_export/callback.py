@@ -107,7 +107,7 @@ class VLLMWeightSync(Callback):
         if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
             raise ValueError(f"VLLMWeightSync(timeout={given!r}) must be a positive timedelta or number of seconds.")
         self._timeout = timeout
-        self._group: SyncGroup = SyncGroup.__new__(SyncGroup)
+        self._group: SyncGroup | None = None  # built with the target, when the fit starts
         self._adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
         self._base_pushed = False
         self._verify = verify
@@ -202,6 +202,11 @@ class VLLMWeightSync(Callback):
         self._group = SyncGroup(timeout)
         self._target_ready = True
 
+    @property
+    def _ranks(self) -> SyncGroup:
+        assert self._group is not None, "the sync group is built by _ensure_target"
+        return self._group
+
     def _sync(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> list[_Stream]:
         plan = self._plan(trainer, strategy)
         self._agree_before(strategy, [kwargs.get("lora", "merged") for kwargs, _ in plan])
@@ -220,12 +225,12 @@ class VLLMWeightSync(Callback):
             finally:
                 stream.drain()  # the remaining gathers, so no other rank waits forever in one
         mine = None if error is None else f"{type(error).__name__}: {error} ({failed_at})"
-        failures = [(rank, msg) for rank, msg in enumerate(self._group.gather(mine)) if msg is not None]
+        failures = [(rank, msg) for rank, msg in enumerate(self._ranks.gather(mine)) if msg is not None]
         if failures:
             lines = "; ".join(f"rank {rank}: {msg}" for rank, msg in failures)
             raise WeightSyncError(f"Weight sync of version {self.version} failed ({lines}). The target is stale.")
         if self._verify:
-            verdicts = self._group.gather(self._check_logprobs(strategy))
+            verdicts = self._ranks.gather(self._check_logprobs(strategy))
             bad = "; ".join(f"rank {rank}: {msg}" for rank, msg in enumerate(verdicts) if msg)
             if bad:
                 raise WeightSyncError(f"Weight sync of version {self.version} did not verify ({bad}).")
@@ -234,7 +239,7 @@ class VLLMWeightSync(Callback):
     def _agree_before(self, strategy: LazyExportFSDP2, modes: list[str]) -> None:
         """Before any gather: same plan on every rank, finite weights, names and shapes the engine knows."""
         try:
-            self._group.arrive(f"Weight sync of version {self.version}")
+            self._ranks.arrive(f"Weight sync of version {self.version}")
         except RuntimeError as err:
             raise WeightSyncError(str(err)) from None
         shapes = [strategy.export_shapes(lora=mode) for mode in modes]  # type: ignore[arg-type]
@@ -248,7 +253,7 @@ class VLLMWeightSync(Callback):
             for mode, plan in zip(modes, shapes):
                 if mode != "adapter":
                     problems += check(plan)
-        everyone = self._group.gather((plan_digest(shapes), problems))
+        everyone = self._ranks.gather((plan_digest(shapes), problems))
         digests = {digest for digest, _ in everyone}
         if len(digests) > 1:
             groups = {d: [r for r, (dd, _) in enumerate(everyone) if dd == d] for d in digests}
