@@ -242,10 +242,12 @@ class VLLMWeightSync(Callback):
             self._ranks.arrive(f"Weight sync of version {self.version}")
         except RuntimeError as err:
             raise WeightSyncError(str(err)) from None
-        shapes = [strategy.export_shapes(lora=mode) for mode in modes]  # type: ignore[arg-type]
+        plans = [strategy.export_plan(lora=mode, check_finite=self._check_finite)  # type: ignore[arg-type]
+                 for mode in modes]
+        shapes = [plan.shapes for plan in plans]
         problems: list[str] = []
         if self._check_finite:
-            bad = sorted({n for mode in modes for n in strategy.nonfinite_weights(lora=mode)})  # type: ignore[arg-type]
+            bad = sorted({name for plan in plans for name in plan.nonfinite})
             if bad:
                 problems.append(f"NaN or Inf in {', '.join(bad[:5])} (check_finite=False pushes them anyway)")
         check = getattr(self.target, "check_weights", None)

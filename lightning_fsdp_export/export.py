@@ -25,7 +25,7 @@ from torch.distributed.tensor import DTensor
 from lightning_fsdp_export.buckets import bucketable, gather_bucket
 from lightning_fsdp_export.names import export_name
 
-__all__ = ["ExportReport", "lazy_export", "plan_export"]
+__all__ = ["ExportPlan", "ExportReport", "lazy_export", "plan_export"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +45,19 @@ class ExportReport:
     bytes: int
     seconds: float
     module_moves: int
+
+
+@dataclass(frozen=True)
+class ExportPlan:
+    """What an export will yield, known without any collective (``strategy.export_plan()``).
+
+    Attributes:
+        shapes: ``(name, full shape)`` in export order.
+        nonfinite: names whose local shard on this rank holds NaN or Inf (when asked for).
+    """
+
+    shapes: list[tuple[str, tuple[int, ...]]]
+    nonfinite: list[str]
 
 
 def nonfinite(entries: list[tuple[list[str], Tensor]]) -> list[str]:

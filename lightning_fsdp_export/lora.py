@@ -30,7 +30,7 @@ from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lightning_fsdp_export.export import ExportReport, lazy_export, plan_export
-from lightning_fsdp_export.names import export_name, is_lora_name
+from lightning_fsdp_export.names import adapter_file_name, export_name, is_lora_name
 
 __all__ = ["LoraMode", "entries_for", "is_peft_model", "staged_merged_export", "write_adapter"]
 
@@ -96,7 +96,7 @@ def entries_for(module: nn.Module, mode: LoraMode) -> list[tuple[list[str], Tens
         return plan_export(module)
     if mode == "adapter":
         adapter = getattr(module, "active_adapter", "default")
-        return plan_export(module, keep=is_lora_name, rename=lambda n: adapter_name_for_file(n, adapter))
+        return plan_export(module, keep=is_lora_name, rename=lambda n: adapter_file_name(n, adapter))
     return plan_export(module, keep=lambda n: not is_lora_name(n), rename=export_name)
 
 
@@ -132,11 +132,6 @@ def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torc
     seconds += time.perf_counter() - start
     (lazy,) = reports
     on_finish(ExportReport("staged", lazy.tensors, lazy.bytes, seconds + lazy.seconds, module_moves=2 if moved else 0))
-
-
-def adapter_name_for_file(name: str, adapter: str = "default") -> str:
-    """peft's file name of an adapter tensor: the adapter's own name removed (``lora_A.default.weight`` -> ``lora_A.weight``)."""
-    return name.replace(f".{adapter}.", ".")
 
 
 def write_adapter(weights: Iterator[tuple[str, Tensor]], module: nn.Module, directory: str, *, write: bool) -> None:

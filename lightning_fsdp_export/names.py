@@ -1,4 +1,4 @@
-"""The one place where exported tensor names are fixed up.
+"""The one place where exported tensor names are fixed up (HF names, and peft's adapter file names).
 
 Every exporter (the lazy path, the staged LoRA path, the targets' checks) maps module names to the
 names a Hugging Face checkpoint of the same model uses, through :func:`export_name`, so that vLLM's
@@ -39,3 +39,12 @@ def export_name(name: str) -> str:
 def is_lora_name(name: str) -> bool:
     """Whether a state-dict key belongs to a LoRA adapter (``lora_A``/``lora_B``/embedding adapters)."""
     return any(f".{part}." in f".{name}" for part in ("lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B"))
+
+
+def adapter_file_name(name: str, adapter: str = "default") -> str:
+    """peft's file name of an adapter tensor: the adapter's own name removed.
+
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight`` becomes
+    ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``, as ``save_pretrained`` writes it.
+    """
+    return name.replace(f".{adapter}.", ".")

@@ -35,30 +35,31 @@ class OffloadMode(enum.Enum):
         raise ValueError(f"Unknown offload={value!r}; accepted values are {accepted}.")
 
 
-def _pinned(tensor: Tensor) -> Tensor:
-    """A pinned copy of a host tensor (DTensor-aware); unchanged when CUDA is absent or already pinned."""
-    if not torch.cuda.is_available():
+def _to_pinned_host(tensor: Tensor) -> Tensor:
+    """``tensor`` copied once into pinned host memory (DTensor-aware: its local shard)."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if local.device.type == "cpu" and local.is_pinned():
         return tensor
+    host = torch.empty(local.shape, dtype=local.dtype, pin_memory=True).copy_(local)
     if isinstance(tensor, DTensor):
-        local = tensor.to_local()
-        if local.is_pinned():
-            return tensor
-        return DTensor.from_local(
-            local.pin_memory(), tensor.device_mesh, tensor.placements, shape=tensor.shape, stride=tensor.stride()
-        )
-    return tensor if tensor.is_pinned() else tensor.pin_memory()
+        return DTensor.from_local(host, tensor.device_mesh, tensor.placements, shape=tensor.shape,
+                                  stride=tensor.stride())
+    return host
 
 
 def move_module(module: nn.Module, device: torch.device, *, pin_memory: bool = False) -> None:
     """Move every parameter, gradient and buffer of ``module`` to ``device`` in place.
 
-    FSDP2 modules re-register their sharded parameters after ``Module.to`` (``FSDPModule._apply``), so
-    this is safe between steps. With ``pin_memory`` and a CPU ``device``, host copies are pinned, which
-    makes the next host-to-device copy several times faster on CUDA (verl #7347: 1.49 s -> 0.38 s).
+    FSDP2 modules re-register their sharded parameters after ``Module._apply`` (``FSDPModule._apply``),
+    so this is safe between steps. With ``pin_memory``, a CPU ``device`` and CUDA present, each tensor
+    is copied once straight into pinned host memory, which makes the next host-to-device copy several
+    times faster (verl #7347: 1.49 s -> 0.38 s). FSDP2 re-pads unevenly sharded parameters into new,
+    unpinned memory; those stay pageable.
     """
-    module.to(device)
     if pin_memory and device.type == "cpu" and torch.cuda.is_available():
-        module._apply(_pinned)  # the same entry point Module.to uses; FSDPModule overrides it.
+        module._apply(_to_pinned_host)  # the entry point Module.to uses; FSDPModule overrides it
+    else:
+        module.to(device)
 
 
 def move_optimizer_state(optimizer: Optimizer, device: torch.device | None) -> None:

@@ -15,7 +15,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from typing_extensions import override
 
-from lightning_fsdp_export.export import DEFAULT_BUCKET_BYTES, ExportReport, lazy_export, nonfinite
+from lightning_fsdp_export.export import DEFAULT_BUCKET_BYTES, ExportPlan, ExportReport, lazy_export, nonfinite
 from lightning_fsdp_export.lora import (
     LoraMode,
     entries_for,
@@ -161,33 +161,34 @@ class LazyExportFSDP2(ModelParallelStrategy):
                 weights without the adapters). Other models accept only ``"merged"``.
         """
         module = self.export_module
-        mode = parse_lora_mode(lora)
+        mode = self._lora_mode(lora)
         target = torch.device(device) if device is not None else self.root_device
-        entries = self._entries(lora)
-        if mode == "merged" and is_peft_model(module):
+        if mode == "merged" and is_peft_model(module):  # plans its entries after merging
             return staged_merged_export(module, device=target, dtype=dtype, stage=self._stage_for_export,
                                         unstage=self._offload_params, on_finish=self._record_export,
                                         bucket_bytes=self._bucket_bytes)
-        return lazy_export(module, device=target, dtype=dtype, on_finish=self._record_export, entries=entries,
-                           bucket_bytes=self._bucket_bytes)
+        return lazy_export(module, device=target, dtype=dtype, on_finish=self._record_export,
+                           entries=entries_for(module, mode), bucket_bytes=self._bucket_bytes)
 
-    def export_shapes(self, *, lora: LoraMode = "merged") -> list[tuple[str, tuple[int, ...]]]:
-        """``(name, full shape)`` of what :meth:`export_weights` would yield, in order; no collective runs."""
-        return [(name, tuple(tensor.shape)) for names, tensor in self._entries(lora) for name in names]
+    def export_plan(self, *, lora: LoraMode = "merged", check_finite: bool = False) -> ExportPlan:
+        """What :meth:`export_weights` would yield, from one walk of the state dict; no collective runs.
 
-    def nonfinite_weights(self, *, lora: LoraMode = "merged") -> list[str]:
-        """Names of exported tensors whose local shard on this rank holds NaN or Inf; no collective runs."""
-        return nonfinite(self._entries(lora))
+        Args:
+            lora: as in :meth:`export_weights`.
+            check_finite: also list the tensors whose local shard on this rank holds NaN or Inf.
+        """
+        entries = entries_for(self.export_module, self._lora_mode(lora))
+        shapes = [(name, tuple(tensor.shape)) for names, tensor in entries for name in names]
+        return ExportPlan(shapes, nonfinite(entries) if check_finite else [])
 
-    def _entries(self, lora: LoraMode) -> list[tuple[list[str], Tensor]]:
-        module = self.export_module
+    def _lora_mode(self, lora: str) -> LoraMode:
         mode = parse_lora_mode(lora)
-        if mode != "merged" and not is_peft_model(module):
+        if mode != "merged" and not is_peft_model(self.export_module):
             raise ValueError(
-                f"export_weights(lora={lora!r}) needs a peft model, but {type(module).__name__} has no adapters;"
-                " call it without `lora`."
+                f"export_weights(lora={lora!r}) needs a peft model, but {type(self.export_module).__name__} has no"
+                " adapters; call it without `lora`."
             )
-        return entries_for(module, mode)
+        return mode
 
     def _stage_for_export(self) -> bool:
         """Bring offloaded shards to the device for a staged export; whether anything moved."""

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import argparse
 import traceback
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
@@ -44,6 +46,20 @@ class CausalLM(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+
+
+def start_script(default_only: str, work: str) -> tuple[argparse.Namespace, Path]:
+    """Parse ``--out``/``--only`` (plus extra ``--server``), make the work folder, join the gloo group."""
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--only", default=default_only)
+    parser.add_argument("--server", default=None)
+    args = parser.parse_args()
+    root = Path(args.out).parent / work
+    root.mkdir(parents=True, exist_ok=True)
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")  # Lightning reuses it
+    return args, root
 
 
 def run_scenarios(runs: dict[str, Callable[[], Any]], names: list[str]) -> dict[str, Any]:

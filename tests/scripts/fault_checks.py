@@ -7,7 +7,6 @@ the seconds from the failing sync's start to the error.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import socket
@@ -27,8 +26,9 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import (  # noqa: E402
     ColocatedVLLM, InMemoryTarget, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync)
+from lightning_fsdp_export.export import ExportPlan  # noqa: E402
 from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
-from tests.scripts.common import run_scenarios  # noqa: E402
+from tests.scripts.common import run_scenarios, start_script  # noqa: E402
 from tests.scripts.sync_checks import LM, loader  # noqa: E402
 
 
@@ -90,10 +90,11 @@ class InjectNaN(pl.Callback):
                 local.view(-1)[0] = float("nan")
 
 
-def scenario_nan() -> dict[str, Any]:
+def fit_with_fault(fault: pl.Callback, steps: int) -> dict[str, Any]:
+    """Fit with ``fault`` running before the sync of an in-memory target; the error and the versions received."""
     seed_everything(0)
     target = InMemoryTarget()
-    result = fit_catching(trainer_for([InjectNaN(), VLLMWeightSync(target)], steps=2), LM())
+    result = fit_catching(trainer_for([fault, VLLMWeightSync(target)], steps=steps), LM())
     result["versions"] = target.versions
     return result
 
@@ -103,16 +104,13 @@ class Reorder(pl.Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LM) -> None:
         if trainer.global_rank == 1:
-            original = trainer.strategy.export_shapes
-            trainer.strategy.export_shapes = lambda **kw: list(reversed(original(**kw)))  # type: ignore[method-assign]
+            original = trainer.strategy.export_plan
 
+            def reversed_plan(**kwargs: Any) -> ExportPlan:
+                plan = original(**kwargs)
+                return ExportPlan(list(reversed(plan.shapes)), plan.nonfinite)
 
-def scenario_order() -> dict[str, Any]:
-    seed_everything(0)
-    target = InMemoryTarget()
-    result = fit_catching(trainer_for([Reorder(), VLLMWeightSync(target)], steps=1), LM())
-    result["versions"] = target.versions
-    return result
+            trainer.strategy.export_plan = reversed_plan  # type: ignore[method-assign]
 
 
 class SyncOnRankZeroOnly(pl.Callback):
@@ -208,17 +206,12 @@ def scenario_engine_mismatch(root: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--only", default="mid_push_raise,mid_push_warn,nan,order,remote_down,resume,engine,skipped")
-    args = parser.parse_args()
-    root = Path(args.out).parent / "fault_work"
-    root.mkdir(parents=True, exist_ok=True)
+    args, root = start_script("mid_push_raise,mid_push_warn,nan,order,remote_down,resume,engine,skipped",
+                              "fault_work")
     os.environ["FAULT_ROOT"] = str(root)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
     runs = {"mid_push_raise": lambda: scenario_mid_push("raise"), "mid_push_warn": lambda: scenario_mid_push("warn"),
-            "nan": scenario_nan, "order": scenario_order, "remote_down": scenario_remote_down,
+            "nan": lambda: fit_with_fault(InjectNaN(), steps=2),
+            "order": lambda: fit_with_fault(Reorder(), steps=1), "remote_down": scenario_remote_down,
             "resume": lambda: scenario_resume_after_failure(root), "engine": lambda: scenario_engine_mismatch(root),
             "skipped": scenario_skipped}
     results = run_scenarios(runs, args.only.split(","))

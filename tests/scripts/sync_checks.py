@@ -10,7 +10,6 @@ exported weights scores vLLM's prompt logprobs and vLLM's own greedy continuatio
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -29,7 +28,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import (  # noqa: E402
     ColocatedVLLM, DirectoryTarget, InMemoryTarget, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync)
 from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
-from tests.scripts.common import CausalLM, run_scenarios, token_loader  # noqa: E402
+from tests.scripts.common import CausalLM, run_scenarios, start_script, token_loader  # noqa: E402
 
 PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(100)] for i in range(1, 4)]  # long: prefix cache matters
 GEN = 8
@@ -230,16 +229,8 @@ def scenario_remote(root: Path, server: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--out", required=True)
-    parser.add_argument("--only", default="colocated,triggers,resume,directory")
-    parser.add_argument("--server", default=None)
-    args = parser.parse_args()
-    root = Path(args.out).parent / "work"
-    root.mkdir(parents=True, exist_ok=True)
+    args, root = start_script("colocated,triggers,resume,directory", "work")
     wanted = args.only.split(",")
-    if not dist.is_initialized():
-        dist.init_process_group("gloo")  # Lightning reuses it
     model_dir = root / "engine_ckpt"
     build_checkpoint(model_dir)
     runs = {"colocated": lambda: scenario_colocated(root / "colocated", model_dir),
