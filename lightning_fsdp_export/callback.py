@@ -141,7 +141,9 @@ class VLLMWeightSync(Callback):
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._ensure_target(trainer, _require_strategy(trainer))
+        strategy = _require_strategy(trainer)
+        strategy.export_module  # noqa: B018 - no or several models to export: fail before the first step
+        self._ensure_target(trainer, strategy)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

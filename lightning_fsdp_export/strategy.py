@@ -7,6 +7,9 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
+import os
+from pathlib import Path
+
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -23,7 +26,9 @@ from lightning_fsdp_export.lora import (
     parse_lora_mode,
     staged_merged_export,
 )
+from lightning_fsdp_export.materialize import materialize_meta
 from lightning_fsdp_export.offload import OffloadMode, move_module, move_optimizer_state
+from lightning_fsdp_export.pretrained import load_hf_checkpoint
 from lightning_fsdp_export.sharding import auto_shard, is_fully_sharded, reject_fsdp1
 
 if TYPE_CHECKING:
@@ -51,7 +56,13 @@ class LazyExportFSDP2(ModelParallelStrategy):
             ``Qwen2DecoderLayer``). Ignored when ``configure_model`` applied ``fully_shard`` itself.
         export_module: dotted name of the submodule of the LightningModule that ``export_weights``
             exports (say ``"policy"``). Default: the single ``transformers.PreTrainedModel`` (or peft
-            model) found inside it; with none or several, setup raises and lists the candidates.
+            model) found inside it. Any LightningModule trains; with none or several candidates,
+            ``export_weights()`` (and a sync) raises and lists them.
+        pretrained: a directory of Hugging Face safetensors (``save_pretrained``'s output, sharded
+            or not) loaded into the exported model's shards right after sharding, each rank reading
+            only its slices; names as the export names them, tied tensors once, cast to the model's
+            dtype. With a model built under ``trainer.init_module(empty_init=True)`` no random init
+            is computed for what the checkpoint holds. peft adapters keep their own init.
         mixed_precision: FSDP2's ``MixedPrecisionPolicy`` for the automatic sharding.
         reshard_after_forward: FSDP2's ``reshard_after_forward`` for the automatic sharding.
         offload: ``None`` keeps shards on the device; ``"params"`` moves sharded parameters to the
@@ -77,6 +88,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
         *,
         shard_modules: Sequence[type[nn.Module] | str] | None = None,
         export_module: str | None = None,
+        pretrained: str | os.PathLike[str] | None = None,
         mixed_precision: MixedPrecisionPolicy | None = None,
         reshard_after_forward: bool = True,
         offload: Literal["params", "policy"] | None = None,
@@ -99,6 +111,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
         _validate_options(self, shard_modules, export_module, mixed_precision, offload_optimizer, tensor_parallel_size)
         self._shard_modules = shard_modules
         self._export_module_name = export_module
+        self._pretrained = _validate_pretrained(pretrained, type(self).__name__)
         self._mixed_precision = mixed_precision
         self._reshard_after_forward = reshard_after_forward
         self._offload_optimizer = offload_optimizer
@@ -109,6 +122,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
             )
         self._bucket_bytes = export_bucket_bytes
         self._export_module: nn.Module | None = None
+        self._export_module_error: ValueError | None = None
         self._params_offloaded = False
         self._last_export: ExportReport | None = None
         self.offload_moves = 0
@@ -134,7 +148,14 @@ class LazyExportFSDP2(ModelParallelStrategy):
 
     @property
     def export_module(self) -> nn.Module:
-        """The module :meth:`export_weights` exports; available after setup."""
+        """The module :meth:`export_weights` exports; available after setup.
+
+        Raises:
+            ValueError: the LightningModule holds no Hugging Face (or peft) model, or several, and
+                ``export_module=`` names none; the message lists the candidates.
+        """
+        if self._export_module_error is not None:
+            raise ValueError(str(self._export_module_error))
         if self._export_module is None:
             raise RuntimeError(
                 f"{type(self).__name__}.export_weights() was called before the strategy was set up. Call it from"
@@ -222,9 +243,10 @@ class LazyExportFSDP2(ModelParallelStrategy):
         assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
         reject_fsdp1(self.model, type(self).__name__)
-        self._export_module = _find_export_module(self.lightning_module, self._export_module_name)
+        self._find_export_module()
         self._shard(self.model)
-        _materialize_meta(self.model, self.root_device)
+        load = self._load_pretrained if self._pretrained is not None else None
+        materialize_meta(self.model, self.root_device, load=load)
         self.model = self.precision_plugin.convert_module(self.model)
         if self._offload is OffloadMode.POLICY:
             _move_unsharded(self.model, self.root_device)  # keep the host shards where the policy put them
@@ -253,9 +275,24 @@ class LazyExportFSDP2(ModelParallelStrategy):
                 f"{type(self).__name__}(tensor_parallel_size={self._tensor_parallel_size}) needs `configure_model` to"
                 " apply tensor parallelism and `fully_shard` itself; the automatic sharding is pure FSDP."
             )
-        roots = [] if self._export_module is model else [self._export_module]
+        roots = [] if self._export_module in (None, model) else [self._export_module]
         auto_shard(model, mesh=self.device_mesh["data_parallel"], shard_modules=self._shard_modules,
                    roots=roots, fsdp_kwargs=self._fsdp_kwargs())
+
+    def _find_export_module(self) -> None:
+        """Resolve ``export_module``; an ambiguous or absent model fails only once something exports."""
+        assert self.lightning_module is not None
+        self._export_module, self._export_module_error = None, None
+        try:
+            self._export_module = _find_export_module(self.lightning_module, self._export_module_name)
+        except ValueError as err:
+            if self._export_module_name is not None or self._pretrained is not None:
+                raise  # a name that names nothing, or a checkpoint with nowhere to go: the user must fix it now
+            self._export_module_error = err
+
+    def _load_pretrained(self) -> list[Tensor]:
+        assert self._pretrained is not None
+        return load_hf_checkpoint(self.export_module, self._pretrained)
 
     def _fsdp_kwargs(self) -> dict[str, Any]:
         policy: OffloadPolicy = OffloadPolicy()
@@ -357,6 +394,20 @@ def _validate_options(
         raise ValueError(f"{name}(tensor_parallel_size={tensor_parallel_size!r}) must be a positive integer.")
 
 
+def _validate_pretrained(pretrained: str | os.PathLike[str] | None, name: str) -> Path | None:
+    if pretrained is None:
+        return None
+    if not isinstance(pretrained, (str, os.PathLike)):
+        raise TypeError(f"{name}(pretrained={pretrained!r}) must be the path of a Hugging Face checkpoint directory.")
+    path = Path(pretrained)
+    if not path.is_dir():
+        raise ValueError(
+            f"{name}(pretrained={str(pretrained)!r}) is not a directory. Pass the directory `save_pretrained` wrote"
+            " (config.json and *.safetensors)."
+        )
+    return path
+
+
 def _is_export_candidate(module: nn.Module) -> bool:
     from transformers import PreTrainedModel
 
@@ -380,25 +431,16 @@ def _find_export_module(root: nn.Module, name: str | None) -> nn.Module:
     if len(candidates) == 1:
         return root.get_submodule(candidates[0])
     if not candidates:
+        children = [n for n, child in root.named_children() if any(True for _ in child.parameters())]
         raise ValueError(
-            f"Found no transformers PreTrainedModel (or peft model) inside {type(root).__name__} to export."
-            " Pass LazyExportFSDP2(export_module='<attribute name>') to name the module to export."
+            f"Found no transformers PreTrainedModel (or peft model) inside {type(root).__name__} to export;"
+            f" its submodules holding parameters are {children}. Pass LazyExportFSDP2(export_module=...) to name"
+            f" the one to export{f', e.g. export_module={children[0]!r}' if children else ''}."
         )
     raise ValueError(
         f"Found several models inside {type(root).__name__} that could be exported: {candidates}."
         f" Pass LazyExportFSDP2(export_module=...) with one of them, e.g. export_module={candidates[0]!r}."
     )
-
-
-def _materialize_meta(module: nn.Module, device: torch.device) -> None:
-    """Allocate and initialise parameters created on the meta device (``empty_init=True``)."""
-    if not any(t.is_meta for t in [*module.parameters(), *module.buffers()]):
-        return
-    module.to_empty(device=device)
-    for sub in module.modules():
-        reset = getattr(sub, "reset_parameters", None)
-        if callable(reset):
-            reset()
 
 
 def _move_unsharded(module: nn.Module, device: torch.device) -> None:

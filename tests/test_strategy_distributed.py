@@ -80,7 +80,6 @@ def test_bucketed_gather_handles_uneven_rows_and_dtypes_exactly(results: dict[st
     [
         ("err_fsdp1", "TypeError", ["FSDP1", "model.layers.0", "fully_shard"]),
         ("err_export_module", "ValueError", ["export_module='policy'", "['model']"]),
-        ("err_several", "ValueError", ["['model', 'reference']", "export_module="]),
         ("err_lora_mode", "ValueError", ["lora='adapter'", "needs a peft model", "Qwen2ForCausalLM"]),
     ],
 )

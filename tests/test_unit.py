@@ -72,6 +72,8 @@ def test_offload_mode_parse() -> None:
         ({"mixed_precision": "bf16"}, TypeError, "MixedPrecisionPolicy"),
         ({"export_module": 1}, TypeError, "export_module=1"),
         ({"tensor_parallel_size": 0}, ValueError, "tensor_parallel_size=0"),
+        ({"pretrained": "/no/such/dir"}, ValueError, r"pretrained='/no/such/dir'\) is not a directory"),
+        ({"pretrained": 7}, TypeError, "pretrained=7"),
     ],
 )
 def test_bad_arguments_fail_in_init(kwargs: dict, error: type, match: str) -> None:
@@ -117,3 +119,10 @@ def test_auto_shard_refuses_parameters_held_by_the_lightning_module() -> None:
 
     with pytest.raises(ValueError, match=r"Holder holds parameters directly \(\['scale'\]\)"):
         auto_shard(Holder(), mesh=None, shard_modules=None, roots=[], fsdp_kwargs={})  # type: ignore[arg-type]
+
+
+def test_pretrained_directory_without_safetensors_is_named(tmp_path) -> None:
+    from lightning_fsdp_export.pretrained import checkpoint_shapes
+
+    with pytest.raises(FileNotFoundError, match=r"holds no \*\.safetensors file"):
+        checkpoint_shapes(tmp_path)

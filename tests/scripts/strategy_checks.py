@@ -186,12 +186,6 @@ class AsksForAdapters(LM):
         list(self.trainer.strategy.export_weights(lora="adapter"))
 
 
-class TwoModels(LM):
-    def __init__(self) -> None:
-        super().__init__()
-        self.reference = tiny_qwen2(seed=1)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
@@ -212,7 +206,6 @@ def main() -> None:
         "err_fsdp1": lambda: scenario_error(lambda: (LM(own_sharding="fsdp1"), LazyExportFSDP2())),
         "err_export_module": lambda: scenario_error(lambda: (LM(), LazyExportFSDP2(export_module="policy"))),
         "err_lora_mode": lambda: scenario_error(lambda: (AsksForAdapters(), LazyExportFSDP2())),
-        "err_several": lambda: scenario_error(lambda: (TwoModels(), LazyExportFSDP2())),
     }
     only = os.environ.get("ONLY")
     results = run_scenarios(scenarios, only.split(",") if only else list(scenarios))

@@ -1,0 +1,80 @@
+"""Large-model flows on 2 real gloo ranks: meta-device init, ``pretrained=`` loading, any LightningModule.
+
+One torchrun job (``tests/scripts/init_checks.py``) runs every scenario; each test checks one. Models are
+built under ``trainer.init_module(empty_init=True)`` as Lightning documents for models too big for a rank.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import run_torchrun, scenario
+
+pytestmark = pytest.mark.distributed
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_torchrun("init_checks.py", tmp_path_factory.mktemp("init") / "results.json")
+
+
+@pytest.mark.parametrize("name", ["meta_qwen2", "meta_llama"])
+def test_meta_init_gives_the_models_own_initial_state(results: dict[str, Any], name: str) -> None:
+    got = scenario(results, name)
+    assert got["was_meta"]
+    assert got["warnings"] == []
+    assert got["norms"] and all(bounds == [1.0, 1.0] for bounds in got["norms"].values()), got["norms"]
+    assert got["inv_freq_equal"]  # non-persistent rotary buffer recomputed, not garbage
+    std = got["initializer_range"]
+    assert all(abs(s - std) <= 0.25 * std for s in got["stds"].values()), got["stds"]
+    assert got["tied_as_configured"]
+    assert got["finite"] and len(got["losses"]) == 3
+
+
+@pytest.mark.parametrize("name", ["meta_qwen2", "meta_llama"])
+def test_meta_init_draws_distinct_shards_on_each_rank(results: dict[str, Any], name: str) -> None:
+    # DTensor random ops on CPU draw the same numbers on every rank: rank 1's rows would copy rank 0's.
+    halves = scenario(results, name)["halves_differ"]
+    assert halves and all(halves.values()), halves
+
+
+def test_meta_init_warns_naming_modules_nothing_initialised(results: dict[str, Any]) -> None:
+    got = scenario(results, "meta_warns")
+    assert len(got["warnings"]) == 1
+    assert "['bare']" in got["warnings"][0] and "reset_parameters()" in got["warnings"][0]
+    assert got["head_finite"]  # nn.Linear outside the HF model: its reset_parameters() ran
+
+
+@pytest.mark.parametrize("name", ["pretrained_qwen2_meta", "pretrained_qwen2_built", "pretrained_llama_sharded_meta"])
+def test_pretrained_export_equals_from_pretrained_bit_for_bit(results: dict[str, Any], name: str) -> None:
+    got = scenario(results, name)
+    assert got["names_equal"] and got["mismatched"] == []
+    assert got["dtypes"] == ["torch.float32"]  # the model's dtype, from a bf16 checkpoint for Qwen2
+    assert got["inv_freq_equal"] and got["warnings"] == [] and got["finite"]
+
+
+def test_pretrained_reads_a_sharded_checkpoint(results: dict[str, Any]) -> None:
+    assert scenario(results, "pretrained_llama_sharded_meta")["files"] > 1
+
+
+def test_pretrained_missing_tensor_is_named(results: dict[str, Any]) -> None:
+    got = scenario(results, "pretrained_missing")
+    assert got["error"] == "ValueError"
+    for word in ["qwen2_missing", "Qwen2ForCausalLM", "missing 1 tensor(s) ['model.norm.weight']"]:
+        assert word in got["message"], got["message"]
+
+
+def test_a_module_without_hf_model_trains_and_export_names_the_fix(results: dict[str, Any]) -> None:
+    got = scenario(results, "plain_module")
+    assert len(got["losses"]) == 3 and got["sharded"] == "DTensor"
+    for word in ["no transformers PreTrainedModel", "['net']", "export_module='net'"]:
+        assert word in got["export_error"], got["export_error"]
+    assert got["named_export"] == ["0.weight", "1.weight", "1.bias", "3.weight", "3.bias"]
+
+
+def test_policy_beside_reference_trains_and_export_lists_both(results: dict[str, Any]) -> None:
+    got = scenario(results, "several_models")
+    assert len(got["losses"]) == 3
+    assert "['model', 'reference']" in got["export_error"] and "export_module=" in got["export_error"]
