@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
@@ -62,7 +62,9 @@ class LazyExportFSDP2(ModelParallelStrategy):
             or not) loaded into the exported model's shards right after sharding, each rank reading
             only its slices; names as the export names them, tied tensors once, cast to the model's
             dtype. With a model built under ``trainer.init_module(empty_init=True)`` no random init
-            is computed for what the checkpoint holds. peft adapters keep their own init.
+            is computed for what the checkpoint holds. peft adapters keep their own init. A mapping
+            ``{"policy": dir, "reference": dir}`` loads submodules of the LightningModule by
+            attribute name instead (say a reference model beside the policy).
         mixed_precision: FSDP2's ``MixedPrecisionPolicy`` for the automatic sharding.
         reshard_after_forward: FSDP2's ``reshard_after_forward`` for the automatic sharding.
         offload: ``None`` keeps shards on the device; ``"params"`` moves sharded parameters to the
@@ -88,7 +90,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
         *,
         shard_modules: Sequence[type[nn.Module] | str] | None = None,
         export_module: str | None = None,
-        pretrained: str | os.PathLike[str] | None = None,
+        pretrained: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None,
         mixed_precision: MixedPrecisionPolicy | None = None,
         reshard_after_forward: bool = True,
         offload: Literal["params", "policy"] | None = None,
@@ -286,13 +288,27 @@ class LazyExportFSDP2(ModelParallelStrategy):
         try:
             self._export_module = _find_export_module(self.lightning_module, self._export_module_name)
         except ValueError as err:
-            if self._export_module_name is not None or self._pretrained is not None:
+            if self._export_module_name is not None or (self._pretrained is not None and None in self._pretrained):
                 raise  # a name that names nothing, or a checkpoint with nowhere to go: the user must fix it now
             self._export_module_error = err
 
     def _load_pretrained(self) -> list[Tensor]:
-        assert self._pretrained is not None
-        return load_hf_checkpoint(self.export_module, self._pretrained)
+        assert self._pretrained is not None and self.lightning_module is not None
+        loaded: list[Tensor] = []
+        for name, path in self._pretrained.items():
+            if name is None:
+                module = self.export_module
+            else:
+                try:
+                    module = self.lightning_module.get_submodule(name)
+                except AttributeError:
+                    children = [n for n, _ in self.lightning_module.named_children()]
+                    raise ValueError(
+                        f"{type(self).__name__}(pretrained={{{name!r}: ...}}) names no submodule of"
+                        f" {type(self.lightning_module).__name__}; its children are {children}."
+                    ) from None
+            loaded += load_hf_checkpoint(module, path)
+        return loaded
 
     def _fsdp_kwargs(self) -> dict[str, Any]:
         policy: OffloadPolicy = OffloadPolicy()
@@ -394,18 +410,27 @@ def _validate_options(
         raise ValueError(f"{name}(tensor_parallel_size={tensor_parallel_size!r}) must be a positive integer.")
 
 
-def _validate_pretrained(pretrained: str | os.PathLike[str] | None, name: str) -> Path | None:
+def _validate_pretrained(pretrained: Any, name: str) -> dict[str | None, Path] | None:
+    """``{submodule name or None (the exported model): directory}``, every directory checked to exist."""
     if pretrained is None:
         return None
-    if not isinstance(pretrained, (str, os.PathLike)):
-        raise TypeError(f"{name}(pretrained={pretrained!r}) must be the path of a Hugging Face checkpoint directory.")
-    path = Path(pretrained)
-    if not path.is_dir():
-        raise ValueError(
-            f"{name}(pretrained={str(pretrained)!r}) is not a directory. Pass the directory `save_pretrained` wrote"
-            " (config.json and *.safetensors)."
-        )
-    return path
+    wanted = dict(pretrained) if isinstance(pretrained, Mapping) else {None: pretrained}
+    out: dict[str | None, Path] = {}
+    for key, value in wanted.items():
+        shown = f"{{{key!r}: {value!r}}}" if key is not None else repr(value)
+        if (key is not None and not isinstance(key, str)) or not isinstance(value, (str, os.PathLike)):
+            raise TypeError(
+                f"{name}(pretrained={shown}) must be a Hugging Face checkpoint directory, or a mapping from submodule"
+                " names to directories like {'policy': 'ckpt', 'reference': 'ckpt'}."
+            )
+        path = Path(value)
+        if not path.is_dir():
+            raise ValueError(
+                f"{name}(pretrained={shown}): {str(value)!r} is not a directory. Pass the directory `save_pretrained`"
+                " wrote (config.json and *.safetensors)."
+            )
+        out[key] = path
+    return out
 
 
 def _is_export_candidate(module: nn.Module) -> bool:

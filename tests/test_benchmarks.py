@@ -43,3 +43,14 @@ def test_sync_bench_tiny(tmp_path: Path) -> None:
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "1.3M params, 2 ranks, offload=None: sync median" in proc.stdout
+
+
+def test_load_bench_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "load.json"
+    subprocess.run([sys.executable, "benchmarks/load_bench.py", "--vocab", "512", "--hidden", "256", "--layers", "2",
+                    "--repeats", "1", "--workdir", str(tmp_path), "--json", str(out)], cwd=ROOT, check=True,
+                   capture_output=True, timeout=300)
+    result = json.loads(out.read_text())
+    assert result["identical"] is True  # both ways end with the same shards
+    assert set(result["methods"]) == {"whole_then_shard", "meta_pretrained"}
+    assert all(m["peak_extra_bytes"] > 0 for m in result["methods"].values())

@@ -55,6 +55,12 @@ def test_pretrained_export_equals_from_pretrained_bit_for_bit(results: dict[str,
     assert got["inv_freq_equal"] and got["warnings"] == [] and got["finite"]
 
 
+def test_pretrained_mapping_loads_policy_and_reference(results: dict[str, Any]) -> None:
+    got = scenario(results, "pretrained_policy_and_reference")
+    assert got["tensors"] == [27, 27] and got["warnings"] == []
+    assert got["policy_mismatched"] == [] and got["reference_mismatched"] == []
+
+
 def test_pretrained_reads_a_sharded_checkpoint(results: dict[str, Any]) -> None:
     assert scenario(results, "pretrained_llama_sharded_meta")["files"] > 1
 

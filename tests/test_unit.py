@@ -72,8 +72,9 @@ def test_offload_mode_parse() -> None:
         ({"mixed_precision": "bf16"}, TypeError, "MixedPrecisionPolicy"),
         ({"export_module": 1}, TypeError, "export_module=1"),
         ({"tensor_parallel_size": 0}, ValueError, "tensor_parallel_size=0"),
-        ({"pretrained": "/no/such/dir"}, ValueError, r"pretrained='/no/such/dir'\) is not a directory"),
+        ({"pretrained": "/no/such/dir"}, ValueError, r"pretrained='/no/such/dir'\): '/no/such/dir' is not a directory"),
         ({"pretrained": 7}, TypeError, "pretrained=7"),
+        ({"pretrained": {"reference": "/no/dir"}}, ValueError, "pretrained={'reference': '/no/dir'}"),
     ],
 )
 def test_bad_arguments_fail_in_init(kwargs: dict, error: type, match: str) -> None:

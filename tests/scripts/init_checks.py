@@ -229,6 +229,26 @@ def scenario_several_models() -> dict[str, Any]:
     return {"losses": module.losses, "export_error": message}
 
 
+def scenario_policy_and_reference_pretrained(path: str) -> dict[str, Any]:
+    """RL's pair, both from the same checkpoint, both built on the meta device."""
+    from transformers import AutoModelForCausalLM
+
+    from lightning_fsdp_export import lazy_export
+
+    seed_everything(0)
+    capture = Capture()
+    strategy = LazyExportFSDP2(export_module="model", pretrained={"model": path, "reference": path})
+    trainer = trainer_for(strategy, [capture], steps=1)
+    with trainer.init_module(empty_init=True):
+        module = PolicyAndReference()
+    init_warnings = fit_recording_warnings(trainer, module)
+    reference = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).state_dict()
+    ref_export = dict(lazy_export(module.reference))
+    return {"policy_mismatched": [n for n, t in capture.start if not torch.equal(t, reference[n])],
+            "reference_mismatched": [n for n, t in ref_export.items() if not torch.equal(t, reference[n])],
+            "tensors": [len(capture.start), len(ref_export)], "warnings": init_warnings}
+
+
 def main() -> None:
     args, root = start_script("", "init")
     dirs = save_checkpoints(str(root))
@@ -242,6 +262,7 @@ def main() -> None:
         "pretrained_llama_sharded_meta": lambda: scenario_pretrained(tiny_llama, dirs["llama_sharded"], meta=True),
         "pretrained_missing": lambda: scenario_error(lambda: (
             trainer_for(LazyExportFSDP2(pretrained=dirs["qwen2_missing"]), [], steps=1), CausalLM(tiny_qwen2))),
+        "pretrained_policy_and_reference": lambda: scenario_policy_and_reference_pretrained(dirs["qwen2_bf16"]),
         "plain_module": scenario_plain_module,
         "several_models": scenario_several_models,
     }
