@@ -248,7 +248,9 @@ class LazyExportFSDP2(ModelParallelStrategy):
         self._find_export_module()
         self._shard(self.model)
         load = self._load_pretrained if self._pretrained is not None else None
-        materialize_meta(self.model, self.root_device, load=load)
+        # CPUOffloadPolicy keeps shards on the host: allocate them there (plain tensors move below)
+        home = torch.device("cpu") if self._offload is OffloadMode.POLICY else self.root_device
+        materialize_meta(self.model, home, load=load)
         self.model = self.precision_plugin.convert_module(self.model)
         if self._offload is OffloadMode.POLICY:
             _move_unsharded(self.model, self.root_device)  # keep the host shards where the policy put them

@@ -27,3 +27,18 @@ def test_export_demo_runs() -> None:
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout.count("via lazy path, module moves 0, lm_head tied: True") == 4
+
+
+@pytest.mark.vllm
+def test_pretrained_policy_recipe(tmp_path: Path) -> None:
+    """Meta init + pretrained= + ColocatedVLLM(model=same dir), bf16-mixed, accumulation, validation, resume."""
+    proc = subprocess.run([sys.executable, "examples/pretrained_policy.py", "--steps", "2", "--workdir", str(tmp_path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    kls = [float(k) for k in re.findall(r"kl ([0-9.]+)", proc.stdout)]
+    # policy and reference were read from the same checkpoint into their shards: identical before any step
+    assert kls[0] == 0.0 and kls[-1] > 0.0, kls
+    # 1 sync at train start (verify="logprobs" passed: trainer and engine agree) + 1 per optimizer step;
+    # the resumed fit syncs once before its first step and continues the version.
+    assert "first fit: 2 optimizer steps, sync version 3" in proc.stdout, proc.stdout[-2000:]
+    assert "resumed fit: 4 optimizer steps, sync version 6" in proc.stdout, proc.stdout[-2000:]
