@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_fsdp_export.buckets import bucketable, gather_bucket
+from lightning_fsdp_export.buckets import bucketable, cast_before_gather, gather_in_order
 from lightning_fsdp_export.names import export_name
 
 __all__ = ["ExportPlan", "ExportReport", "lazy_export", "plan_export"]
@@ -38,6 +38,8 @@ class ExportReport:
         bytes: bytes of the yielded tensors, after the ``dtype`` cast.
         seconds: time spent inside the exporter (gathers, copies, casts), not in the consumer.
         module_moves: model-wide stage/unstage moves performed (0 on the lazy path).
+        gathered_bytes: bytes the all-gathers delivered on this rank (every rank's part, padding
+            included); with a cast before the gather, about ``bytes`` rather than the master's size.
     """
 
     path: Literal["lazy", "staged"]
@@ -45,6 +47,7 @@ class ExportReport:
     bytes: int
     seconds: float
     module_moves: int
+    gathered_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -96,15 +99,28 @@ def plan_export(
     return list(groups.values())
 
 
-def gather_full(tensor: Tensor, *, device: torch.device, dtype: torch.dtype | None) -> Tensor:
-    """Stage one tensor on ``device`` and return it whole (collective for a DTensor).
+def gather_full(tensor: Tensor, *, device: torch.device, dtype: torch.dtype | None,
+                stats: list[int] | None = None) -> Tensor:
+    """Stage one tensor on ``device`` and return it whole, cast to ``dtype`` (collective for a DTensor).
 
-    The result never shares memory with the module's own tensor, so a consumer may keep it while
-    training goes on (a plain tensor already on ``device``, or a replicated DTensor, is copied).
+    The cast happens before the gather wherever that gives the same bits (``Shard``/``Replicate``
+    placements, plain tensors; see :func:`~lightning_fsdp_export.buckets.cast_before_gather`), so
+    fewer bytes move. The result never shares memory with the module's own tensor, so a consumer may
+    keep it while training goes on (a plain tensor already on ``device``, or a replicated DTensor, is
+    copied). ``stats[0]``, if given, grows by the bytes gathered.
     """
     with torch.no_grad():
-        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
-        full = tensor.to(device).full_tensor() if isinstance(tensor, DTensor) else tensor.detach().to(device)
+        before = cast_before_gather(tensor, dtype)
+        if isinstance(tensor, DTensor):
+            local = tensor.to_local()
+            staged = local.to(device=device, dtype=dtype if before else local.dtype)
+            full = DTensor.from_local(staged, tensor.device_mesh, tensor.placements, shape=tensor.shape,
+                                      stride=tensor.stride(), run_check=False).full_tensor()
+            if stats is not None:
+                stats[0] += full.numel() * full.element_size()
+        else:
+            local = tensor
+            full = tensor.detach().to(device=device, dtype=dtype if before else tensor.dtype)
         if dtype is not None and full.is_floating_point():
             full = full.to(dtype)
         if full.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
@@ -112,10 +128,9 @@ def gather_full(tensor: Tensor, *, device: torch.device, dtype: torch.dtype | No
     return full
 
 
-# Off by default: on CPU/gloo, gathers are bandwidth-bound (2 x 200M params: no gain measured) and
-# gloo stages a flat copy of every gather (extra memory ~2.5 x the bucket). benchmarks/gpu_check.py
-# measures it on NCCL, where per-tensor latency is what bucketing saves.
+# Defaults decided by benchmarks/export_bench.py (BENCHMARKS.md): see LazyExportFSDP2's docstring.
 DEFAULT_BUCKET_BYTES = 0
+DEFAULT_PREFETCH = 0
 
 
 def lazy_export(
@@ -126,13 +141,15 @@ def lazy_export(
     on_finish: Callable[[ExportReport], None] | None = None,
     entries: list[tuple[list[str], Tensor]] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    prefetch: int = DEFAULT_PREFETCH,
 ) -> Iterator[tuple[str, Tensor]]:
     """Yield ``(hf_name, full_tensor)`` for every state-dict entry of ``module``, in order.
 
     A collective generator: every rank of the module's mesh must drain it in the same order.
-    With ``bucket_bytes``, consecutive FSDP2 shards are gathered together, up to that many bytes of
-    full tensors per all-gather (:mod:`lightning_fsdp_export.buckets`); larger tensors and other
-    layouts one by one.
+    Floating tensors are cast to ``dtype`` before their gather wherever the result is bit-identical.
+    Runs of consecutive FSDP2 shards (``Shard(0)``, one 1-D mesh) go through
+    :func:`~lightning_fsdp_export.buckets.gather_in_order` (grouped per layer up to ``bucket_bytes``,
+    larger tensors in blocks of it, ``prefetch`` collectives in flight); other layouts one by one.
 
     Args:
         module: an FSDP2 (``fully_shard``) module, or any module (then it is a plain state-dict walk).
@@ -141,21 +158,28 @@ def lazy_export(
         dtype: cast floating tensors to this dtype; ``None`` keeps each tensor's own.
         on_finish: called with the :class:`ExportReport` once the generator is exhausted.
         entries: what to export, from :func:`plan_export` (default: ``plan_export(module)``).
-        bucket_bytes: the most bytes of full tensors gathered by one collective; 0 (default) gathers
-            every tensor alone (one all-gather each, as ``full_tensor()`` does).
+        bucket_bytes: the most bytes of full tensors gathered by one collective; 0 gathers every
+            tensor alone and whole (one all-gather each, as ``full_tensor()`` does).
+        prefetch: all-gathers kept in flight ahead of the tensor the consumer holds (0: none). Costs
+            up to ``prefetch`` more tensors (or buckets) of memory.
     """
     if bucket_bytes < 0:
         raise ValueError(f"lazy_export(bucket_bytes={bucket_bytes}) must be 0 (no buckets) or a positive size.")
+    if prefetch < 0:
+        raise ValueError(f"lazy_export(prefetch={prefetch}) must be 0 (no overlap) or a positive count.")
     entries = plan_export(module) if entries is None else entries
     device = torch.device(device) if device is not None else _default_device(entries)
     stats = [0, 0, 0.0]  # tensors, bytes, seconds
-    for group in _group_entries(entries, bucket_bytes):
+    gathered = [0]
+    for run in _runs(entries):
         start = time.perf_counter()
-        if len(group) == 1:
-            fulls: Iterator[Tensor] = iter([gather_full(group[0][1], device=device, dtype=dtype)])
+        if bucketable(run[0][1]):
+            fulls: Iterator[Tensor] = gather_in_order(
+                [t for _, t in run], device=device, dtype=dtype, bucket_bytes=bucket_bytes, prefetch=prefetch,
+                names=[names[0] for names, _ in run], stats=gathered)  # type: ignore[misc]
         else:
-            fulls = (_cast(f, dtype) for f in gather_bucket([t for _, t in group], device=device))
-        for names, _ in group:
+            fulls = iter([gather_full(run[0][1], device=device, dtype=dtype, stats=gathered)])
+        for names, _ in run:
             full = next(fulls)
             stats[2] += time.perf_counter() - start
             for name in names:
@@ -166,28 +190,20 @@ def lazy_export(
             start = time.perf_counter()
         del fulls
     if on_finish is not None:
-        on_finish(ExportReport("lazy", int(stats[0]), int(stats[1]), float(stats[2]), module_moves=0))
+        on_finish(ExportReport("lazy", int(stats[0]), int(stats[1]), float(stats[2]), module_moves=0,
+                               gathered_bytes=gathered[0]))
 
 
-def _cast(full: Tensor, dtype: torch.dtype | None) -> Tensor:
-    return full.to(dtype) if dtype is not None and full.is_floating_point() else full
-
-
-def _group_entries(entries: list[tuple[list[str], Tensor]],
-                   bucket_bytes: int) -> Iterator[list[tuple[list[str], Tensor]]]:
-    """Consecutive runs of bucketable entries on one mesh, each under ``bucket_bytes``; others alone."""
+def _runs(entries: list[tuple[list[str], Tensor]]) -> Iterator[list[tuple[list[str], Tensor]]]:
+    """Maximal runs of consecutive FSDP2 shards on one mesh; any other entry alone."""
     run: list[tuple[list[str], Tensor]] = []
-    size = 0
     for entry in entries:
         tensor = entry[1]
-        nbytes = tensor.numel() * tensor.element_size()
-        fits = bucketable(tensor) and nbytes <= bucket_bytes // 2
-        if run and (not fits or size + nbytes > bucket_bytes or tensor.device_mesh is not run[0][1].device_mesh):
+        if run and (not bucketable(tensor) or tensor.device_mesh is not run[0][1].device_mesh):
             yield run
-            run, size = [], 0
-        if fits:
+            run = []
+        if bucketable(tensor):
             run.append(entry)
-            size += nbytes
         else:
             yield [entry]
     if run:

@@ -103,7 +103,7 @@ def entries_for(module: nn.Module, mode: LoraMode) -> list[tuple[list[str], Tens
 def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torch.dtype | None,
                          stage: Callable[[], bool], unstage: Callable[[], None],
                          on_finish: Callable[[ExportReport], None],
-                         bucket_bytes: int = 0) -> Iterator[tuple[str, Tensor]]:
+                         bucket_bytes: int = 0, prefetch: int = 0) -> Iterator[tuple[str, Tensor]]:
     """Yield the merged base weights of a peft model under HF names; a collective generator.
 
     Args:
@@ -114,6 +114,7 @@ def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torc
         unstage: moves them back (called only if ``stage`` moved them).
         on_finish: receives the :class:`ExportReport` once the generator is exhausted.
         bucket_bytes: as in :func:`~lightning_fsdp_export.export.lazy_export`.
+        prefetch: as in :func:`~lightning_fsdp_export.export.lazy_export`.
     """
     reports: list[ExportReport] = []
     start = time.perf_counter()
@@ -123,7 +124,8 @@ def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torc
         with merged_in_place(module):
             seconds += time.perf_counter() - start
             for name, tensor in lazy_export(module, device=device, dtype=dtype, on_finish=reports.append,
-                                            entries=entries_for(module, "merged"), bucket_bytes=bucket_bytes):
+                                            entries=entries_for(module, "merged"), bucket_bytes=bucket_bytes,
+                                            prefetch=prefetch):
                 yield name, tensor
             start = time.perf_counter()
     finally:
@@ -131,7 +133,8 @@ def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torc
             unstage()
     seconds += time.perf_counter() - start
     (lazy,) = reports
-    on_finish(ExportReport("staged", lazy.tensors, lazy.bytes, seconds + lazy.seconds, module_moves=2 if moved else 0))
+    on_finish(ExportReport("staged", lazy.tensors, lazy.bytes, seconds + lazy.seconds, module_moves=2 if moved else 0,
+                           gathered_bytes=lazy.gathered_bytes))
 
 
 def write_adapter(weights: Iterator[tuple[str, Tensor]], module: nn.Module, directory: str, *, write: bool) -> None:

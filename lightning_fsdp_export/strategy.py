@@ -18,7 +18,7 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from typing_extensions import override
 
-from lightning_fsdp_export.export import DEFAULT_BUCKET_BYTES, ExportPlan, ExportReport, lazy_export, nonfinite
+from lightning_fsdp_export.export import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, ExportPlan, ExportReport, lazy_export, nonfinite
 from lightning_fsdp_export.lora import (
     LoraMode,
     entries_for,
@@ -72,10 +72,14 @@ class LazyExportFSDP2(ModelParallelStrategy):
             ``CPUOffloadPolicy`` (shards always on the host, gathered to the device per layer).
         offload_optimizer: with ``offload="params"``, move the optimizer state along with the
             parameters.
-        export_bucket_bytes: gather consecutive FSDP2 shards together, up to this many bytes of full
-            tensors per all-gather (bit-identical results, fewer collectives); 0 (default) gathers
-            each tensor alone. Costs about 2x this in extra memory (2.5x on gloo, which stages a
-            flat copy); measured on 2 CPU ranks it saves no time, so it is meant for NCCL.
+        export_bucket_bytes: the most bytes (full tensors, after the cast) one all-gather moves:
+            consecutive FSDP2 shards of one decoder layer share a gather up to it, and a larger
+            tensor is gathered in row blocks of it straight into its result (bit-identical either
+            way). Bounds the export's transient memory to a few buckets beside the tensor handed
+            out. 0 (default) gathers each tensor alone and whole.
+        export_prefetch: all-gathers kept in flight (``async_op=True``) while the consumer takes the
+            current tensor, overlapping gathers with, say, vLLM's reload; each costs one more
+            tensor (or bucket) of memory. 0 (default): none.
         data_parallel_size: ranks to shard over. Default: the whole world (pure FSDP).
         tensor_parallel_size: tensor-parallel ranks, applied by your own ``configure_model``. Default 1.
         save_distributed_checkpoint: as in ``ModelParallelStrategy``.
@@ -96,6 +100,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
         offload: Literal["params", "policy"] | None = None,
         offload_optimizer: bool = False,
         export_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        export_prefetch: int = DEFAULT_PREFETCH,
         data_parallel_size: Literal["auto"] | int = "auto",
         tensor_parallel_size: int = 1,
         save_distributed_checkpoint: bool = True,
@@ -123,6 +128,12 @@ class LazyExportFSDP2(ModelParallelStrategy):
                 " positive number of bytes."
             )
         self._bucket_bytes = export_bucket_bytes
+        if not isinstance(export_prefetch, int) or export_prefetch < 0:
+            raise ValueError(
+                f"{type(self).__name__}(export_prefetch={export_prefetch!r}) must be 0 (no overlap) or a positive"
+                " number of all-gathers to keep in flight."
+            )
+        self._prefetch = export_prefetch
         self._export_module: nn.Module | None = None
         self._export_module_error: ValueError | None = None
         self._params_offloaded = False
@@ -189,9 +200,10 @@ class LazyExportFSDP2(ModelParallelStrategy):
         if mode == "merged" and is_peft_model(module):  # plans its entries after merging
             return staged_merged_export(module, device=target, dtype=dtype, stage=self._stage_for_export,
                                         unstage=self._offload_params, on_finish=self._record_export,
-                                        bucket_bytes=self._bucket_bytes)
+                                        bucket_bytes=self._bucket_bytes, prefetch=self._prefetch)
         return lazy_export(module, device=target, dtype=dtype, on_finish=self._record_export,
-                           entries=entries_for(module, mode), bucket_bytes=self._bucket_bytes)
+                           entries=entries_for(module, mode), bucket_bytes=self._bucket_bytes,
+                           prefetch=self._prefetch)
 
     def export_plan(self, *, lora: LoraMode = "merged", check_finite: bool = False) -> ExportPlan:
         """What :meth:`export_weights` would yield, from one walk of the state dict; no collective runs.
