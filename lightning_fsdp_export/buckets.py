@@ -63,6 +63,9 @@ def layer_key(name: str) -> tuple[str, int] | None:
     return None
 
 
+_ALIGN = 16  # bytes
+
+
 @dataclass
 class _Piece:
     index: int  # position of the tensor in the caller's list
@@ -137,18 +140,24 @@ def gather_in_order(
 
     for _ in range(1 + max(0, prefetch)):
         launch()
-    while in_flight:
-        coll, recv, send, work = in_flight.popleft()
-        if work is not None:
-            work.wait()
-        del send
-        launch()  # keep ``prefetch`` collectives in flight while the consumer works
-        if stats is not None:
-            stats[0] += recv.numel() * recv.element_size()
-        _unpack(coll, recv, layouts, results, world, device)
-        del recv
-        for index in coll.finishes:
-            yield results.pop(index)
+    try:
+        while in_flight:
+            coll, recv, send, work = in_flight[0]
+            if work is not None:
+                work.wait()
+            in_flight.popleft()
+            del send
+            launch()  # keep ``prefetch`` collectives in flight while the consumer works
+            if stats is not None:
+                stats[0] += recv.numel() * recv.element_size()
+            _unpack(coll, recv, layouts, results, world, device)
+            del recv
+            for index in coll.finishes:
+                yield results.pop(index)
+    finally:  # closed early: complete what was issued, so no collective is left half-matched
+        for _, _, _, work in in_flight:
+            if work is not None:
+                work.wait()
 
 
 def _plan(layouts: list[_Layout], world: int, bucket_bytes: int, names: Sequence[str] | None) -> list[_Collective]:
@@ -172,7 +181,7 @@ def _plan(layouts: list[_Layout], world: int, bucket_bytes: int, names: Sequence
                 plan.append(current)
                 current = _Collective()
             current.pieces.append(_Piece(index, lo, rows, current.segment))
-            current.segment += size
+            current.segment += -(-size // _ALIGN) * _ALIGN  # every piece starts aligned for any dtype view
             current_key = key
         current.finishes.append(index)
     if current.pieces:
@@ -195,9 +204,10 @@ def _launch(coll: _Collective, layouts: list[_Layout], results: dict[int, Tensor
         for piece in coll.pieces:
             layout = layouts[piece.index]
             valid = layout.valid_rows(rank, piece.lo, piece.rows)
-            if valid:
-                rows = _local_rows(layout, piece.lo, valid, device).reshape(-1).view(torch.uint8)
-                send[piece.offset : piece.offset + rows.numel()].copy_(rows)
+            if valid:  # one pass: the copy into the send buffer is also the cast (offsets are aligned)
+                local = layout.tensor.to_local().detach()[piece.lo : piece.lo + valid]
+                view = send[piece.offset : piece.offset + valid * layout.row_bytes].view(layout.wire)
+                view.view(local.shape).copy_(local)
     work = dist.all_gather_into_tensor(recv, send, group=group, async_op=True)
     return coll, recv, send, work
 

@@ -31,18 +31,35 @@ def test_export_bench_tiny(tmp_path: Path) -> None:
         assert {"seconds_median", "peak_extra_bytes", "module_moves"} <= set(stats)
 
 
+def test_export_bench_fp32_master_tiny(tmp_path: Path) -> None:
+    out = tmp_path / "bench.json"
+    subprocess.run([sys.executable, "benchmarks/export_bench.py", "--fp32-master", "--vocab", "512", "--hidden", "256",
+                    "--layers", "2", "--repeats", "1", "--bucket-mib", "0.25", "--workdir", str(tmp_path), "--json",
+                    str(out)], cwd=ROOT, check=True, capture_output=True, timeout=300)
+    methods = json.loads(out.read_text())["methods"]
+    assert set(methods) == {"cast_after", "cast_before", "grouped", "prefetch", "grouped_prefetch",
+                            "lightning_then_cast"}
+    assert len({m["bytes"] for m in methods.values()}) == 1  # every method delivers the same bf16 bytes
+
+
 def test_gpu_check_runs_on_cpu_fallback() -> None:
     proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--preset", "tiny", "--repeats", "1"], cwd=ROOT,
                           check=True, capture_output=True, text=True, timeout=300)
     for word in ("staged", "lazy", "floor", "goals: staged/lazy"):
         assert word in proc.stdout
+    proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--preset", "tiny", "--repeats", "1",
+                           "--fp32-master"], cwd=ROOT, check=True, capture_output=True, text=True, timeout=300)
+    for word in ("cast_after", "grouped_prefetch", "fp32 masters exported as bf16", "goals: lazy/cast_after"):
+        assert word in proc.stdout
 
 
 def test_sync_bench_tiny(tmp_path: Path) -> None:
-    proc = subprocess.run([sys.executable, "benchmarks/sync_bench.py", "--steps", "2", "--workdir", str(tmp_path)],
+    proc = subprocess.run([sys.executable, "benchmarks/sync_bench.py", "--steps", "3", "--ab-prefetch", "1",
+                           "--workdir", str(tmp_path)],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "1.3M params, 2 ranks, offload=None: sync median" in proc.stdout
+    assert "export_prefetch=1: sync median" in proc.stdout and "CPU seconds per sync second" in proc.stdout
 
 
 def test_load_bench_tiny(tmp_path: Path) -> None:

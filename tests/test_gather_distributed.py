@@ -44,3 +44,7 @@ def test_layouts_fsdp2_does_not_make(results: dict[str, Any]) -> None:
     assert got["shard1"] and got["replicate"]  # cast before, same bits
     assert got["partial"]  # cast after the sum: same bits as the reference
     assert got["partial_cast_first_differs"]  # why Partial keeps cast-after
+
+
+def test_a_stream_closed_early_leaves_no_gather_half_matched(results: dict[str, Any]) -> None:
+    assert results["closed_early"]["mismatched_after"] == []

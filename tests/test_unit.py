@@ -74,6 +74,7 @@ def test_offload_mode_parse() -> None:
         ({"tensor_parallel_size": 0}, ValueError, "tensor_parallel_size=0"),
         ({"pretrained": "/no/such/dir"}, ValueError, r"pretrained='/no/such/dir'\): '/no/such/dir' is not a directory"),
         ({"pretrained": 7}, TypeError, "pretrained=7"),
+        ({"export_prefetch": -1}, ValueError, "export_prefetch=-1"),
         ({"pretrained": {"reference": "/no/dir"}}, ValueError, "pretrained={'reference': '/no/dir'}"),
     ],
 )

@@ -81,6 +81,15 @@ def check_model(module: nn.Module) -> dict[str, Any]:
     return out
 
 
+def check_closed_early(module: nn.Module) -> dict[str, Any]:
+    """A consumer that stops after one tensor with 3 gathers in flight: the next export is still right."""
+    stream = lazy_export(module, dtype=torch.bfloat16, prefetch=3)
+    next(stream)
+    stream.close()  # the issued all-gathers complete on every rank; none is left to mismatch the next one
+    return {"mismatched_after": compare(list(lazy_export(module, dtype=torch.bfloat16, prefetch=1)),
+                                        reference(module, torch.bfloat16))}
+
+
 def check_lora(module: nn.Module) -> dict[str, Any]:
     from lightning_fsdp_export.lora import entries_for
 
@@ -122,6 +131,7 @@ def main() -> None:
         "odd": check_model(shard(OddNet(), mesh)),
         "qwen2_tied": check_model(shard(tiny_qwen2(), mesh)),
         "llama_untied": check_model(shard(tiny_llama(), mesh)),
+        "closed_early": check_closed_early(shard(tiny_qwen2(), mesh)),
         "lora_merged": check_lora(shard(tiny_lora_qwen2(), mesh)),
         "layouts": check_layouts(mesh),
     }
