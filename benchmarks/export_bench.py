@@ -133,8 +133,8 @@ def export_methods(model: torch.nn.Module, device: torch.device) -> dict[str, Ca
         return result[0], result[1], 2
 
     return {
-        "lazy": lambda: drain(lazy_export(model, device=device)),
-        "lazy_bucketed": lambda: drain(lazy_export(model, device=device, bucket_bytes=32 * 2**20)),
+        "lazy": lambda: drain(lazy_export(model, device=device, prefetch=0)),
+        "lazy_bucketed": lambda: drain(lazy_export(model, device=device, bucket_bytes=32 * 2**20, prefetch=0)),
         "staged": staged,
         "full_state_dict": lambda: drain(get_model_state_dict(model, options=full).items()),
     }
@@ -165,8 +165,8 @@ def cast_methods(model: torch.nn.Module, device: torch.device,
 
     return {
         "cast_after": cast_after,
-        "cast_before": lazy(),
-        "grouped": lazy(bucket_bytes=bucket_bytes),
+        "cast_before": lazy(prefetch=0),
+        "grouped": lazy(bucket_bytes=bucket_bytes, prefetch=0),
         "prefetch": lazy(prefetch=1),
         "grouped_prefetch": lazy(bucket_bytes=bucket_bytes, prefetch=1),
         "lightning_then_cast": lightning_then_cast,
