@@ -84,6 +84,7 @@ class VLLMWeightSync(Callback):
                  adapter_dir: str | os.PathLike[str] | None = None, on_error: Literal["raise", "warn"] = "raise",
                  check_finite: bool = True, timeout: timedelta | float | None = None) -> None:
         _validate(target, every_n_train_steps, every_n_epochs, dtype)
+        _validate_sleep(target, every_n_train_steps, every_n_epochs, lora, on_error)
         if verify not in (None, "logprobs"):
             raise ValueError(f"VLLMWeightSync(verify={verify!r}) must be None or 'logprobs'.")
         if verify and not callable(getattr(target, "prompt_logprobs", None)):
@@ -144,6 +145,26 @@ class VLLMWeightSync(Callback):
         strategy = _require_strategy(trainer)
         strategy.export_module  # noqa: B018 - no or several models to export: fail before the first step
         self._ensure_target(trainer, strategy)
+        strategy.add_phase_listener(self)  # the engine sleeps while the trainer computes
+
+    def before_compute(self) -> None:
+        """The strategy is about to load the shards for a step (or validation): the target may sleep."""
+        hook = getattr(self.target, "before_compute", None)
+        if callable(hook):
+            hook()
+
+    def after_compute(self) -> None:
+        """The strategy offloaded the shards: the target wakes what a push needs."""
+        hook = getattr(self.target, "after_compute", None)
+        if callable(hook):
+            hook()
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        # sleep_level=2 dropped the engine's weights in a phase no trigger follows (validation): push now,
+        # before this step's rollouts.
+        if getattr(self.target, "weights_discarded", False) and not trainer.sanity_checking:
+            self.sync(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -164,6 +185,8 @@ class VLLMWeightSync(Callback):
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if isinstance(trainer.strategy, LazyExportFSDP2):
+            trainer.strategy.remove_phase_listener(self)
         if self._target_ready and stage == "fit":
             self.target.teardown()
 
@@ -388,6 +411,20 @@ def _require_strategy(trainer: pl.Trainer) -> LazyExportFSDP2:
             " Use Trainer(strategy=LazyExportFSDP2(...)) or Trainer(strategy='lazy_fsdp2')."
         )
     return strategy
+
+
+def _validate_sleep(target: Any, every_n_train_steps: Any, every_n_epochs: Any, lora: str, on_error: str) -> None:
+    """``sleep_level=2`` drops the engine's weights at every step: only a full push after every step restores them."""
+    if getattr(target, "sleep_level", None) != 2:
+        return
+    why = ("ColocatedVLLM(sleep_level=2) drops the engine's weights at every step and only a full push brings them"
+           " back, so VLLMWeightSync must push all weights after every optimizer step and never give up on one")
+    for bad, fix in ((every_n_train_steps not in (None, 1), f"every_n_train_steps={every_n_train_steps}"),
+                     (every_n_epochs is not None, f"every_n_epochs={every_n_epochs}"),
+                     (lora == "adapter", "lora='adapter' (base weights pushed once)"),
+                     (on_error == "warn", "on_error='warn'")):
+        if bad:
+            raise ValueError(f"{why}; {fix} would leave it without weights. Use sleep_level=1 for that, or drop it.")
 
 
 def _validate(target: Any, every_n_train_steps: Any, every_n_epochs: Any, dtype: Any) -> None:

