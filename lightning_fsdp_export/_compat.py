@@ -59,3 +59,38 @@ def remove_lora(llm: Any, lora_id: int) -> None:
 def list_loras(llm: Any) -> set[int]:
     """The ids of the LoRA adapters the engine holds (see :func:`add_lora`)."""
     return set(llm.llm_engine.list_loras())
+
+
+# -- FSDP2 internals (torch 2.13), used only by the pinned host pool of offload="params" -------------------
+# Covered by tests/test_offload_pool.py: a torch upgrade that renames or reshapes them fails that test.
+
+
+def fsdp_params(module: Any) -> list[Any]:
+    """Every ``FSDPParam`` of every ``fully_shard``-ed module inside ``module``, in module order."""
+    from torch.distributed.fsdp import FSDPModule
+
+    out = []
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            state = sub._get_fsdp_state()
+            for group in state._fsdp_param_groups:
+                out.extend(group.fsdp_params)
+    return out
+
+
+def sharded_storage(fsdp_param: Any) -> Any:
+    """The flat, padded storage of this rank's shard (``FSDPParam._sharded_param_data``)."""
+    return fsdp_param._sharded_param_data
+
+
+def install_sharded_storage(fsdp_param: Any, flat: Any) -> None:
+    """Make ``flat`` (same numel and dtype, padded) the shard's storage, the way ``reset_sharded_param`` does.
+
+    The local tensor becomes ``flat``'s unpadded rows, so FSDP2's own ``reset_sharded_param`` later sees
+    the same storage and neither re-pads (into new, unpinned memory) nor copies it.
+    """
+    param = fsdp_param.sharded_param
+    length = param._local_tensor.size(0) if param._local_tensor.numel() > 0 else 0
+    padded = flat.view(fsdp_param.padded_sharded_param_size)
+    fsdp_param._sharded_param_data = flat
+    param._local_tensor = padded.narrow(0, 0, length)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
-__all__ = ["OffloadMode", "move_module", "move_optimizer_state"]
+__all__ = ["HostPool", "OffloadMode", "move_module", "move_optimizer_state"]
 
 
 class OffloadMode(enum.Enum):
@@ -60,6 +60,81 @@ def move_module(module: nn.Module, device: torch.device, *, pin_memory: bool = F
         module._apply(_to_pinned_host)  # the entry point Module.to uses; FSDPModule overrides it
     else:
         module.to(device)
+
+
+class HostPool:
+    """Host buffers for the FSDP2 shards, allocated once per shard and reused at every offload.
+
+    ``offload="params"`` on CUDA moves every shard to the host after each step and back before the
+    next. Allocating pinned memory costs more than the copy it serves (``cudaHostAlloc`` per tensor,
+    every step), and FSDP2's ``Module._apply`` path re-pads uneven shards into fresh, unpinned memory.
+    The pool keeps one (pinned) buffer per shard, the shard's padded size: an offload copies into it
+    (``non_blocking``, one synchronisation for the whole model) and installs it as the shard's storage
+    (``_compat.install_sharded_storage``), uneven shards included; a load copies back into new device
+    memory. Gradients, plain parameters and buffers move as before (``Module._apply``).
+
+    Args:
+        pin: pin the buffers (CUDA); CPU-only torch refuses pinning, and there the pool is only used by
+            tests (``pin=False``).
+    """
+
+    def __init__(self, *, pin: bool) -> None:
+        self.pin = pin
+        self._buffers: dict[int, tuple[object, Tensor]] = {}
+        self.allocations = 0
+        """Buffers allocated so far: one per shard after the first offload, then no more."""
+
+    def offload(self, module: nn.Module) -> None:
+        """Copy every shard into its host buffer and make that buffer the shard's storage."""
+        from lightning_fsdp_export._compat import fsdp_params, install_sharded_storage, sharded_storage
+
+        staged = []
+        for fsdp_param in fsdp_params(module):
+            data = sharded_storage(fsdp_param)
+            key = id(fsdp_param)  # FSDPParam objects live as long as the module (their fqn is set lazily)
+            buffer = self._buffers.get(key, (None, None))[1]
+            if buffer is None or buffer.shape != data.shape or buffer.dtype != data.dtype:
+                buffer = torch.empty(data.shape, dtype=data.dtype, device="cpu", pin_memory=self.pin)
+                self._buffers[key] = (fsdp_param, buffer)  # the reference keeps the id unique
+                self.allocations += 1
+            if buffer.data_ptr() != data.data_ptr():
+                buffer.copy_(data, non_blocking=self.pin)
+            staged.append((fsdp_param, buffer))
+        if self.pin and torch.cuda.is_available():
+            torch.cuda.synchronize()  # one sync point for the whole model
+        for fsdp_param, buffer in staged:
+            install_sharded_storage(fsdp_param, buffer)
+        _move_rest(module, torch.device("cpu"))
+
+    def load(self, module: nn.Module, device: torch.device) -> None:
+        """Copy every shard back into new device memory (the host buffer stays for the next offload)."""
+        from lightning_fsdp_export._compat import fsdp_params, install_sharded_storage, sharded_storage
+
+        for fsdp_param in fsdp_params(module):
+            data = sharded_storage(fsdp_param)
+            if data.device != device or data.data_ptr() == self._buffer_ptr(fsdp_param):
+                install_sharded_storage(fsdp_param, data.to(device, non_blocking=self.pin, copy=True))
+        _move_rest(module, device)
+
+    def _buffer_ptr(self, fsdp_param: object) -> int:
+        entry = self._buffers.get(id(fsdp_param))
+        return -1 if entry is None else entry[1].data_ptr()
+
+
+def _move_rest(module: nn.Module, device: torch.device) -> None:
+    """Gradients of the shards, plain parameters and buffers: moved tensor by tensor."""
+    with torch.no_grad():
+        for sub in module.modules():
+            for key, param in sub._parameters.items():
+                if param is None:
+                    continue
+                if not isinstance(param, DTensor) and param.device != device:
+                    param.data = param.data.to(device)  # same Parameter object: the optimizer keeps it
+                if param.grad is not None and param.grad.device != device:
+                    param.grad = param.grad.to(device)
+            for key, buf in sub._buffers.items():
+                if buf is not None and buf.device != device:
+                    sub._buffers[key] = buf.to(device)
 
 
 def move_optimizer_state(optimizer: Optimizer, device: torch.device | None) -> None:

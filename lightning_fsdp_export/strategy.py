@@ -27,7 +27,7 @@ from lightning_fsdp_export.lora import (
     staged_merged_export,
 )
 from lightning_fsdp_export.materialize import materialize_meta
-from lightning_fsdp_export.offload import OffloadMode, move_module, move_optimizer_state
+from lightning_fsdp_export.offload import HostPool, OffloadMode, move_module, move_optimizer_state
 from lightning_fsdp_export.pretrained import load_hf_checkpoint
 from lightning_fsdp_export.sharding import auto_shard, is_fully_sharded, reject_fsdp1
 
@@ -140,6 +140,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
         self._export_module: nn.Module | None = None
         self._export_module_error: ValueError | None = None
         self._params_offloaded = False
+        self._pool: HostPool | None = None  # offload="params" on CUDA: pinned host buffers reused every step
         self._in_compute = False
         self._quiet_forward = 0  # > 0 while the strategy itself runs a forward (verify): not a compute phase
         self._phase_listeners: list[PhaseListener] = []
@@ -379,7 +380,14 @@ class LazyExportFSDP2(ModelParallelStrategy):
 
     def _move_params(self, device: torch.device) -> None:
         assert self.model is not None
-        move_module(self.model, device, pin_memory=device.type == "cpu")
+        if self._pool is None and self.root_device.type == "cuda":
+            self._pool = HostPool(pin=True)
+        if self._pool is not None and device.type == "cpu":
+            self._pool.offload(self.model)
+        elif self._pool is not None:
+            self._pool.load(self.model, device)
+        else:
+            move_module(self.model, device, pin_memory=device.type == "cpu")
         if self._offload_optimizer:
             for optimizer in self.optimizers:
                 move_optimizer_state(optimizer, device)

@@ -126,6 +126,34 @@ def scenario_training(offload: str | None, export_each_step: bool) -> dict[str, 
                 torch.equal(module.exports[0][k], module.exports[-1][k]) for k in module.exports[0])}
 
 
+def scenario_pool(pool: bool) -> dict[str, Any]:
+    """offload='params' with uneven shards (513 MLP rows over 2 ranks), with and without the host pool.
+
+    CPU torch cannot pin, so the pool runs with pin=False: every offload really copies into its buffer
+    and swaps the shard's storage (through the FSDP2 internals in _compat), every load copies back.
+    """
+    from lightning_fsdp_export._compat import fsdp_params, sharded_storage
+    from lightning_fsdp_export.offload import HostPool
+
+    seed_everything(0)
+    build = lambda: tiny_qwen2(intermediate_size=513)  # noqa: E731
+    module = LM(build, export_each_step=True)
+    strategy = LazyExportFSDP2(offload="params", offload_optimizer=True)
+    if pool:
+        strategy._pool = HostPool(pin=False)
+    got = fit(module, strategy, steps=4, capture_start=False)
+    out: dict[str, Any] = {"losses": module.losses, "after_steps": same(got["end"], got["full_state"]),
+                           "offload_moves": strategy.offload_moves}
+    if pool:
+        params = fsdp_params(strategy.model)
+        out["allocations"] = strategy._pool.allocations
+        out["fsdp_params"] = len(params)
+        out["storage_is_pool_buffer"] = all(
+            sharded_storage(p).data_ptr() == strategy._pool._buffer_ptr(p) for p in params)
+        out["uneven"] = any(p.sharded_param.shape[0] % 2 for p in params)  # 513 rows over 2 ranks
+    return out
+
+
 def scenario_error(make: Any) -> dict[str, Any]:
     seed_everything(0)
     try:
@@ -203,6 +231,8 @@ def main() -> None:
         "train_offload_params": lambda: scenario_training("params", True),
         "train_offload_policy": lambda: scenario_training("policy", False),
         "odd_shapes": scenario_odd_shapes,
+        "pool_off": lambda: scenario_pool(False),
+        "pool_on": lambda: scenario_pool(True),
         "err_fsdp1": lambda: scenario_error(lambda: (LM(own_sharding="fsdp1"), LazyExportFSDP2())),
         "err_export_module": lambda: scenario_error(lambda: (LM(), LazyExportFSDP2(export_module="policy"))),
         "err_lora_mode": lambda: scenario_error(lambda: (AsksForAdapters(), LazyExportFSDP2())),
