@@ -157,7 +157,41 @@ def main() -> None:
             times[name].append(time.perf_counter() - start if name != "floor" else floor_copy(nbytes, device))
             peaks[name] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
     report(args, device, model, nbytes, times, firsts, peaks)
+    if not args.fp32_master:
+        offload_rounds(model, device, args.repeats)
     dist.destroy_process_group()
+
+
+def offload_rounds(model: torch.nn.Module, device: torch.device, repeats: int) -> None:
+    """One offload + load round of ``offload="params"``: per-step pinned allocation vs the host pool."""
+    from lightning_fsdp_export.offload import HostPool
+
+    host = torch.device("cpu")
+    pool = HostPool(pin=device.type == "cuda")
+    ways = {"alloc_each_step": (lambda: move_module(model, host, pin_memory=True), lambda: move_module(model, device)),
+            "host_pool": (lambda: pool.offload(model), lambda: pool.load(model, device))}
+    move_module(model, device)
+    rows = {}
+    for name, (offload, load) in ways.items():
+        offload(), load()  # warm-up (the pool allocates its buffers here)
+        secs, peaks = [], {}
+        for _ in range(repeats):
+            sync(device)
+            start = time.perf_counter()
+            offload()
+            sync(device)
+            peaks["offloaded"] = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+            load()
+            sync(device)
+            secs.append(time.perf_counter() - start)
+            peaks["loaded"] = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        rows[name] = (statistics.median(secs), peaks)
+    print(f"\noffload='params': one offload + load round of the shards, {repeats} repeats")
+    print(f"{'method':<16} {'median s':>9} {'GPU GiB offloaded':>18} {'GPU GiB loaded':>15}")
+    for name, (sec, peaks) in rows.items():
+        print(f"{name:<16} {sec:>9.3f} {peaks['offloaded'] / 2**30:>18.2f} {peaks['loaded'] / 2**30:>15.2f}")
+    print(f"goal: host_pool/alloc_each_step {rows['host_pool'][0] / rows['alloc_each_step'][0]:.2f} (< 1)"
+          f"; pool buffers allocated once: {pool.allocations}")
 
 
 def report(args: argparse.Namespace, device: torch.device, model: torch.nn.Module, nbytes: int,

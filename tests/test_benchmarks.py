@@ -45,7 +45,7 @@ def test_export_bench_fp32_master_tiny(tmp_path: Path) -> None:
 def test_gpu_check_runs_on_cpu_fallback() -> None:
     proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--preset", "tiny", "--repeats", "1"], cwd=ROOT,
                           check=True, capture_output=True, text=True, timeout=300)
-    for word in ("staged", "lazy", "floor", "goals: staged/lazy"):
+    for word in ("staged", "lazy", "floor", "goals: staged/lazy", "host_pool", "alloc_each_step"):
         assert word in proc.stdout
     proc = subprocess.run([sys.executable, "benchmarks/gpu_check.py", "--preset", "tiny", "--repeats", "1",
                            "--fp32-master"], cwd=ROOT, check=True, capture_output=True, text=True, timeout=300)
