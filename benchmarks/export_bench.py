@@ -60,6 +60,16 @@ SHAPES = {  # name: (vocab, hidden, layers)
 Sample = tuple[float, int, int, int, int]  # seconds, peak extra RSS, bytes, tensors, module moves
 
 
+def start_two_ranks(script: str) -> None:
+    """Re-run ``script`` under torchrun with 2 processes (then exit), or, under torchrun, join the gloo group."""
+    if "LOCAL_RANK" not in os.environ:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", script, *sys.argv[1:]]
+        # A fixed mmap threshold: tensor-sized blocks are returned to the OS when freed, so RSS peaks
+        # are each method's own (glibc's dynamic threshold would keep them in the heap for reuse).
+        raise SystemExit(subprocess.call(cmd, env={"MALLOC_MMAP_THRESHOLD_": "131072", **os.environ}))
+    dist.init_process_group("gloo")
+
+
 def _status_kib(field: str) -> int:
     with open("/proc/self/status") as f:
         for line in f:
@@ -276,12 +286,7 @@ def main() -> None:
     parser.add_argument("--workdir", default="runs/bench")
     parser.add_argument("--json", default=None, help="write the results to this path (rank 0)")
     args = parser.parse_args()
-    if "LOCAL_RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", __file__, *sys.argv[1:]]
-        # A fixed mmap threshold: tensor-sized blocks are returned to the OS when freed, so RSS peaks
-        # are each method's own (glibc's dynamic threshold would keep them in the heap for reuse).
-        raise SystemExit(subprocess.call(cmd, env={"MALLOC_MMAP_THRESHOLD_": "131072", **os.environ}))
-    dist.init_process_group("gloo")
+    start_two_ranks(__file__)
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
     vocab, hidden, layers = SHAPES[args.shape]

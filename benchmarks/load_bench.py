@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ from transformers import Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from export_bench import describe, qwen2, run_all, shard, table  # noqa: E402
+from export_bench import describe, qwen2, run_all, shard, start_two_ranks, table  # noqa: E402
 
 from lightning_fsdp_export.export import lazy_export  # noqa: E402
 from lightning_fsdp_export.materialize import materialize_meta  # noqa: E402
@@ -61,10 +60,7 @@ def main() -> None:
     parser.add_argument("--workdir", default="runs/load_bench")
     parser.add_argument("--json", default=None, help="write the results to this path (rank 0)")
     args = parser.parse_args()
-    if "LOCAL_RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", __file__, *sys.argv[1:]]
-        raise SystemExit(subprocess.call(cmd, env={"MALLOC_MMAP_THRESHOLD_": "131072", **os.environ}))
-    dist.init_process_group("gloo")
+    start_two_ranks(__file__)
     path = Path(args.workdir) / f"qwen2_{args.vocab}_{args.hidden}_{args.layers}"
     if dist.get_rank() == 0 and not (path / "config.json").exists():
         model = qwen2(args.vocab, args.hidden, args.layers)

@@ -48,6 +48,21 @@ class CausalLM(pl.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
 
 
+class OddNet(torch.nn.Module):
+    """Rows that do not split evenly over 2 ranks (7, 1, 5, 3), mixed dtypes: the gathers' edge cases."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.a = torch.nn.Parameter(torch.randn(7, 3))
+        self.b = torch.nn.Parameter(torch.randn(1))
+        self.c = torch.nn.Parameter(torch.randn(5).to(torch.bfloat16))
+        self.d = torch.nn.Parameter(torch.randn(3, 2, 2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x[:, :3].float() @ self.a.T).sum() + self.b.sum() + self.c.float().sum() + self.d.sum()
+
+
 def start_script(default_only: str, work: str) -> tuple[argparse.Namespace, Path]:
     """Parse ``--out``/``--only`` (plus extra ``--server``), make the work folder, join the gloo group."""
     parser = argparse.ArgumentParser()

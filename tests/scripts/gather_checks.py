@@ -26,21 +26,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export.export import ExportReport, gather_full, lazy_export, plan_export  # noqa: E402
 from lightning_fsdp_export.lora import merged_in_place, staged_merged_export  # noqa: E402
 from lightning_fsdp_export.testing import tiny_llama, tiny_lora_qwen2, tiny_qwen2  # noqa: E402
-from tests.scripts.common import start_script  # noqa: E402
+from tests.scripts.common import OddNet, start_script  # noqa: E402
 
 MODES = [dict(bucket_bytes=b, prefetch=p) for b, p in itertools.product([0, 1 << 10, 1 << 20], [0, 1, 3])]
 
 
-class OddNet(nn.Module):
-    """Rows that do not split evenly over 2 ranks (7, 1, 5, 3), a 1-row tensor, mixed dtypes, an int buffer."""
+class OddNetPlus(OddNet):
+    """OddNet, plus two layers (names with a layer index: grouped gathers) and an int buffer (a plain tensor)."""
 
     def __init__(self) -> None:
         super().__init__()
-        torch.manual_seed(3)
-        self.a = nn.Parameter(torch.randn(7, 3))
-        self.b = nn.Parameter(torch.randn(1))
-        self.c = nn.Parameter(torch.randn(5).to(torch.bfloat16))
-        self.d = nn.Parameter(torch.randn(3, 2, 2))
         self.layers = nn.ModuleList([nn.Linear(6, 5), nn.Linear(5, 9)])
         self.register_buffer("steps", torch.arange(4))
 
@@ -128,7 +123,7 @@ def main() -> None:
     args, _ = start_script("", "gather")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     results: dict[str, Any] = {
-        "odd": check_model(shard(OddNet(), mesh)),
+        "odd": check_model(shard(OddNetPlus(), mesh)),
         "qwen2_tied": check_model(shard(tiny_qwen2(), mesh)),
         "llama_untied": check_model(shard(tiny_llama(), mesh)),
         "closed_early": check_closed_early(shard(tiny_qwen2(), mesh)),

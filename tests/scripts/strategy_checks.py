@@ -22,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import LazyExportFSDP2  # noqa: E402
 from lightning_fsdp_export.testing import tiny_llama, tiny_qwen2  # noqa: E402
-from tests.scripts.common import CausalLM, run_scenarios, token_loader  # noqa: E402
+from tests.scripts.common import CausalLM, OddNet, run_scenarios, token_loader  # noqa: E402
 
 
 def batches() -> torch.utils.data.DataLoader:
@@ -162,21 +162,6 @@ def scenario_error(make: Any) -> dict[str, Any]:
     except Exception as err:  # noqa: BLE001 - recorded for the test to check
         return {"error": type(err).__name__, "message": str(err)}
     return {"error": None}
-
-
-class OddNet(nn.Module):
-    """Rows that do not split evenly over 2 ranks (7, 1, 5, 3), mixed dtypes: the bucketed gather's edge cases."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        torch.manual_seed(3)
-        self.a = nn.Parameter(torch.randn(7, 3))
-        self.b = nn.Parameter(torch.randn(1))
-        self.c = nn.Parameter(torch.randn(5).to(torch.bfloat16))
-        self.d = nn.Parameter(torch.randn(3, 2, 2))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x[:, :3].float() @ self.a.T).sum() + self.b.sum() + self.c.float().sum() + self.d.sum()
 
 
 class OddLM(LM):
