@@ -100,6 +100,15 @@ def test_without_sleep_level_the_engine_never_sleeps(results: dict[str, Any]) ->
     assert all(r["params_offloaded"] for r in got["during_rollouts"])  # the shards still wait offloaded
 
 
+def test_offload_none_has_the_same_phases_without_shard_moves(results: dict[str, Any]) -> None:
+    got = scenario(results, "offload_none")
+    step = [call for call in STEP if call not in ("load", "offload")]
+    assert got["timeline"] == ["push", *step, *step]
+    assert not any(r["params_offloaded"] for r in got["during_rollouts"])
+    assert all(seen["engine_sleeping"] for seen in got["during_compute"])
+    assert_matches_trainer(got, 2)
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [({"every_n_train_steps": 2}, "every_n_train_steps=2"), ({"every_n_epochs": 1}, "every_n_epochs=1"),

@@ -106,7 +106,8 @@ ENGINE: dict[str, Any] = {}
 
 
 def fit(root: Path, model_dir: Path, *, steps: int, sleep_level: int | None = 1, accumulate: int = 1,
-        val_every: int | None = None, verify: bool = False, sync_on_train_start: bool = True) -> dict[str, Any]:
+        val_every: int | None = None, verify: bool = False, sync_on_train_start: bool = True,
+        offload: str | None = "params") -> dict[str, Any]:
     seed_everything(0)
     timeline: list[str] = []
     if "llm" in ENGINE:
@@ -117,7 +118,7 @@ def fit(root: Path, model_dir: Path, *, steps: int, sleep_level: int | None = 1,
     target.calls = timeline
     sync = VLLMWeightSync(target, verify="logprobs" if verify else None, sync_on_train_start=sync_on_train_start)
     check = Check(sync)
-    strategy = LazyExportFSDP2(offload="params")
+    strategy = LazyExportFSDP2(offload=offload)
     record_moves(strategy, timeline)
     module = RolloutLM(timeline)
     module.sync = sync
@@ -155,6 +156,7 @@ def main() -> None:
         "level2_accumulate": lambda: error_of(lambda: fit(root / "l2a", model_dir, steps=1, sleep_level=2,
                                                          accumulate=2)),
         "no_sleep": lambda: fit(root / "none", model_dir, steps=2, sleep_level=None),
+        "offload_none": lambda: fit(root / "keep", model_dir, steps=2, offload=None),
     }
     results = run_scenarios(runs, args.only.split(",") if args.only else list(runs))
     if dist.get_rank() == 0:
