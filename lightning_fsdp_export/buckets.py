@@ -113,7 +113,8 @@ def gather_in_order(
         bucket_bytes: the most bytes (full, after the cast) one collective gathers; consecutive tensors
             of one layer share a collective up to it, a larger tensor is gathered in row blocks of it.
             0: one collective per tensor, whole.
-        prefetch: collectives issued ahead of the one being consumed.
+        prefetch: collectives kept in flight while the consumer holds a result (issued right after the
+            previous one completed; with 1, never two at once).
         names: the tensors' names, for the layer boundaries (default: no boundaries).
         stats: if given, ``stats[0]`` is increased by the bytes gathered (all ranks' rows, padding included).
     """
@@ -133,21 +134,22 @@ def gather_in_order(
     in_flight: deque[tuple[_Collective, Tensor, Tensor, dist.Work | None]] = deque()
     upcoming = iter(plan)
 
-    def launch() -> None:
+    def launch() -> bool:
         coll = next(upcoming, None)
         if coll is not None:
             in_flight.append(_launch(coll, layouts, results, group, world, rank, device))
+        return coll is not None
 
-    for _ in range(1 + max(0, prefetch)):
-        launch()
     try:
-        while in_flight:
+        while in_flight or launch():
             coll, recv, send, work = in_flight[0]
             if work is not None:
                 work.wait()
             in_flight.popleft()
             del send
-            launch()  # keep ``prefetch`` collectives in flight while the consumer works
+            # Up to ``prefetch`` gathers run while the consumer takes this result (with 1, never two at once).
+            while len(in_flight) < prefetch and launch():
+                pass
             if stats is not None:
                 stats[0] += recv.numel() * recv.element_size()
             _unpack(coll, recv, layouts, results, world, device)

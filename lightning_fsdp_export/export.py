@@ -129,9 +129,9 @@ def gather_full(tensor: Tensor, *, device: torch.device, dtype: torch.dtype | No
 
 
 # Defaults from benchmarks/export_bench.py --fp32-master and sync_bench.py --ab-prefetch (BENCHMARKS.md),
-# 2 gloo ranks: one gather in flight is a small win for the export alone (0.48x vs 0.51x of cast-after)
-# and for a whole colocated sync (0.93-0.98x) at one more tensor of memory; buckets cut peak memory
-# (0.40x) but cost time on gloo (0.61x), so they stay off until a GPU check shows NCCL's latency win.
+# 2 gloo ranks: one gather in flight is a small win for the export alone (0.50x vs 0.53x of cast-after)
+# and for a whole colocated sync, at one more tensor of memory; buckets cut peak memory (0.38x) but
+# cost time on gloo (0.61x), so they stay off until a GPU check shows NCCL's latency win.
 DEFAULT_BUCKET_BYTES = 0
 DEFAULT_PREFETCH = 1
 

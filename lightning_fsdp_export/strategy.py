@@ -76,13 +76,15 @@ class LazyExportFSDP2(ModelParallelStrategy):
             consecutive FSDP2 shards of one decoder layer share a gather up to it, and a larger
             tensor is gathered in row blocks of it straight into its result (bit-identical either
             way). Bounds the export's transient memory to a few buckets beside the tensor handed
-            out: 16 MiB gave 0.40x the peak of whole gathers on 2 CPU ranks, but 1.2x the time
+            out: 16 MiB gave 0.38x the peak of whole gathers on 2 CPU ranks, but 1.15x the time
             (gloo is bandwidth-bound; NCCL's per-collective latency is where grouping should win).
             0 (default) gathers each tensor alone and whole.
         export_prefetch: all-gathers kept in flight (``async_op=True``) while the consumer takes the
             current tensor, overlapping gathers with, say, vLLM's reload; each costs one more
-            tensor (or bucket) of memory. Default 1 (measured: export 0.95x, colocated sync
-            0.93-0.98x of 0 on 2 shared CPU cores); 0: none.
+            tensor (or bucket) of memory. With 1 the next gather is issued once the previous one
+            completed, so two never run at once; more lets several run concurrently. Default 1
+            (measured on 2 shared CPU cores: export 0.94x of 0, colocated sync see BENCHMARKS.md);
+            0: none.
         data_parallel_size: ranks to shard over. Default: the whole world (pure FSDP).
         tensor_parallel_size: tensor-parallel ranks, applied by your own ``configure_model``. Default 1.
         save_distributed_checkpoint: as in ``ModelParallelStrategy``.
@@ -305,6 +307,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             for optimizer in self.optimizers:
                 move_optimizer_state(optimizer, None)  # next to each parameter, wherever it lives
+        self._in_compute = False  # a new run starts in the rollout phase (even after a validate/predict)
         self._offload_params()
 
     def _shard(self, model: nn.Module) -> None:
