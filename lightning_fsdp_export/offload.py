@@ -1,9 +1,10 @@
 """Moving sharded parameters and optimizer state between the device and the host.
 
 ``offload="params"`` keeps the sharded parameters (and, optionally, the optimizer state) on the CPU
-outside the training step, as verl does, so a colocated vLLM engine can use the accelerator memory in
-between. The moves below are model-wide: the strategy performs them around each training step and the
-staged (LoRA) export path performs them around an export; the lazy export path performs none.
+outside each step's compute phase (first forward to optimizer step), as verl does, so a colocated vLLM
+engine can use the accelerator memory in between. The moves below are model-wide: the strategy performs
+them around each compute phase (on CUDA through :class:`HostPool`) and the staged (LoRA) export path
+around an export; the lazy export path performs none.
 """
 
 from __future__ import annotations

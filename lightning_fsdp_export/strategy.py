@@ -68,7 +68,9 @@ class LazyExportFSDP2(ModelParallelStrategy):
         mixed_precision: FSDP2's ``MixedPrecisionPolicy`` for the automatic sharding.
         reshard_after_forward: FSDP2's ``reshard_after_forward`` for the automatic sharding.
         offload: ``None`` keeps shards on the device; ``"params"`` moves sharded parameters to the
-            (pinned, on CUDA) host outside the training step and back for it; ``"policy"`` uses FSDP2's
+            host (a pinned buffer per shard, reused, on CUDA) outside each step's compute phase (its
+            first forward through a sharded module to the optimizer step) and back for it; see
+            :meth:`add_phase_listener`. ``"policy"`` uses FSDP2's
             ``CPUOffloadPolicy`` (shards always on the host, gathered to the device per layer).
         offload_optimizer: with ``offload="params"``, move the optimizer state along with the
             parameters.
@@ -367,7 +369,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
             "offload_policy": policy,
         }
 
-    # -- offload="params": shards on the host outside the training step ------------------------------
+    # -- offload="params": shards on the host outside the compute phase ------------------------------
 
     def _offload_params(self) -> None:
         if self._offload is not OffloadMode.PARAMS or self._params_offloaded:
