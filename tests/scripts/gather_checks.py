@@ -28,7 +28,7 @@ from lightning_fsdp_export.lora import merged_in_place, staged_merged_export  # 
 from lightning_fsdp_export.testing import tiny_llama, tiny_lora_qwen2, tiny_qwen2  # noqa: E402
 from tests.scripts.common import OddNet, start_script  # noqa: E402
 
-MODES = [dict(bucket_bytes=b, prefetch=p) for b, p in itertools.product([0, 1 << 10, 1 << 20], [0, 1, 2])]
+MODES = [dict(bucket_bytes=b, prefetch=p) for b, p in itertools.product([0, 1 << 10, 1 << 20], [0, 1])]
 
 
 class OddNetPlus(OddNet):
@@ -77,8 +77,8 @@ def check_model(module: nn.Module) -> dict[str, Any]:
 
 
 def check_closed_early(module: nn.Module) -> dict[str, Any]:
-    """A consumer that stops after one tensor with 2 gathers in flight: the next export is still right."""
-    stream = lazy_export(module, dtype=torch.bfloat16, prefetch=2)
+    """A consumer that stops after one tensor with a gather in flight: the next export is still right."""
+    stream = lazy_export(module, dtype=torch.bfloat16, prefetch=1)
     next(stream)
     stream.close()  # the issued all-gathers complete on every rank; none is left to mismatch the next one
     return {"mismatched_after": compare(list(lazy_export(module, dtype=torch.bfloat16, prefetch=1)),
