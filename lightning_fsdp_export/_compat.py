@@ -1,7 +1,9 @@
-"""Version gates and the optional vLLM import, in one place.
+"""Version gates, the optional vLLM import, and every private name of vLLM or torch we rely on, in one place.
 
-Everything here that touches a vLLM name that is not public API is listed in one function and
-covered by ``tests/test_vllm_colocated.py`` so a vLLM upgrade that moves it fails a test, not a run.
+Each vLLM name that is not public API is used by one function here and covered by a test
+(``tests/test_sync.py``, ``tests/test_lora.py``) so a vLLM upgrade that moves it fails a test, not a
+run. The FSDP2 internals used by the pinned host pool are at the end, covered by
+``tests/test_strategy_distributed.py::test_host_pool_reuses_one_buffer_per_shard_and_trains_identically``.
 """
 
 from __future__ import annotations
