@@ -128,3 +128,17 @@ def test_pretrained_directory_without_safetensors_is_named(tmp_path) -> None:
 
     with pytest.raises(FileNotFoundError, match=r"holds no \*\.safetensors file"):
         checkpoint_shapes(tmp_path)
+
+
+def test_layer_key_partitions_names_as_vllm_layerwise_groups() -> None:
+    """The grouped gathers split at layer boundaries the way vLLM's weight transfer groups names."""
+    from vllm.distributed.weight_transfer.base import layerwise_groups
+
+    from lightning_fsdp_export.buckets import layer_key
+    from lightning_fsdp_export.testing import tiny_qwen2
+
+    names = [*tiny_qwen2().state_dict(), "model.layers.1.mlp.experts.7.w1", "visual.blocks.0.attn.qkv.weight"]
+    for group in layerwise_groups(names):
+        assert len({layer_key(n) for n in group}) == 1, group  # one key per vLLM group
+    keyed = {layer_key(n) for n in names} - {None}
+    assert len(keyed) == len([g for g in layerwise_groups(names) if layer_key(g[0]) is not None])
