@@ -64,7 +64,8 @@ def list_loras(llm: Any) -> set[int]:
 
 
 # -- FSDP2 internals (torch 2.13), used only by the pinned host pool of offload="params" -------------------
-# Covered by tests/test_offload_pool.py: a torch upgrade that renames or reshapes them fails that test.
+# Covered by tests/test_strategy_distributed.py (the host pool test): a torch upgrade that renames or
+# reshapes them fails it.
 
 
 def fsdp_params(module: Any) -> list[Any]:

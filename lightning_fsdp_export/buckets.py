@@ -87,7 +87,6 @@ class _Layout:
     wire: torch.dtype
     chunk: int  # padded rows per rank (torch.chunk semantics, as FSDP2 shards)
     row_bytes: int
-    cast: bool
 
     def valid_rows(self, rank: int, lo: int, rows: int) -> int:
         held = max(0, min(self.chunk, self.tensor.shape[0] - rank * self.chunk))
@@ -125,10 +124,9 @@ def gather_in_order(
     rank = mesh.get_local_rank()
     layouts = []
     for tensor in tensors:
-        cast = cast_before_gather(tensor, dtype)
-        wire = dtype if cast else tensor.dtype
+        wire = dtype if dtype is not None and cast_before_gather(tensor, dtype) else tensor.dtype
         row_bytes = math.prod(tensor.shape[1:]) * wire.itemsize
-        layouts.append(_Layout(tensor, wire, -(-tensor.shape[0] // world), row_bytes, cast))
+        layouts.append(_Layout(tensor, wire, -(-tensor.shape[0] // world), row_bytes))
     plan = _plan(layouts, world, bucket_bytes, names)
     results: dict[int, Tensor] = {}
     in_flight: deque[tuple[_Collective, Tensor, Tensor, dist.Work | None]] = deque()

@@ -34,6 +34,8 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from lightning_fsdp_export.sharding import outermost
+
 __all__ = ["materialize_meta"]
 
 _FLAG = "_is_hf_initialized"
@@ -178,19 +180,15 @@ def _outermost_hf_models(root: nn.Module) -> list[nn.Module]:
         from transformers import PreTrainedModel
     except ImportError:
         return []
-    found: list[nn.Module] = []
-    for _, sub in root.named_modules():
-        if isinstance(sub, PreTrainedModel) and not any(sub in set(f.modules()) for f in found):
-            found.append(sub)
-    return found
+    return [model for _, model in outermost(root, lambda m: isinstance(m, PreTrainedModel))]
 
 
 def _needs_rank_distinct_rng(root: nn.Module) -> bool:
     """Whether a DTensor lives on a mesh without DTensor's RNG tracker (CPU): then shards would repeat."""
     for tensor in _own_tensors(root):
         if isinstance(tensor, DTensor):
-            handle = getattr(torch, tensor.device_mesh.device_type, None)
-            if not hasattr(handle, "set_rng_state") or tensor.device_mesh.device_type == "cpu":
+            # DTensor's own test (is_rng_supported_mesh), without its warning: torch.cpu has no set_rng_state
+            if not hasattr(getattr(torch, tensor.device_mesh.device_type, None), "set_rng_state"):
                 return True
     return False
 

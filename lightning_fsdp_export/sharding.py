@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from torch import nn
@@ -10,7 +10,18 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["auto_shard", "default_shard_classes", "is_fully_sharded", "reject_fsdp1"]
+__all__ = ["auto_shard", "default_shard_classes", "is_fully_sharded", "outermost", "reject_fsdp1"]
+
+
+def outermost(root: nn.Module, match: Callable[[nn.Module], bool]) -> list[tuple[str, nn.Module]]:
+    """``(name, module)`` of every submodule of ``root`` (itself included) that ``match``es and has no
+    matching ancestor, in module order (say the top-level FSDP modules, or the outermost HF models)."""
+    found: list[tuple[str, nn.Module]] = []
+    for name, sub in root.named_modules():
+        inside = any(not above or name.startswith(f"{above}.") for above, _ in found)
+        if not inside and match(sub):
+            found.append((name, sub))
+    return found
 
 
 def is_fully_sharded(module: nn.Module) -> bool:

@@ -29,7 +29,7 @@ from lightning_fsdp_export.lora import (
 from lightning_fsdp_export.materialize import materialize_meta
 from lightning_fsdp_export.offload import HostPool, OffloadMode, move_module, move_optimizer_state
 from lightning_fsdp_export.pretrained import load_hf_checkpoint
-from lightning_fsdp_export.sharding import auto_shard, is_fully_sharded, reject_fsdp1
+from lightning_fsdp_export.sharding import auto_shard, is_fully_sharded, outermost, reject_fsdp1
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -405,9 +405,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
         (which gathers the parameters), so the shards are back on the device before any gather."""
         from torch.distributed.fsdp import FSDPModule
 
-        tops = [m for name, m in model.named_modules() if isinstance(m, FSDPModule)
-                and not any(isinstance(a, FSDPModule) for a in _ancestors(model, name))]
-        for module in tops:
+        for _, module in outermost(model, lambda m: isinstance(m, FSDPModule)):
             module.register_forward_pre_hook(self._on_forward, prepend=True)
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
@@ -525,11 +523,6 @@ class PhaseListener(Protocol):
         """The trainer gave the device back (shards offloaded with ``offload="params"``)."""
 
 
-def _ancestors(root: nn.Module, name: str) -> list[nn.Module]:
-    parts = name.split(".") if name else []
-    return [root.get_submodule(".".join(parts[:i])) for i in range(len(parts))]
-
-
 def _validate_pretrained(pretrained: Any, name: str) -> dict[str | None, Path] | None:
     """``{submodule name or None (the exported model): directory}``, every directory checked to exist."""
     if pretrained is None:
@@ -561,10 +554,7 @@ def _is_export_candidate(module: nn.Module) -> bool:
 
 def _find_export_module(root: nn.Module, name: str | None) -> nn.Module:
     """The submodule named ``name``, else the single outermost HF/peft model inside ``root``."""
-    candidates: list[str] = []
-    for sub_name, sub in root.named_modules():
-        if _is_export_candidate(sub) and not any(sub_name.startswith(f"{c}.") or not c for c in candidates):
-            candidates.append(sub_name)
+    candidates = [sub_name for sub_name, _ in outermost(root, _is_export_candidate)]
     if name is not None:
         try:
             return root.get_submodule(name)
