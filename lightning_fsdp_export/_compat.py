@@ -24,6 +24,18 @@ def import_vllm() -> ModuleType:
     return vllm
 
 
+def json_safe_update_info(update_info: Any) -> Any:
+    """An ``update_weights`` payload ready for JSON: IPC handles pickled the way vLLM's HTTP client does.
+
+    vLLM 0.32 keeps this in a private helper of ``vllm.distributed.weight_transfer.clients`` (its
+    ``HTTPVLLMWeightSyncClient`` calls it); the worker unpickles ``ipc_handles_pickled`` only with
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``. Other backends' payloads pass through unchanged.
+    """
+    from vllm.distributed.weight_transfer.clients import _json_safe_update_payload
+
+    return _json_safe_update_payload(update_info)
+
+
 def engine_runs_in_process(llm: Any) -> bool:
     """Whether the ``LLM``'s engine core runs in this process, so ``collective_rpc`` kwargs pass by reference.
 

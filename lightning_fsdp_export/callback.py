@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -21,13 +22,11 @@ from typing_extensions import override
 
 from lightning_fsdp_export.agreement import SyncGroup, plan_digest
 from lightning_fsdp_export.lora import write_adapter
+from lightning_fsdp_export.source import ExportSource
 from lightning_fsdp_export.strategy import LazyExportFSDP2
 from lightning_fsdp_export.targets.base import WeightTarget
 
 __all__ = ["VLLMWeightSync", "WeightSyncError"]
-
-_PROGRESS_AFTER_S = 2.0
-
 
 class WeightSyncError(RuntimeError):
     """A sync failed on at least one rank; every rank raises it, and the target is marked stale."""
@@ -126,7 +125,6 @@ class VLLMWeightSync(Callback):
         self.stale = True
         self._resumed = False
         self._target_ready = False
-        self._last_tensors: int | None = None
         self.last_metrics: dict[str, float] = {}
 
     @property
@@ -205,7 +203,7 @@ class VLLMWeightSync(Callback):
         self.version += 1
         start = time.perf_counter()
         try:
-            streams = self._sync(trainer, strategy)
+            sources = self._sync(trainer, strategy)
         except WeightSyncError as err:
             self.stale = True
             self._base_pushed = False
@@ -216,8 +214,7 @@ class VLLMWeightSync(Callback):
         self.stale = False
         self._base_pushed = True
         self.last_synced_step = trainer.global_step
-        self._last_tensors = streams[-1].tensors
-        self._log(trainer, time.perf_counter() - start, streams)
+        self._log(trainer, time.perf_counter() - start, sources)
 
     def _ensure_target(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> None:
         if self._target_ready:
@@ -232,23 +229,23 @@ class VLLMWeightSync(Callback):
         assert self._group is not None, "the sync group is built by _ensure_target"
         return self._group
 
-    def _sync(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> list[_Stream]:
+    def _sync(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> list[ExportSource]:
         plan = self._plan(trainer, strategy)
-        self._agree_before(strategy, [kwargs.get("lora", "merged") for kwargs, _ in plan])
+        self._agree_before(strategy, [mode for mode, _ in plan])
         error: BaseException | None = None
-        streams: list[_Stream] = []
-        for export_kwargs, push in plan:
-            stream = _Stream(strategy.export_weights(dtype=self._dtype or self.target.dtype, **export_kwargs),
-                             total=self._last_tensors, show=trainer.is_global_zero)
-            streams.append(stream)
+        sources: list[ExportSource] = []
+        for mode, push in plan:
+            source = strategy.export_source(dtype=self._dtype or self.target.dtype, lora=mode,
+                                            show_progress=trainer.is_global_zero)
+            sources.append(source)
             try:
                 if error is None:
-                    push(iter(stream))
+                    push(source)
             except Exception as err:  # noqa: BLE001 - reported below on every rank, after the ranks agree
                 error = err
-                failed_at = stream.where()
+                failed_at = source.where()
             finally:
-                stream.drain()  # the remaining gathers, so no other rank waits forever in one
+                source.drain()  # the remaining gathers, so no other rank waits forever in one
         mine = None if error is None else f"{type(error).__name__}: {error} ({failed_at})"
         failures = [(rank, msg) for rank, msg in enumerate(self._ranks.gather(mine)) if msg is not None]
         if failures:
@@ -259,7 +256,7 @@ class VLLMWeightSync(Callback):
             bad = "; ".join(f"rank {rank}: {msg}" for rank, msg in enumerate(verdicts) if msg)
             if bad:
                 raise WeightSyncError(f"Weight sync of version {self.version} did not verify ({bad}).")
-        return streams
+        return sources
 
     def _agree_before(self, strategy: LazyExportFSDP2, modes: list[str]) -> None:
         """Before any gather: same plan on every rank, finite weights, names and shapes the engine knows."""
@@ -297,16 +294,25 @@ class VLLMWeightSync(Callback):
                 " keeps its previous weights."
             )
 
-    def _plan(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> list[tuple[dict[str, Any], Any]]:
-        """The exports of this sync and where each goes, in the order every rank runs them."""
+    def _plan(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> list[tuple[str, Callable[[ExportSource], None]]]:
+        """The exports of this sync (their ``lora`` mode) and where each goes, in the order every rank runs them."""
         version = self.version
+        push = functools.partial(self._push, version=version)
         if self._lora == "merged":
-            return [({}, lambda weights: self.target.push(weights, version=version))]
-        plan: list[tuple[dict[str, Any], Any]] = []
+            return [("merged", push)]
+        plan: list[tuple[str, Callable[[ExportSource], None]]] = []
         if not self._base_pushed:
-            plan.append(({"lora": "base"}, lambda weights: self.target.push(weights, version=version)))
-        plan.append(({"lora": "adapter"}, lambda weights: self._push_adapter(weights, trainer, strategy)))
+            plan.append(("base", push))
+        plan.append(("adapter", lambda source: self._push_adapter(iter(source), trainer, strategy)))
         return plan
+
+    def _push(self, source: ExportSource, *, version: int) -> None:
+        """A target that consumes a source itself (``push_source``) gets it; others get one pass."""
+        push_source = getattr(self.target, "push_source", None)
+        if callable(push_source):
+            push_source(source, version=version)
+        else:
+            self.target.push(iter(source), version=version)
 
     def _push_adapter(self, weights: Iterator[tuple[str, Tensor]], trainer: pl.Trainer,
                       strategy: LazyExportFSDP2) -> None:
@@ -338,10 +344,10 @@ class VLLMWeightSync(Callback):
                 f"{self._verify_tolerance}: it does not hold the trainer's weights (a missing or misnamed tensor, or a"
                 " stale cache)")
 
-    def _log(self, trainer: pl.Trainer, seconds: float, streams: list[_Stream]) -> None:
+    def _log(self, trainer: pl.Trainer, seconds: float, sources: list[ExportSource]) -> None:
         self.last_metrics = {"weight_sync/seconds": seconds,
-                             "weight_sync/gigabytes": sum(s.bytes for s in streams) / 1e9,
-                             "weight_sync/tensors": float(sum(s.tensors for s in streams)),
+                             "weight_sync/gigabytes": sum(s.bytes for s in sources) / 1e9,
+                             "weight_sync/tensors": float(sum(s.tensors for s in sources)),
                              "weight_sync/version": float(self.version)}
         if trainer.is_global_zero:
             for logger in trainer.loggers:
@@ -359,48 +365,6 @@ class VLLMWeightSync(Callback):
         self.stale = True  # a restored run's engine holds whatever it was built from
         self._resumed = True
         self._base_pushed = False
-
-
-class _Stream:
-    """Counts what passes through; shows a rank-0 progress bar once a sync runs longer than ~2 s."""
-
-    def __init__(self, weights: Iterator[tuple[str, Tensor]], *, total: int | None, show: bool) -> None:
-        self._weights = weights
-        self._total = total
-        self.last_name: str | None = None
-        self.tensors = 0
-        self.bytes = 0
-        self._bar: Any = None
-        if show:
-            from tqdm.auto import tqdm
-
-            self._bar = tqdm(total=total, delay=_PROGRESS_AFTER_S, desc="weight sync", unit="tensor", leave=False)
-
-    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
-        self.done = False
-        for name, tensor in self._weights:
-            self.last_name = name
-            self.tensors += 1
-            self.bytes += tensor.numel() * tensor.element_size()
-            if self._bar is not None:
-                self._bar.update()
-            yield name, tensor
-        self.done = True
-
-    def where(self) -> str:
-        """Where the stream stood, for error messages."""
-        if getattr(self, "done", False):
-            return f"after all {self.tensors} tensors were streamed"
-        if self.last_name is None:
-            return "before the first tensor"
-        of = f" of {self._total}" if self._total else ""
-        return f"at tensor {self.last_name!r}, {self.tensors}{of}"
-
-    def drain(self) -> None:
-        for _ in self:
-            pass
-        if self._bar is not None:
-            self._bar.close()
 
 
 def _require_strategy(trainer: pl.Trainer) -> LazyExportFSDP2:

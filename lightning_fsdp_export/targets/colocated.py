@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import os
 import random
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -23,8 +21,7 @@ from lightning_fsdp_export._compat import (
 )
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_fsdp_export.agreement import compare_shapes
-from lightning_fsdp_export.targets.directory import read_checkpoint_shapes
+from lightning_fsdp_export.targets.directory import CheckpointCheck
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -80,8 +77,7 @@ class ColocatedVLLM:
         self._tp = tensor_parallel_size
         self._llm_kwargs = llm_kwargs
         self._engine: Any = llm
-        self._expected: dict[str, tuple[int, ...]] | None = None
-        self._tied = False
+        self._checkpoint: CheckpointCheck | None = None
         self.lora_request: Any = None
         """The ``LoRARequest`` of the latest adapter pushed with ``VLLMWeightSync(lora="adapter")``; pass it to
         ``llm.generate(..., lora_request=...)`` so rollouts use the current adapter."""
@@ -183,14 +179,9 @@ class ColocatedVLLM:
     def check_weights(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
         """Where ``exported`` disagrees with the engine's checkpoint (names and shapes from its safetensors
         headers); empty when they agree, or when the checkpoint is not a local directory."""
-        if self._expected is None:
-            path = Path(self._model or engine_model_path(self._engine))
-            self._expected = read_checkpoint_shapes(path) if path.is_dir() else {}
-            config = path / "config.json"
-            self._tied = config.is_file() and bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
-        if not self._expected:
-            return []
-        return compare_shapes(exported, self._expected, may_be_absent={"lm_head.weight"} if self._tied else set())
+        if self._checkpoint is None:
+            self._checkpoint = CheckpointCheck(self._model or engine_model_path(self._engine))
+        return self._checkpoint.problems(exported)
 
     def push_adapter(self, path: str | os.PathLike[str], *, version: int) -> None:
         """Load the peft adapter directory ``path`` as a new LoRA (id ``version``) and drop the previous one."""

@@ -146,3 +146,31 @@ def read_checkpoint_shapes(directory: str | os.PathLike[str]) -> dict[str, tuple
             for key in f.keys():
                 shapes[key] = tuple(f.get_slice(key).get_shape())
     return shapes
+
+
+class CheckpointCheck:
+    """Compares what the trainer exports with an engine's HF checkpoint directory (its safetensors headers).
+
+    Read once, on first use; a path that is not a local directory checks nothing (``readable`` False).
+    """
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self._expected: dict[str, tuple[int, ...]] | None = None
+        self._tied = False
+
+    @property
+    def readable(self) -> bool:
+        return self.path.is_dir() and any(self.path.glob("*.safetensors"))
+
+    def problems(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
+        """Where ``exported`` disagrees with the checkpoint; empty when they agree or it is not readable."""
+        from lightning_fsdp_export.agreement import compare_shapes
+
+        if self._expected is None:
+            self._expected = read_checkpoint_shapes(self.path) if self.readable else {}
+            config = self.path / "config.json"
+            self._tied = config.is_file() and bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
+        if not self._expected:
+            return []
+        return compare_shapes(exported, self._expected, may_be_absent={"lm_head.weight"} if self._tied else set())

@@ -1,108 +1,207 @@
-"""A vLLM OpenAI server elsewhere, updated through a directory both sides can read.
+"""``RemoteVLLM``: one or several vLLM OpenAI servers elsewhere, updated over the network or a directory.
 
-The server must run with ``VLLM_SERVER_DEV_MODE=1`` (it enables ``/collective_rpc``, ``/pause``,
-``/resume``, ``/reset_prefix_cache``, ``/update_weight_version``). vLLM's ``--api-key`` does not guard
-those routes: a dev-mode server must be reachable only from the trainers' network.
+Every server must run with ``VLLM_SERVER_DEV_MODE=1`` (it enables ``/pause``, ``/resume``,
+``/reset_prefix_cache``, the weight-transfer routes and ``/collective_rpc``). vLLM's ``--api-key`` does
+not guard those routes, and the transfer's store and sockets are unauthenticated: keep the servers,
+their dev-mode routes and trainer rank 0's store port on the trainers' own network.
 """
 
 from __future__ import annotations
 
-import json
 import os
-import urllib.error
-import urllib.request
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
-from urllib.parse import urlsplit
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, get_args
 
 import torch
 from torch import Tensor
 
-from lightning_fsdp_export.targets.directory import DEFAULT_SHARD_BYTES, DirectoryTarget
+from lightning_fsdp_export.source import ExportSource
+from lightning_fsdp_export.targets.directory import DEFAULT_SHARD_BYTES, CheckpointCheck, DirectoryTarget
+from lightning_fsdp_export.targets.http import Server, on_all
+from lightning_fsdp_export.targets.transfer import NativeTransfer, PauseMode, Transport, default_transport
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+__all__ = ["RemoteVLLM"]
+
+_TRANSPORTS = ("nccl", "ipc", "gloo", "directory")
+# Which transports use each transport-specific option; any other transport refuses it.
+_OPTIONS = {"directory": ("directory",), "shard_bytes": ("directory",), "keep_last": ("directory",),
+            "master_address": ("nccl", "gloo"), "master_port": ("nccl", "gloo"),
+            "buffer_bytes": ("nccl", "ipc", "gloo"), "packed": ("nccl", "ipc")}
+
 
 class RemoteVLLM:
-    """Rank 0 writes each version as safetensors, then asks the server to load it.
+    """Push each version to one or several running vLLM servers (replicas), all in the same sync.
 
-    Per sync: rank 0 writes ``directory/v{version}`` (files of at most ``shard_bytes``) while the
-    export runs (other ranks only take part in the gathers), then ``POST /pause?mode=wait``,
-    ``/collective_rpc`` with ``reload_weights(weights_path=...)``, ``/reset_prefix_cache``,
-    ``/update_weight_version`` and ``/resume``. The server repoints its model path at the version
-    directory, so the current one is never deleted (``keep_last`` >= 2 keeps the previous one too).
+    Transports (``transport=``):
+
+    * ``"nccl"``: vLLM's NCCL engine; the servers on other GPUs or nodes, started with
+      ``--weight-transfer-config '{"backend": "nccl"}'``. Trainer rank 0 joins the group on its GPU.
+    * ``"ipc"``: vLLM's CUDA-IPC engine, for a server on the trainer's own GPU
+      (``'{"backend": "ipc"}'`` and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` on the server).
+    * ``"gloo"``: this package's backend over CPU sockets (``'{"backend": "gloo"}'``; the server's
+      environment must have this package installed, which registers it as a vLLM plugin).
+    * ``"directory"``: rank 0 writes safetensors to ``directory`` (shared with the servers) and each
+      server reloads them (``/collective_rpc reload_weights``): for setups with no network path.
+
+    Default: ``"directory"`` when ``directory=`` is given, else ``"nccl"`` with CUDA and ``"gloo"`` without.
+    The network transports rendezvous at fit start (trainer rank 0 hosts a store at
+    ``master_address:master_port``; the servers' workers join at ranks after it, one server after the
+    other). Each sync then: ``/pause`` every server, stream the export once (every trainer rank takes
+    part in the gathers; rank 0 sends), set the version and reset the prefix cache on every server,
+    ``/resume``. All servers form one group: one replica that is down or refuses a tensor fails the
+    sync for all of them. Then every rank raises (``WeightSyncError`` from ``VLLMWeightSync``), the
+    servers that answer have their round closed and stay paused (never serving a half-loaded model),
+    and the next sync rebuilds the group, pushes every tensor and resumes them.
 
     Args:
-        base_url: the server's address, e.g. ``"http://10.0.0.5:8000"``; nothing else is contacted.
-        directory: a directory the server can read at the same path.
-        api_key: sent as ``Authorization: Bearer ...`` when set (the server's ``--api-key``).
-        dtype: the dtype to write; default ``torch.bfloat16``.
-        timeout: seconds for each HTTP request, the load included.
-        shard_bytes: the largest safetensors file written.
-        keep_last: version directories kept on disk.
+        base_url: a server's address (``"http://10.0.0.5:8000"``), or a list of them (replicas). A
+            data-parallel deployment behind one address is one entry (its ``/get_world_size`` counts
+            every rank).
+        transport: ``"nccl"``, ``"ipc"``, ``"gloo"`` or ``"directory"``; see above.
+        directory: (``"directory"``) a directory every server reads at the same path.
+        api_key: sent as ``Authorization: Bearer ...`` (the servers' ``--api-key``).
+        dtype: the dtype pushed; default ``torch.bfloat16``.
+        timeout: seconds for each HTTP request (a whole transfer round included) and, with ``"gloo"``,
+            for the rendezvous and every collective: a peer that dies mid-round ends the round after it.
+        pause_mode: ``"wait"`` (running requests finish first) or ``"keep"`` (they freeze during the
+            update and are recomputed with the new weights after it; for async RL).
+        master_address: (``nccl``/``gloo``) trainer rank 0's address as the servers reach it; default:
+            ``127.0.0.1`` when every server is local, else the address of this host's name.
+        master_port: (``nccl``/``gloo``) the store's port on rank 0; 0 (default) picks a free one.
+        buffer_bytes: (``nccl``/``gloo``/``ipc``) the packed chunk size; the trainer and every worker
+            hold up to two of them (vLLM's NCCL default: 1 GiB; ``gloo``: 64 MiB).
+        packed: (``nccl``/``ipc``) vLLM's packed transfer (``True``; unpacked IPC holds the whole model
+            on the GPU until the round ends).
+        shard_bytes: (``"directory"``) the largest safetensors file written.
+        keep_last: (``"directory"``) version directories kept on disk (at least 2: the servers read the
+            current one).
     """
 
-    def __init__(self, base_url: str, *, directory: str | os.PathLike[str], api_key: str | None = None,
-                 dtype: torch.dtype | None = torch.bfloat16, timeout: float = 300.0,
-                 shard_bytes: int = DEFAULT_SHARD_BYTES, keep_last: int = 2) -> None:
-        parts = urlsplit(base_url)
-        if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"RemoteVLLM(base_url={base_url!r}) must look like 'http://host:port'.")
+    def __init__(self, base_url: str | Sequence[str], *, transport: str | None = None,
+                 directory: str | os.PathLike[str] | None = None, api_key: str | None = None,
+                 dtype: torch.dtype | None = torch.bfloat16, timeout: float = 300.0, pause_mode: PauseMode = "wait",
+                 master_address: str | None = None, master_port: int = 0, buffer_bytes: int | None = None,
+                 packed: bool = True, shard_bytes: int | None = None, keep_last: int | None = None) -> None:
+        urls = [base_url] if isinstance(base_url, str) else list(base_url)
+        if not urls:
+            raise ValueError("RemoteVLLM(base_url=[]) needs at least one server address.")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"RemoteVLLM(base_url={urls!r}) lists a server twice.")
         if timeout <= 0:
             raise ValueError(f"RemoteVLLM(timeout={timeout}) must be a positive number of seconds.")
-        if keep_last < 2:
-            raise ValueError(f"RemoteVLLM(keep_last={keep_last}) must be at least 2: the server reads the current one.")
-        self.base_url = base_url.rstrip("/")
-        self._api_key = api_key
+        if pause_mode not in get_args(PauseMode):
+            raise ValueError(f"RemoteVLLM(pause_mode={pause_mode!r}) must be 'wait' or 'keep'.")
+        if transport is None:
+            transport = "directory" if directory is not None else default_transport()
+        if transport not in _TRANSPORTS:
+            raise ValueError(f"RemoteVLLM(transport={transport!r}) must be one of {', '.join(map(repr, _TRANSPORTS))}.")
+        given = {"directory": directory, "shard_bytes": shard_bytes, "keep_last": keep_last,
+                 "master_address": master_address, "master_port": master_port or None, "buffer_bytes": buffer_bytes,
+                 "packed": None if packed else False}
+        wrong = [f"{name}={value!r} (a {' / '.join(repr(t) for t in _OPTIONS[name])} option)"
+                 for name, value in given.items() if value is not None and transport not in _OPTIONS[name]]
+        if wrong:
+            raise ValueError(f"RemoteVLLM(transport={transport!r}) does not use {', '.join(wrong)}. Drop it, or choose"
+                             " that transport.")
+        if buffer_bytes is not None and buffer_bytes <= 0:
+            raise ValueError(f"RemoteVLLM(buffer_bytes={buffer_bytes}) must be a positive number of bytes.")
+        if not 0 <= master_port < 65536:
+            raise ValueError(f"RemoteVLLM(master_port={master_port}) must be a TCP port (0: pick a free one).")
+        self.transport = transport
+        self.servers = [Server(url, api_key=api_key, timeout=timeout) for url in urls]
+        self._dtype = dtype
         self._timeout = timeout
-        self._writer = DirectoryTarget(directory, dtype=dtype, shard_bytes=shard_bytes, keep_last=keep_last)
+        self._pause_mode = pause_mode
         self._is_rank_zero = True
+        self._checks: list[CheckpointCheck] | None = None
+        self.precheck_skipped: list[str] = []
+        self._writer: DirectoryTarget | None = None
+        self._native: NativeTransfer | None = None
+        if transport == "directory":
+            if directory is None:
+                raise ValueError("RemoteVLLM(transport='directory') needs directory=, a path every server can read.")
+            keep = 2 if keep_last is None else keep_last
+            if keep < 2:
+                raise ValueError(f"RemoteVLLM(keep_last={keep}) must be at least 2: the servers read the current one.")
+            self._writer = DirectoryTarget(directory, dtype=dtype, shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES,
+                                           keep_last=keep)
+        else:
+            self._native = NativeTransfer(self.servers, transport, master_address=master_address,  # type: ignore[arg-type]
+                                          master_port=master_port, buffer_bytes=buffer_bytes, packed=packed,
+                                          timeout=timeout, pause_mode=pause_mode)
+
+    @property
+    def base_url(self) -> str:
+        """The first server's address."""
+        return self.servers[0].url
 
     @property
     def dtype(self) -> torch.dtype | None:
-        return self._writer.dtype
+        return self._dtype
 
     def setup(self, trainer: pl.Trainer) -> None:
-        self._writer.setup(trainer)
-        self._is_rank_zero = trainer.global_rank == 0  # the server is first contacted by the first push
+        """Every rank: the network transports rendezvous here (rank 0 with every server)."""
+        self._is_rank_zero = trainer.global_rank == 0
+        if self._writer is not None:
+            self._writer.setup(trainer)
+        if self._native is not None:
+            self._native.setup(trainer.global_rank)
+
+    def check_weights(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
+        """Names and shapes the servers' checkpoints would refuse, when rank 0 can read them.
+
+        No route tells the HF names and shapes a server loads; a server's ``/v1/models`` root is its
+        checkpoint path, so this reads its safetensors headers when that path exists on rank 0.
+        ``precheck_skipped`` lists the servers whose checkpoint was not readable (checked by the load).
+        """
+        if not self._is_rank_zero:
+            return []
+        if self._checks is None:
+            roots = on_all(self.servers, lambda s: s.request("GET", "/v1/models")["data"][0].get("root", ""))
+            self._checks = [CheckpointCheck(root) for root in roots]
+            self.precheck_skipped = [s.url for s, c in zip(self.servers, self._checks) if not c.readable]
+            if self.precheck_skipped:
+                from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+                rank_zero_info(f"RemoteVLLM: the checkpoints of {self.precheck_skipped} are not readable here; names and"
+                               " shapes are not checked before sending (the servers' load checks them).")
+        return [f"{s.url}: {line}" for s, check in zip(self.servers, self._checks) for line in check.problems(exported)]
+
+    def push_source(self, source: ExportSource, *, version: int) -> None:
+        """Send one version from ``source`` (every rank; a collective export pass)."""
+        if self._native is not None:
+            self._native.push(source, version=version)
+        else:
+            self.push(iter(source), version=version)
 
     def push(self, weights: Iterator[tuple[str, Tensor]], *, version: int) -> None:
+        """The ``WeightTarget`` protocol: a plain stream of ``(name, tensor)`` (``"directory"`` only)."""
+        if self._writer is None:
+            raise TypeError(f"RemoteVLLM(transport={self.transport!r}) sends from a source: call push_source(), as"
+                            " VLLMWeightSync does.")
         self._writer.push(weights, version=version)
         if not self._is_rank_zero:
             return
-        path = os.fspath(self._writer.version_dir(version).resolve())
-        self.request("POST", "/pause?mode=wait")
+        path = os.fspath(Path(self._writer.version_dir(version)).resolve())
+        reload = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+        on_all(self.servers, lambda s: s.request("POST", "/pause?mode=wait"))
         try:
-            self.request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
-            self.request("POST", "/reset_prefix_cache")
-            self.request("POST", "/update_weight_version", {"new_version": str(version)})
+            on_all(self.servers, lambda s: s.request("POST", "/collective_rpc", reload))
+            on_all(self.servers, lambda s: s.request("POST", "/reset_prefix_cache"))
+            on_all(self.servers, lambda s: s.request("POST", "/update_weight_version", {"new_version": str(version)}))
         finally:
-            self.request("POST", "/resume")
+            on_all(self.servers, lambda s: s.request("POST", "/resume"))
 
     def request(self, method: str, route: str, body: dict[str, Any] | None = None) -> Any:
-        """One HTTP request to the server; raises ``ConnectionError`` naming the URL on any failure."""
-        url = self.base_url + route
-        headers = {"Content-Type": "application/json"}
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
-        data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(url, data=data, headers=headers, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=self._timeout) as resp:
-                text = resp.read().decode() or "null"
-        except urllib.error.HTTPError as err:
-            detail = err.read().decode(errors="replace")[:500]
-            raise ConnectionError(f"vLLM server {method} {url} answered {err.code}: {detail}") from err
-        except (urllib.error.URLError, OSError) as err:
-            raise ConnectionError(
-                f"vLLM server {method} {url} failed: {err}. Is the server up, started with VLLM_SERVER_DEV_MODE=1,"
-                f" and reachable from this trainer?"
-            ) from err
-        try:
-            return json.loads(text)
-        except json.JSONDecodeError:
-            return text
+        """One HTTP request to the first server; raises ``ConnectionError`` naming the URL on any failure."""
+        return self.servers[0].request(method, route, body)
 
     def teardown(self) -> None:
-        pass
+        """Shut the transfer engine down on every server that answers (network transports)."""
+        if self._native is not None:
+            self._native.disconnect()
+

@@ -1,0 +1,170 @@
+"""``ExportSource``: the trainer's weights as a re-iterable stream with metadata; torch only.
+
+One object answers the two questions every consumer of a weight sync asks, in the shape of vLLM's
+``WeightSource`` (``vllm.distributed.weight_transfer.base``):
+
+* ``metadata()``: ``(name, wire dtype, full shape)`` per tensor, read from the state dict with no
+  collective (an FSDP2 DTensor knows its global shape);
+* ``iter(source)``: a fresh ``export_weights()`` pass, a collective generator every rank drains.
+
+Both come in vLLM's layerwise order (:func:`layerwise_groups` flattened: embeddings, then the decoder
+layers, then the rest), which for Qwen2/Llama is the state dict's own order. The source owns the live
+pass: :meth:`ExportSource.drain` finishes it after a failure, so no rank is left inside a gather, and
+it counts what went through (tensors, bytes, a rank-0 progress bar for long syncs).
+:meth:`LazyExportFSDP2.weight_source` wraps it as a vLLM ``WeightSource`` subclass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_fsdp_export.buckets import layer_key
+
+__all__ = ["ExportSource", "TensorMeta", "layerwise_groups", "layerwise_entries"]
+
+_PROGRESS_AFTER_S = 2.0
+
+Entries = list[tuple[list[str], Tensor]]
+
+
+@dataclass(frozen=True)
+class TensorMeta:
+    """One exported tensor as it goes on the wire: vLLM's ``ParamMeta`` fields."""
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+def layerwise_groups(names: list[str]) -> list[list[str]]:
+    """vLLM's ``layerwise_groups``, without importing vLLM: one group per decoder layer.
+
+    Names without a layer index go to the first group (before any indexed name) or the last (after);
+    stacks come out by first appearance of their prefix, then by index. ``tests/test_unit.py`` checks it
+    against vLLM's own function on several architectures' names.
+    """
+    pre: list[str] = []
+    post: list[str] = []
+    stacks: dict[tuple[str, int], list[str]] = {}
+    for name in names:
+        key = layer_key(name)
+        if key is None:
+            (post if stacks else pre).append(name)
+        else:
+            stacks.setdefault(key, []).append(name)
+    prefixes: dict[str, int] = {}
+    for prefix, _ in stacks:
+        prefixes.setdefault(prefix, len(prefixes))
+    ordered = sorted(stacks, key=lambda key: (prefixes[key[0]], key[1]))
+    return ([pre] if pre else []) + [stacks[key] for key in ordered] + ([post] if post else [])
+
+
+def layerwise_entries(entries: Entries) -> Entries:
+    """``entries`` reordered so their names come in flattened :func:`layerwise_groups` order.
+
+    A tied tensor whose names land apart (an ``lm_head`` after the layers, its embedding before) becomes
+    two entries of the same tensor, gathered twice; names that stay adjacent share one gather.
+    """
+    owner = {name: i for i, (names, _) in enumerate(entries) for name in names}
+    order = [name for group in layerwise_groups(list(owner)) for name in group]
+    out: Entries = []
+    last = -1
+    for name in order:
+        i = owner[name]
+        if i == last:
+            out[-1][0].append(name)
+        else:
+            out.append(([name], entries[i][1]))
+        last = i
+    return out
+
+
+def wire_dtype(tensor: Tensor, dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype an export with ``dtype`` yields for ``tensor`` (floating tensors are cast)."""
+    return dtype if dtype is not None and tensor.is_floating_point() else tensor.dtype
+
+
+class ExportSource:
+    """The trainer's weights for one kind of push: metadata, fresh collective passes, drain.
+
+    Built by :meth:`LazyExportFSDP2.export_source`; the callback and every target consume it.
+
+    Args:
+        entries: what one pass exports, ``(names, tensor)`` in layerwise order (for metadata; no collective).
+        export: starts one collective pass yielding exactly those names in that order, cast to ``dtype``.
+        dtype: the wire dtype of floating tensors (``None``: their own).
+        show_progress: a progress bar on this rank once a pass runs longer than ~2 s.
+    """
+
+    def __init__(self, entries: Callable[[], Entries], export: Callable[[], Iterator[tuple[str, Tensor]]],
+                 *, dtype: torch.dtype | None, show_progress: bool = False) -> None:
+        self._entries = entries
+        self._export = export
+        self.dtype = dtype
+        self._show = show_progress
+        self._live: Iterator[tuple[str, Tensor]] | None = None
+        self._bar: Any = None
+        self.tensors = 0
+        self.bytes = 0
+        self.last_name: str | None = None
+        self.done = False
+        self.expected: int | None = None
+
+    def metadata(self) -> list[TensorMeta]:
+        """``(name, wire dtype, full shape)`` for every tensor a pass yields, in its order; no collective."""
+        return [TensorMeta(name, wire_dtype(tensor, self.dtype), tuple(tensor.shape))
+                for names, tensor in self._entries() for name in names]
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        """A fresh pass (a collective: every rank must iterate it, or :meth:`drain` it, to the end)."""
+        self.drain()  # a pass left half-way would leave the other ranks in its gathers
+        self.tensors = self.bytes = 0
+        self.last_name = None
+        self.done = False
+        self.expected = sum(len(names) for names, _ in self._entries())
+        if self._show:
+            from tqdm.auto import tqdm
+
+            self._bar = tqdm(total=self.expected, delay=_PROGRESS_AFTER_S, desc="weight sync", unit="tensor",
+                             leave=False)
+        live = self._count(self._export())
+        self._live = live
+        return live
+
+    def _count(self, weights: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        for name, tensor in weights:
+            self.last_name = name
+            self.tensors += 1
+            self.bytes += tensor.numel() * tensor.element_size()
+            if self._bar is not None:
+                self._bar.update()
+            yield name, tensor
+        self.done = True
+        self._close()
+
+    def drain(self) -> None:
+        """Finish the live pass, if any, running its remaining gathers (after a consumer failed)."""
+        live, self._live = self._live, None
+        if live is not None:
+            for _ in live:
+                pass
+        self._close()
+
+    def _close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+
+    def where(self) -> str:
+        """Where the last pass stood, for error messages."""
+        if self.done:
+            return f"after all {self.tensors} tensors were streamed"
+        if self.last_name is None:
+            return "before the first tensor"
+        of = f" of {self.expected}" if self.expected else ""
+        return f"at tensor {self.last_name!r}, {self.tensors}{of}"

@@ -1,0 +1,82 @@
+"""One vLLM server's HTTP routes, and calling several at once; standard library only."""
+
+from __future__ import annotations
+
+import json
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+__all__ = ["Server", "ServerError", "on_all"]
+
+T = TypeVar("T")
+
+
+class ServerError(ConnectionError):
+    """A request to one server failed; ``url`` names it."""
+
+    def __init__(self, message: str, url: str) -> None:
+        super().__init__(message)
+        self.url = url
+
+
+class Server:
+    """A vLLM OpenAI server started with ``VLLM_SERVER_DEV_MODE=1`` (its weight-sync routes)."""
+
+    def __init__(self, base_url: str, *, api_key: str | None, timeout: float) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.netloc:
+            raise ValueError(f"RemoteVLLM(base_url={base_url!r}) must look like 'http://host:port'.")
+        self.url = base_url.rstrip("/")
+        self.host = parts.hostname or ""
+        self._api_key = api_key
+        self.timeout = timeout
+
+    def request(self, method: str, route: str, body: dict[str, Any] | None = None, *,
+                timeout: float | None = None) -> Any:
+        """One request; raises :class:`ServerError` naming the URL on any failure, the server's answer included."""
+        url = self.url + route
+        headers = {"Content-Type": "application/json"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(url, data=data, headers=headers, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
+                text = resp.read().decode() or "null"
+        except urllib.error.HTTPError as err:
+            detail = err.read().decode(errors="replace")[:500]
+            raise ServerError(f"vLLM server {method} {url} answered {err.code}: {detail}", self.url) from err
+        except (urllib.error.URLError, OSError) as err:
+            raise ServerError(
+                f"vLLM server {method} {url} failed: {err}. Is the server up, started with VLLM_SERVER_DEV_MODE=1,"
+                f" and reachable from this trainer?", self.url) from err
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            return text
+
+    def __repr__(self) -> str:
+        return f"Server({self.url!r})"
+
+
+def on_all(servers: Sequence[Server], call: Callable[[Server], T]) -> list[T]:
+    """``call`` on every server concurrently; raises the first failure after all have answered.
+
+    The failure names every server that failed (``ServerError.url`` is the first one's).
+    """
+    if len(servers) == 1:
+        return [call(servers[0])]
+    with ThreadPoolExecutor(max_workers=len(servers)) as pool:
+        futures = [pool.submit(call, server) for server in servers]
+    errors = [(s, f.exception()) for s, f in zip(servers, futures) if f.exception() is not None]
+    if errors:
+        first = errors[0][1]
+        if len(errors) == 1:
+            raise first  # type: ignore[misc]
+        lines = "; ".join(str(err) for _, err in errors)
+        raise ServerError(f"{len(errors)} of {len(servers)} servers failed: {lines}", errors[0][0].url) from first
+    return [f.result() for f in futures]

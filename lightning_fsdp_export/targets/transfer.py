@@ -1,0 +1,257 @@
+"""``RemoteVLLM``'s weight-transfer transports: vLLM's ``nccl`` / ``ipc`` engines and our ``gloo``.
+
+The trainer side is vLLM's own API (``vllm.distributed.weight_transfer``): one trainer engine per rank,
+built by ``WeightTransferTrainerFactory.trainer_init`` over a ``WeightSource`` and a client; each sync
+is one ``send_weights()`` on every rank (rank 0 sends, the others iterate the source so the FSDP
+gathers line up). This module adds what a deployment needs around it:
+
+* :class:`FanOutClient`, vLLM's four-method ``VLLMWeightSyncClient`` over several servers at once: each
+  server gets its own ``rank_offset`` (a running sum of ``/get_world_size``), and
+  ``finish_weight_update`` carries the sync's version (vLLM's engines send none);
+* :class:`NativeTransfer`, the round around ``send_weights``: ``/pause``, the transfer, the prefix
+  cache reset, ``/resume``; and after a failure: close the round on every reachable server, leave them
+  paused (they answer no request with half-loaded weights), and re-initialise the transfer group at
+  the next sync, which then pushes everything.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lightning_fsdp_export._compat import json_safe_update_info
+from lightning_fsdp_export.source import ExportSource
+from lightning_fsdp_export.targets.http import Server, ServerError, on_all
+
+__all__ = ["FanOutClient", "NativeTransfer", "Transport", "PauseMode"]
+
+Transport = Literal["nccl", "ipc", "gloo"]
+PauseMode = Literal["wait", "keep"]
+
+
+class FanOutClient:
+    """vLLM's ``VLLMWeightSyncClient`` protocol over one or several servers, called concurrently.
+
+    Args:
+        servers: the servers, in transfer-rank order.
+        offsets: each server's first rank in the transfer group (its ``rank_offset``).
+    """
+
+    def __init__(self, servers: Sequence[Server], offsets: Sequence[int]) -> None:
+        self.servers = list(servers)
+        self.offsets = dict(zip((s.url for s in servers), offsets))
+        self.version: str | None = None
+        self.calls: list[str] = []
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        def init(server: Server) -> Any:
+            info = dict(init_info)
+            if "rank_offset" in info:  # broadcast backends; IPC has no group
+                info["rank_offset"] = self.offsets[server.url]
+            return server.request("POST", "/init_weight_transfer_engine", {"init_info": info})
+
+        self._all("init_weight_transfer_engine", init)
+
+    def start_weight_update(self) -> None:
+        self._all("start_weight_update", lambda s: s.request("POST", "/start_weight_update"))
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        body = {"update_info": json_safe_update_info(update_info)}
+        self._all("update_weights", lambda s: s.request("POST", "/update_weights", body))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        version = weight_version if weight_version is not None else self.version
+        body = None if version is None else {"weight_version": version}
+        self._all("finish_weight_update", lambda s: s.request("POST", "/finish_weight_update", body))
+
+    def _all(self, what: str, call: Any) -> None:
+        self.calls.append(what)
+        on_all(self.servers, call)
+
+
+class _Relay:
+    """The ``WeightSource`` a trainer engine is built with once: each sync points it at that sync's export."""
+
+    def __init__(self) -> None:
+        self.current: Any = None
+
+    def metadata(self) -> list[Any]:
+        return self.current.metadata()
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        return iter(self.current)
+
+
+def _relay_class() -> type:
+    from vllm.distributed.weight_transfer.base import WeightSource
+
+    class Relay(_Relay, WeightSource):  # WeightSource's iter_groups/groups work on the relayed source
+        pass
+
+    return Relay
+
+
+class NativeTransfer:
+    """One transfer group from trainer rank 0 to every worker of ``servers``, and the per-sync round.
+
+    Args:
+        servers: the servers (replicas) updated by every sync.
+        transport: ``"nccl"`` / ``"ipc"`` (vLLM's engines) or ``"gloo"`` (ours).
+        master_address: where the servers reach trainer rank 0's store (``nccl``/``gloo``).
+        master_port: its port; 0 picks a free one at each rendezvous.
+        buffer_bytes: the packed chunk size (``None``: the backend's default).
+        packed: vLLM's ``packed`` wire flag (``nccl``/``ipc``).
+        timeout: seconds for the rendezvous and every collective of the transfer (``gloo``), and per request.
+        pause_mode: ``"wait"`` lets running requests finish before the update; ``"keep"`` freezes them
+            and preempts them after it (async RL).
+    """
+
+    def __init__(self, servers: Sequence[Server], transport: Transport, *, master_address: str | None,
+                 master_port: int, buffer_bytes: int | None, packed: bool, timeout: float,
+                 pause_mode: PauseMode) -> None:
+        self.servers = list(servers)
+        self.transport = transport
+        self.master_address = master_address
+        self.master_port = master_port
+        self.buffer_bytes = buffer_bytes
+        self.packed = packed
+        self.timeout = timeout
+        self.pause_mode = pause_mode
+        self.rank = 0
+        self.world_size = 0
+        self.client: FanOutClient | None = None
+        self.engine: Any = None
+        self.relay: Any = None
+        self.broken = True  # no group yet: the first push (or setup) builds it
+
+    # -- setup and teardown ------------------------------------------------------------------------
+
+    def setup(self, rank: int) -> None:
+        """Every rank: build the trainer engine; on rank 0 that is the rendezvous with every server."""
+        self.rank = rank
+        if self.transport == "gloo":
+            from lightning_fsdp_export.targets.gloo import register
+
+            register()
+        self.relay = _relay_class()()
+        self.connect()
+
+    def connect(self) -> None:
+        """(Re)build the transfer group: rank 0 asks every server's world size, hosts the store, and
+        rendezvouses; other ranks build an engine that only iterates the source."""
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        if self.rank == 0:
+            self.disconnect()
+            sizes = on_all(self.servers, lambda s: int(s.request("GET", "/get_world_size")["world_size"]))
+            offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
+            self.world_size = 1 + sum(sizes)
+            self.client = FanOutClient(self.servers, offsets)
+        else:
+            self.client = FanOutClient([], [])
+        self.engine = WeightTransferTrainerFactory.trainer_init(self._init_info(), client=self.client, source=self.relay)
+        self.broken = False
+
+    def _init_info(self) -> Any:
+        extra = {} if self.buffer_bytes is None else {"packed_buffer_size_bytes": self.buffer_bytes}
+        if self.transport == "ipc":
+            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+            return IPCTrainerInitInfo(rank=self.rank, packed=self.packed, **extra)
+        address = self.master_address or _default_address(self.servers)
+        port = self.master_port or (_free_port(address) if self.rank == 0 else 0)
+        if self.transport == "nccl":
+            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+            return NCCLTrainerInitInfo(rank=self.rank, master_address=address, master_port=port,
+                                       world_size=self.world_size, packed=self.packed, **extra)
+        from lightning_fsdp_export.targets.gloo import GlooTrainerInitInfo
+
+        return GlooTrainerInitInfo(rank=self.rank, master_address=address, master_port=port,
+                                   world_size=self.world_size, timeout_s=self.timeout, **extra)
+
+    def disconnect(self) -> None:
+        """Rank 0: shut the transfer engine down on every server that answers; drop ours."""
+        if self.engine is not None:
+            self.engine.shutdown()
+            self.engine = None
+        if self.rank == 0 and self.client is not None:
+            for server in self.servers:
+                try:
+                    server.request("POST", "/shutdown_weight_transfer_engine", timeout=min(self.timeout, 30.0))
+                except ServerError:
+                    pass
+        self.client = None
+
+    # -- one sync ----------------------------------------------------------------------------------
+
+    def push(self, source: ExportSource, *, version: int) -> None:
+        """Send ``source`` as ``version`` to every server; every rank calls it (rank 0 drives the servers)."""
+        from lightning_fsdp_export.targets.vllm_source import FSDP2WeightSource
+
+        self.relay.current = FSDP2WeightSource(source)
+        if self.rank != 0:
+            self.engine.send_weights()  # iterates the source: this rank's part of the gathers
+            return
+        if self.broken:
+            self.connect()
+        assert self.client is not None
+        self.client.version = str(version)
+        paused = False
+        try:
+            keep = self.pause_mode == "keep"
+            route = "/pause?mode=keep&clear_cache=false" if keep else "/pause?mode=wait"
+            on_all(self.servers, lambda s: s.request("POST", route))
+            paused = True
+            self.engine.send_weights()
+            reset = "/reset_prefix_cache?reset_running_requests=true" if keep else "/reset_prefix_cache"
+            answers = on_all(self.servers, lambda s: (s, s.request("POST", reset)))
+            refused = [s.url for s, answer in answers if not (isinstance(answer, dict) and answer.get("success"))]
+            if refused:
+                raise ServerError(f"vLLM server(s) {refused} refused to reset the prefix cache after the update"
+                                  " ({'success': false}: blocks still held); their cached prompts would use the old"
+                                  " weights.", refused[0])
+        except BaseException:
+            self.broken = True
+            if paused:
+                self._close_round()
+            raise
+        on_all(self.servers, lambda s: s.request("POST", "/resume"))
+
+    def _close_round(self) -> None:
+        """After a failed round: end it on every server that answers, so the next one can start. The
+        servers stay paused (the model may be half-loaded) until the next full push resumes them."""
+        for server in self.servers:
+            try:
+                server.request("POST", "/finish_weight_update", timeout=min(self.timeout, 30.0))
+                continue
+            except ServerError as err:
+                if "without a matching" not in str(err) or self.transport == "gloo":
+                    continue  # down, or our gloo worker already closed its round when it failed
+            try:  # vLLM's engines leave the layerwise reload open after a failed update: close it empty
+                server.request("POST", "/start_weight_update", timeout=min(self.timeout, 30.0))
+                server.request("POST", "/finish_weight_update", timeout=min(self.timeout, 30.0))
+            except ServerError:
+                pass
+
+
+def _default_address(servers: Sequence[Server]) -> str:
+    """The trainer's address as the servers see it: loopback for local servers, else this host's name's address."""
+    if all(s.host in ("127.0.0.1", "localhost", "::1") for s in servers):
+        return "127.0.0.1"
+    return socket.gethostbyname(socket.gethostname())
+
+
+def _free_port(address: str) -> int:
+    with socket.socket() as sock:
+        sock.bind((address, 0))
+        return int(sock.getsockname()[1])
+
+
+def default_transport() -> Transport:
+    """``"nccl"`` when CUDA is available, else ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"

