@@ -114,6 +114,7 @@ class ExportSource:
         self.last_name: str | None = None
         self.done = False
         self.expected: int | None = None
+        self.passes = 0
 
     def metadata(self) -> list[TensorMeta]:
         """``(name, wire dtype, full shape)`` for every tensor a pass yields, in its order; no collective."""
@@ -122,7 +123,8 @@ class ExportSource:
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
         """A fresh pass (a collective: every rank must iterate it, or :meth:`drain` it, to the end)."""
-        self.drain()  # a pass left half-way would leave the other ranks in its gathers
+        self._finish_live()  # a pass left half-way would leave the other ranks in its gathers
+        self.passes += 1
         self.tensors = self.bytes = 0
         self.last_name = None
         self.done = False
@@ -148,7 +150,14 @@ class ExportSource:
         self._close()
 
     def drain(self) -> None:
-        """Finish the live pass, if any, running its remaining gathers (after a consumer failed)."""
+        """After a consumer failed: finish the live pass (its remaining gathers), or run a whole pass if
+        this source never started one, so this rank ends the round having taken part in exactly the
+        gathers the other ranks run. (A source reused over rounds only finishes the live pass.)"""
+        if self.passes == 0:
+            iter(self)
+        self._finish_live()
+
+    def _finish_live(self) -> None:
         live, self._live = self._live, None
         if live is not None:
             for _ in live:

