@@ -58,7 +58,8 @@ class VLLMWeightSync(Callback):
         verify: ``"logprobs"``: after each sync, score a fixed probe sequence with the engine (prompt
             logprobs) and with the trainer's model, and raise :class:`WeightSyncError` when they differ
             by more than ``verify_tolerance`` (the target must offer ``prompt_logprobs``, as
-            ``ColocatedVLLM`` does). Costs one forward of the probe on every rank per sync.
+            ``ColocatedVLLM`` and ``RemoteVLLM`` do; a remote server must have a tokenizer to return
+            logprobs). Costs one forward of the probe on every rank per sync.
         lora: for peft models: ``"merged"`` pushes the base weights with the adapters merged (staged
             path); ``"adapter"`` pushes the base weights on the first sync only, then at each sync writes
             the adapter as a peft directory and loads it into the engine as a new LoRA
@@ -339,12 +340,20 @@ class VLLMWeightSync(Callback):
             logits = module(input_ids=torch.tensor([probe], device=strategy.root_device)).logits[0].float()
         logp = torch.log_softmax(logits, -1)
         mine = [logp[t - 1, probe[t]].item() for t in range(1, len(probe))]
-        engine = self.target.prompt_logprobs(probe)  # type: ignore[attr-defined]
-        diff = max(abs(a - b) for a, b in zip(mine, engine))
-        self.last_verify_diff = diff
-        if diff <= self._verify_tolerance:
+        try:
+            scored = self.target.prompt_logprobs(probe)  # type: ignore[attr-defined]
+        except Exception as err:  # noqa: BLE001 - reported through the ranks' agreement, never raised alone
+            return f"the engine could not score the probe ({type(err).__name__}: {err})"
+        # One engine's list, or {engine name: list} (RemoteVLLM: every server, from rank 0; {} elsewhere).
+        engines = scored if isinstance(scored, dict) else {"the engine": scored}
+        if not engines:
             return None
-        return (f"the engine's probe logprobs differ from the trainer's by {diff:.3f} > verify_tolerance="
+        diffs = {name: max(abs(a - b) for a, b in zip(mine, lps)) for name, lps in engines.items()}
+        worst = max(diffs, key=diffs.__getitem__)
+        self.last_verify_diff = diffs[worst]
+        if diffs[worst] <= self._verify_tolerance:
+            return None
+        return (f"{worst}'s probe logprobs differ from the trainer's by {diffs[worst]:.3f} > verify_tolerance="
                 f"{self._verify_tolerance}: it does not hold the trainer's weights (a missing or misnamed tensor, or a"
                 " stale cache)")
 

@@ -76,6 +76,7 @@ def test_every_sync_reaches_both_replicas_with_the_trainers_weights(results: dic
         assert [s["version"] for s in record["servers"]] == [str(record["version"])] * 2
         assert not any(s["paused"] for s in record["servers"])
         assert max(record["gaps"]) < LOGPROB_TOLERANCE, record
+        assert record["verify_diff"] < LOGPROB_TOLERANCE  # verify="logprobs" scored both servers, passed
     for record in records[1:]:  # and not the previous version's weights
         assert min(record["stale_gaps"]) > 10 * LOGPROB_TOLERANCE, record
 

@@ -326,3 +326,20 @@ def test_the_default_transport() -> None:
     assert RemoteVLLM(["http://h:1", "http://h:2"]).transport == ("nccl" if torch.cuda.is_available() else "gloo")
     with pytest.raises(ValueError, match="lists a server twice"):
         RemoteVLLM(["http://h:1", "http://h:1"])
+
+
+def test_prompt_logprobs_come_from_every_server_on_rank_zero_only(recording_engine: Any) -> None:
+    stubs = [Stub(), Stub()]
+    rows = [None, {"5": {"logprob": -1.5, "rank": 3}}, {"9": {"logprob": -0.25, "rank": 1}}]
+    stubs[0].fail["/v1/completions"] = (200, {"choices": [{"prompt_logprobs": rows}]})
+    stubs[1].fail["/v1/completions"] = (400, {"error": "Unable to get tokenizer because `skip_tokenizer_init=True`"})
+    target = RemoteVLLM([stubs[0].url], transport="nccl")
+    target.setup(Rank(0))
+    assert target.prompt_logprobs([2, 5, 9]) == {stubs[0].url: [-1.5, -0.25]}
+    assert stubs[0].body("/v1/completions")[0]["prompt"] == [2, 5, 9]
+    both = RemoteVLLM([s.url for s in stubs], transport="nccl")
+    both.setup(Rank(1))
+    assert both.prompt_logprobs([2, 5, 9]) == {}  # other ranks leave the servers alone
+    both.setup(Rank(0))
+    with pytest.raises(ServerError, match="Unable to get tokenizer"):  # VLLMWeightSync reports it on every rank
+        both.prompt_logprobs([2, 5, 9])

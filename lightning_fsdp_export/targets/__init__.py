@@ -9,5 +9,7 @@ from lightning_fsdp_export.targets.colocated import ColocatedVLLM
 from lightning_fsdp_export.targets.directory import DirectoryTarget, write_safetensors
 from lightning_fsdp_export.targets.memory import InMemoryTarget
 from lightning_fsdp_export.targets.remote import RemoteVLLM
+from lightning_fsdp_export.targets.transfer import LLMClient
 
-__all__ = ["ColocatedVLLM", "DirectoryTarget", "InMemoryTarget", "RemoteVLLM", "WeightTarget", "write_safetensors"]
+__all__ = ["ColocatedVLLM", "DirectoryTarget", "InMemoryTarget", "LLMClient", "RemoteVLLM", "WeightTarget",
+           "write_safetensors"]

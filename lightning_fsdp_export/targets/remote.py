@@ -171,6 +171,21 @@ class RemoteVLLM:
                                " shapes are not checked before sending (the servers' load checks them).")
         return [f"{s.url}: {line}" for s, check in zip(self.servers, self._checks) for line in check.problems(exported)]
 
+    def prompt_logprobs(self, token_ids: list[int]) -> dict[str, list[float]]:
+        """Each server's logprob of each token of ``token_ids`` given the ones before it, by URL (for
+        ``VLLMWeightSync(verify="logprobs")``); asked from rank 0 only (``{}`` on other ranks). A server
+        started with ``--skip-tokenizer-init`` cannot return logprobs (HTTP 400)."""
+        if not self._is_rank_zero:
+            return {}
+
+        def score(server: Server) -> list[float]:
+            model = server.request("GET", "/v1/models")["data"][0]["id"]
+            body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+            rows = server.request("POST", "/v1/completions", body)["choices"][0]["prompt_logprobs"][1:]
+            return [row[str(token)]["logprob"] for row, token in zip(rows, token_ids[1:])]
+
+        return dict(zip((s.url for s in self.servers), on_all(self.servers, score)))
+
     def push_source(self, source: ExportSource, *, version: int) -> None:
         """Send one version from ``source`` (every rank; a collective export pass)."""
         if self._native is not None:

@@ -96,7 +96,8 @@ class AfterSync(pl.Callback):
             target = self.sync.target
             record = {"version": self.sync.version, "step": trainer.global_step, "servers": state(target),
                       "gaps": [gap(s, weights) for s in target.servers],
-                      "seconds": self.sync.last_metrics.get("weight_sync/seconds")}
+                      "seconds": self.sync.last_metrics.get("weight_sync/seconds"),
+                      "verify_diff": self.sync.last_verify_diff}
             if self.previous is not None:
                 record["stale_gaps"] = [gap(s, self.previous) for s in target.servers]
             self.records.append(record)
@@ -119,7 +120,8 @@ def trainer_for(callbacks: list[pl.Callback], steps: int, root: Path) -> Trainer
 
 def scenario_fit(root: Path, urls: list[str]) -> dict[str, Any]:
     seed_everything(0)
-    sync = VLLMWeightSync(RemoteVLLM(urls, transport="gloo", timeout=TIMEOUT), every_n_train_steps=2)
+    sync = VLLMWeightSync(RemoteVLLM(urls, transport="gloo", timeout=TIMEOUT), every_n_train_steps=2,
+                          verify="logprobs", verify_tolerance=0.1)
     after = AfterSync(sync)
     trainer = trainer_for([sync, after], steps=4, root=root)
     trainer.fit(CausalLM(lr=3e-2), token_loader(16))
