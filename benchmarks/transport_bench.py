@@ -35,10 +35,10 @@ from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VL
 from lightning_fsdp_export.testing import tiny_qwen2  # noqa: E402
 from tests.scripts.common import start_server, stop_server, wait_for_server  # noqa: E402
 
-SIZES = {"40m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=6,
-                     num_attention_heads=8, num_key_value_heads=2),
-         "200m": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2048, num_hidden_layers=12,
-                      num_attention_heads=16, num_key_value_heads=8)}
+SIZES = {"40m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                     num_attention_heads=8, num_key_value_heads=2),  # 40.5M parameters
+         "200m": dict(vocab_size=32000, hidden_size=1024, intermediate_size=3584, num_hidden_layers=12,
+                      num_attention_heads=16, num_key_value_heads=8)}  # 202M parameters
 
 
 class Rotate(pl.Callback):
