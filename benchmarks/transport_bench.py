@@ -33,6 +33,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
 from lightning_fsdp_export.testing import tiny_qwen2  # noqa: E402
+from benchmarks.sync_bench import LM  # noqa: E402
 from tests.scripts.common import start_server, stop_server, wait_for_server  # noqa: E402
 
 SIZES = {"40m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
@@ -64,22 +65,10 @@ class Rotate(pl.Callback):
             sync.target.teardown()
 
 
-class LM(pl.LightningModule):
-    def __init__(self, overrides: dict[str, int]) -> None:
-        super().__init__()
-        self.model = tiny_qwen2(**overrides)
-
-    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
-        (ids,) = batch
-        return self.model(input_ids=ids, labels=ids).loss
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
-
-
 def run(size: str, steps: int, workdir: Path, port: int) -> None:
     overrides = SIZES[size]
-    ckpt = workdir / f"ckpt_{size}"
+    shape = "_".join(str(overrides[k]) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"))
+    ckpt = workdir / f"ckpt_{shape}"  # a preset that changes gets its own checkpoint
     url = f"http://127.0.0.1:{port}"
     rank0 = os.environ.get("LOCAL_RANK", "0") == "0"
     if rank0:
