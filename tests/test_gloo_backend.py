@@ -168,6 +168,13 @@ def test_metadata_that_disagrees_with_iteration_is_named() -> None:
         engine.send_weights()
 
 
+def test_update_info_is_validated() -> None:
+    with pytest.raises(ValueError, match="'nn' \\(for 'a'\\) is not a torch dtype name"):
+        gloo.GlooWeightTransferUpdateInfo(names=["a"], dtype_names=["nn"], shapes=[[1]])
+    with pytest.raises(ValueError, match="1 names, 2 dtype_names and 1 shapes"):
+        gloo.GlooWeightTransferUpdateInfo(names=["a"], dtype_names=["float32", "float32"], shapes=[[1]])
+
+
 def test_register_tolerates_repeats_and_the_plugin() -> None:
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 

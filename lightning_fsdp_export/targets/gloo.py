@@ -107,6 +107,10 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError(f"gloo update_info: {len(self.names)} names, {len(self.dtype_names)} dtype_names and"
                              f" {len(self.shapes)} shapes; they must be equally long.")
+        bad = [(n, d) for n, d in zip(self.names, self.dtype_names) if not isinstance(getattr(torch, d, None), torch.dtype)]
+        if bad:
+            raise ValueError(f"gloo update_info: {bad[0][1]!r} (for {bad[0][0]!r}) is not a torch dtype name such as"
+                             " 'bfloat16'.")
 
 
 def _join(address: str, port: int, rank: int, world_size: int, group: str, timeout_s: float,
