@@ -232,13 +232,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         shapes: list[list[int]] = []
         dtypes: list[torch.dtype] = []
         sizes: list[int] = []
+        total = 0
         for name, dtype_name, shape in pending:
             dtype = getattr(torch, dtype_name)
             names.append(name)
             shapes.append(list(shape))
             dtypes.append(dtype)
             sizes.append(math.prod(shape) * dtype.itemsize)
-            if sum(sizes) > self.buffer_bytes:
+            total += sizes[-1]
+            if total > self.buffer_bytes:
                 break
         return names, shapes, dtypes, sizes
 

@@ -17,11 +17,10 @@ gathers line up). This module adds what a deployment needs around it:
 from __future__ import annotations
 
 import socket
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import torch
-from torch import Tensor
 
 from lightning_fsdp_export._compat import json_safe_update_info
 from lightning_fsdp_export.source import ExportSource
@@ -100,28 +99,6 @@ class LLMClient:
         self.llm.finish_weight_update(weight_version)
 
 
-class _Relay:
-    """The ``WeightSource`` a trainer engine is built with once: each sync points it at that sync's export."""
-
-    def __init__(self) -> None:
-        self.current: Any = None
-
-    def metadata(self) -> list[Any]:
-        return self.current.metadata()
-
-    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
-        return iter(self.current)
-
-
-def _relay_class() -> type:
-    from vllm.distributed.weight_transfer.base import WeightSource
-
-    class Relay(_Relay, WeightSource):  # WeightSource's iter_groups/groups work on the relayed source
-        pass
-
-    return Relay
-
-
 class NativeTransfer:
     """One transfer group from trainer rank 0 to every worker of ``servers``, and the per-sync round.
 
@@ -152,7 +129,7 @@ class NativeTransfer:
         self.world_size = 0
         self.client: FanOutClient | None = None
         self.engine: Any = None
-        self.relay: Any = None
+        self.source: Any = None  # one FSDP2WeightSource for the engine's lifetime, repointed each sync
         self.broken = True  # no group yet: the first push (or setup) builds it
 
     # -- setup and teardown ------------------------------------------------------------------------
@@ -165,7 +142,9 @@ class NativeTransfer:
             from lightning_fsdp_export.targets.gloo import register
 
             register()
-        self.relay = _relay_class()()
+        from lightning_fsdp_export.targets.vllm_source import FSDP2WeightSource
+
+        self.source = FSDP2WeightSource(None)
         try:
             self.connect()
         except ServerError as err:  # only rank 0 knows: the first sync retries, and fails on every rank
@@ -187,7 +166,7 @@ class NativeTransfer:
             self.client = FanOutClient(self.servers, offsets)
         else:
             self.client = FanOutClient([], [])
-        self.engine = WeightTransferTrainerFactory.trainer_init(self._init_info(), client=self.client, source=self.relay)
+        self.engine = WeightTransferTrainerFactory.trainer_init(self._init_info(), client=self.client, source=self.source)
         self.broken = False
 
     def _init_info(self) -> Any:
@@ -225,9 +204,7 @@ class NativeTransfer:
 
     def push(self, source: ExportSource, *, version: int) -> None:
         """Send ``source`` as ``version`` to every server; every rank calls it (rank 0 drives the servers)."""
-        from lightning_fsdp_export.targets.vllm_source import FSDP2WeightSource
-
-        self.relay.current = FSDP2WeightSource(source)
+        self.source.export = source  # the engine was built with this WeightSource once, at setup
         if self.rank != 0:
             self.engine.send_weights()  # iterates the source: this rank's part of the gathers
             return

@@ -23,9 +23,12 @@ class FSDP2WeightSource(WeightSource):
     pass in the same, layerwise order. vLLM's trainer engines iterate it inside ``send_weights()``; if
     that raises on one rank, call :meth:`drain` there so the other ranks' gathers complete. Every rank
     must run the same number of passes: ``export.passes`` counts this rank's.
+
+    ``export`` may be repointed between rounds (``RemoteVLLM`` builds its trainer engine with one
+    source at setup and gives it each sync's export).
     """
 
-    def __init__(self, export: ExportSource) -> None:
+    def __init__(self, export: ExportSource | None) -> None:
         self.export = export
 
     def metadata(self) -> list[ParamMeta]:
