@@ -3,7 +3,7 @@
 The whole algorithm, for every entry of ``module.state_dict()`` in order::
 
     full = tensor.to(device).full_tensor() if isinstance(tensor, DTensor) else tensor.to(device)
-    yield export_name(name), full
+    yield from checkpoint_format.convert(export_name(name), full)   # what save_pretrained writes
 
 Only the tensor being gathered is staged on ``device``; nothing moves the module as a whole, so a
 module whose shards live on the CPU (offloaded) costs one shard-sized copy per tensor instead of a
@@ -23,9 +23,10 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
 from lightning_fsdp_export.buckets import bucketable, cast_before_gather, gather_in_order
+from lightning_fsdp_export.checkpoint_format import CheckpointFormat
 from lightning_fsdp_export.names import export_name
 
-__all__ = ["ExportPlan", "ExportReport", "lazy_export", "plan_export"]
+__all__ = ["ExportPlan", "ExportReport", "lazy_export", "plan_export", "planned_shapes"]
 
 
 @dataclass(frozen=True)
@@ -55,7 +56,7 @@ class ExportPlan:
     """What an export will yield, known without any collective (``strategy.export_plan()``).
 
     Attributes:
-        shapes: ``(name, full shape)`` in export order.
+        shapes: ``(checkpoint name, full shape)`` in export order (after the checkpoint-format mapping).
         nonfinite: names whose local shard on this rank holds NaN or Inf (when asked for).
     """
 
@@ -97,6 +98,14 @@ def plan_export(
             continue  # extra-state entries, or filtered out
         groups.setdefault(id(tensor), ([], tensor))[0].append(rename(name))
     return list(groups.values())
+
+
+def planned_shapes(entries: list[tuple[list[str], Tensor]],
+                   fmt: CheckpointFormat | None = None) -> list[tuple[str, tuple[int, ...]]]:
+    """``(name, shape)`` of every tensor an export of ``entries`` yields, in order, after ``fmt``; no collective."""
+    if fmt is None:
+        return [(name, tuple(tensor.shape)) for names, tensor in entries for name in names]
+    return [shape for names, tensor in entries for name in names for shape in fmt.shapes(name, tensor)]
 
 
 def gather_full(tensor: Tensor, *, device: torch.device, dtype: torch.dtype | None,
@@ -145,6 +154,7 @@ def lazy_export(
     entries: list[tuple[list[str], Tensor]] | None = None,
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     prefetch: int = DEFAULT_PREFETCH,
+    checkpoint_format: CheckpointFormat | None = None,
 ) -> Iterator[tuple[str, Tensor]]:
     """Yield ``(hf_name, full_tensor)`` for every state-dict entry of ``module``, in order.
 
@@ -165,12 +175,16 @@ def lazy_export(
             tensor alone and whole (one all-gather each, as ``full_tensor()`` does).
         prefetch: all-gathers kept in flight ahead of the tensor the consumer holds (0: none). Costs
             up to ``prefetch`` more tensors (or buckets) of memory.
+        checkpoint_format: maps each gathered entry to the tensors of the model's checkpoint (a fused
+            MoE expert tensor is split into per-expert views; see
+            :mod:`~lightning_fsdp_export.checkpoint_format`). Default: ``CheckpointFormat.of(module)``.
     """
     if bucket_bytes < 0:
         raise ValueError(f"lazy_export(bucket_bytes={bucket_bytes}) must be 0 (no buckets) or a positive size.")
     if prefetch < 0:
         raise ValueError(f"lazy_export(prefetch={prefetch}) must be 0 (no overlap) or a positive count.")
     entries = plan_export(module) if entries is None else entries
+    fmt = CheckpointFormat.of(module) if checkpoint_format is None else checkpoint_format
     device = torch.device(device) if device is not None else _default_device(entries)
     stats = [0, 0, 0.0]  # tensors, bytes, seconds
     gathered = [0]
@@ -185,10 +199,11 @@ def lazy_export(
         for names, _ in run:
             full = next(fulls)
             stats[2] += time.perf_counter() - start
-            for name in names:
-                stats[0] += 1
-                stats[1] += full.numel() * full.element_size()
-                yield name, full
+            for entry_name in names:
+                for name, piece in fmt.convert(entry_name, full):
+                    stats[0] += 1
+                    stats[1] += piece.numel() * piece.element_size()
+                    yield name, piece
             del full
             start = time.perf_counter()
         del fulls

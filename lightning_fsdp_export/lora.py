@@ -29,10 +29,12 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
+from lightning_fsdp_export.checkpoint_format import CheckpointFormat
 from lightning_fsdp_export.export import ExportReport, lazy_export, plan_export
 from lightning_fsdp_export.names import adapter_file_name, export_name, is_lora_name
 
-__all__ = ["LoraMode", "entries_for", "is_peft_model", "staged_merged_export", "write_adapter"]
+__all__ = ["LoraMode", "check_adapters_loadable", "entries_for", "is_peft_model", "staged_merged_export",
+           "write_adapter"]
 
 LoraMode = Literal["merged", "adapter", "base"]
 _LORA_MODES = ("merged", "adapter", "base")
@@ -100,11 +102,34 @@ def entries_for(module: nn.Module, mode: LoraMode) -> list[tuple[list[str], Tens
     return plan_export(module, keep=lambda n: not is_lora_name(n), rename=export_name)
 
 
+def check_adapters_loadable(base: list[tuple[list[str], Tensor]], adapters: list[tuple[list[str], Tensor]],
+                            fmt: CheckpointFormat) -> None:
+    """Refuse adapter tensors on a module whose base weight changes layout on disk (a fused MoE expert
+    tensor): peft's file would hold them against the in-memory layout, which vLLM cannot load.
+
+    Raises:
+        ValueError: naming the adapter tensors and the base tensors they adapt.
+    """
+    converted = {name.rsplit(".", 1)[0] + "." for names, tensor in base for name in names
+                 if fmt.converts(name, tensor)}
+    if not converted:
+        return
+    bad = [name for names, _ in adapters for name in names if export_name(name).startswith(tuple(converted))]
+    if bad:
+        raise ValueError(
+            f"LoRA adapter tensors {bad[:4]} adapt weights that the checkpoint stores in another layout than"
+            f" memory ({sorted(converted)[:4]}: fused MoE experts), so vLLM cannot load them as an adapter. Push"
+            " merged weights instead (VLLMWeightSync(lora='merged')), or leave the experts out of"
+            " LoraConfig(target_modules/target_parameters)."
+        )
+
+
 def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torch.dtype | None,
                          stage: Callable[[], bool], unstage: Callable[[], None],
                          on_finish: Callable[[ExportReport], None],
                          bucket_bytes: int = 0, prefetch: int = 0,
                          reorder: Callable[[list[tuple[list[str], Tensor]]], list[tuple[list[str], Tensor]]] | None = None,
+                         checkpoint_format: CheckpointFormat | None = None,
                          ) -> Iterator[tuple[str, Tensor]]:
     """Yield the merged base weights of a peft model under HF names; a collective generator.
 
@@ -119,6 +144,7 @@ def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torc
         prefetch: as in :func:`~lightning_fsdp_export.export.lazy_export`.
         reorder: rearranges the merged entries (``entries_for(module, "merged")``, planned after the
             shards are staged) before the pass, e.g. into vLLM's layerwise order.
+        checkpoint_format: maps merged base tensors to the checkpoint's layout (default: the base model's).
     """
     reports: list[ExportReport] = []
     start = time.perf_counter()
@@ -129,8 +155,8 @@ def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torc
             seconds += time.perf_counter() - start
             for name, tensor in lazy_export(module, device=device, dtype=dtype, on_finish=reports.append,
                                             entries=(reorder or list)(entries_for(module, "merged")),
-                                            bucket_bytes=bucket_bytes,
-                                            prefetch=prefetch):
+                                            bucket_bytes=bucket_bytes, prefetch=prefetch,
+                                            checkpoint_format=checkpoint_format):
                 yield name, tensor
             start = time.perf_counter()
     finally:

@@ -2,9 +2,12 @@
 
 Each rank reads only the slices its shards hold (``torch.distributed.checkpoint`` with
 ``HuggingFaceStorageReader``), so no rank ever holds a full copy of the model. Names go through the
-same mapping the export uses (:func:`~lightning_fsdp_export.names.export_name`), so a checkpoint
-written by ``save_pretrained`` (or by this package's ``DirectoryTarget``) loads back into the model it
-came from; a tied tensor is read once, under whichever of its names the checkpoint holds.
+same mapping the export uses (:func:`~lightning_fsdp_export.names.export_name`, then the model's
+:class:`~lightning_fsdp_export.checkpoint_format.CheckpointFormat`), so a checkpoint written by
+``save_pretrained`` (or by this package's ``DirectoryTarget``) loads back into the model it came from; a
+tied tensor is read once, under whichever of its names the checkpoint holds. A tensor kept in another
+layout in memory (fused MoE experts) is assembled on each rank from the checkpoint tensors of its own
+rows (its experts) only.
 """
 
 from __future__ import annotations
@@ -12,8 +15,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lightning_fsdp_export.checkpoint_format import CheckpointFormat
 from lightning_fsdp_export.export import plan_export
 from lightning_fsdp_export.names import is_lora_name
 
@@ -59,24 +65,81 @@ def load_hf_checkpoint(module: nn.Module, path: str | os.PathLike[str]) -> list[
     model_name = type(module).__name__
     if isinstance(module, FSDPModule):  # fully_shard swaps the class for "FSDP<name>"
         model_name = type(module).__mro__[2].__name__
-    state: dict[str, Tensor] = {}
+    fmt = CheckpointFormat.of(module)
+    state: dict[str, Tensor] = {}  # checkpoint name -> tensor, read by DCP (same layout on both sides)
+    converted: list[tuple[str, Tensor]] = []  # read piece by piece, this rank's rows only
     missing: list[str] = []
     wrong: list[str] = []
     for names, tensor in plan_export(module, keep=lambda name: not is_lora_name(name)):
-        found = next((n for n in names if n in available), None)
+        options = [(name, fmt.pieces(name, tensor)) for name in names]
+        found = next(((name, pieces) for name, pieces in options if all(p.name in available for p in pieces)), None)
         if found is None:
-            missing.append(" = ".join(names))
-        elif available[found] != tuple(tensor.shape):
-            wrong.append(f"{found}: checkpoint {list(available[found])}, model {list(tensor.shape)}")
+            missing.append(" = ".join(p.name for p in options[0][1][:3]) + (" ..." if len(options[0][1]) > 3 else ""))
+            continue
+        name, pieces = found
+        shapes_off = [f"{p.name}: checkpoint {list(available[p.name])}, model {list(p.shape)}"
+                      for p in pieces if available[p.name] != p.shape]
+        if shapes_off:
+            wrong += shapes_off
+        elif len(pieces) == 1 and pieces[0].shape == tuple(tensor.shape):
+            state[pieces[0].name] = tensor  # the same tensor, maybe under another name
         else:
-            state[found] = tensor
+            converted.append((name, tensor))
     if missing or wrong:
+        hint = (" The model converts some tensors on their way to disk (transformers' conversion rules); the names"
+                " above are the checkpoint names it expects." if fmt.has_rules else "")
         raise ValueError(
             f"pretrained={str(path)!r} does not match {model_name}:"
             + (f" missing {len(missing)} tensor(s) {missing[:8]}" if missing else "")
             + (f"; other shapes: {wrong[:8]}" if wrong else "")
             + ". Build the model from the checkpoint's own config.json (`AutoConfig.from_pretrained(dir)`) so"
-            " names and shapes agree."
+            " names and shapes agree." + hint
         )
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
-    return list(state.values())
+    if state:
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(str(path)))
+    if converted:
+        _load_converted(converted, fmt, Path(path))
+    return list(state.values()) + [tensor for _, tensor in converted]
+
+
+def _load_converted(converted: list[tuple[str, Tensor]], fmt: CheckpointFormat, path: Path) -> None:
+    """Fill each converted tensor's local shard from the checkpoint pieces of its own rows."""
+    from safetensors import safe_open
+
+    files: dict[str, Path] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        with safe_open(str(file), framework="pt") as f:
+            files.update(dict.fromkeys(f.keys(), file))
+    handles: dict[Path, object] = {}
+
+    def read(name: str) -> Tensor:
+        file = files[name]
+        if file not in handles:
+            handles[file] = safe_open(str(file), framework="pt")
+        return handles[file].get_tensor(name)  # type: ignore[attr-defined]
+
+    with torch.no_grad():
+        for name, tensor in converted:
+            local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+            lo, hi = _local_rows(name, tensor)
+            if hi > lo:
+                local.copy_(fmt.read_local(name, tensor, (lo, hi), read))
+
+
+def _local_rows(name: str, tensor: Tensor) -> tuple[int, int]:
+    """The rows ``[lo, hi)`` of dim 0 this rank holds: FSDP2's ``Shard(0)`` split, or all (replicated/plain)."""
+    if not isinstance(tensor, DTensor):
+        return 0, tensor.shape[0]
+    placements = tuple(tensor.placements)
+    if all(isinstance(p, Replicate) for p in placements):
+        return 0, tensor.shape[0]
+    if placements != (Shard(0),):
+        raise ValueError(
+            f"pretrained=: {name!r} is laid out as {placements} on its mesh, and its checkpoint stores it in another"
+            " layout (transformers converts it); only FSDP2's Shard(0) or replicated tensors can be read that way."
+        )
+    world, rank = tensor.device_mesh.size(), tensor.device_mesh.get_local_rank()
+    rows = tensor.shape[0]
+    chunk = -(-rows // world)  # torch.chunk semantics, as FSDP2 shards
+    lo = min(rows, rank * chunk)
+    return lo, min(rows, lo + chunk)

@@ -24,6 +24,7 @@ import torch
 from torch import Tensor
 
 from lightning_fsdp_export.buckets import layer_key
+from lightning_fsdp_export.checkpoint_format import CheckpointFormat
 
 __all__ = ["ExportSource", "TensorMeta", "layerwise_groups", "layerwise_entries"]
 
@@ -99,11 +100,15 @@ class ExportSource:
         export: starts one collective pass yielding exactly those names in that order, cast to ``dtype``.
         dtype: the wire dtype of floating tensors (``None``: their own).
         show_progress: a progress bar on this rank once a pass runs longer than ~2 s.
+        checkpoint_format: how each entry becomes checkpoint tensors (names, shapes), as ``export`` yields
+            them; ``None``: each name as it is.
     """
 
     def __init__(self, entries: Callable[[], Entries], export: Callable[[], Iterator[tuple[str, Tensor]]],
-                 *, dtype: torch.dtype | None, show_progress: bool = False) -> None:
+                 *, dtype: torch.dtype | None, show_progress: bool = False,
+                 checkpoint_format: CheckpointFormat | None = None) -> None:
         self._entries = entries
+        self._format = checkpoint_format or CheckpointFormat(None)
         self._export = export
         self.dtype = dtype
         self._show = show_progress
@@ -117,9 +122,10 @@ class ExportSource:
         self.passes = 0
 
     def metadata(self) -> list[TensorMeta]:
-        """``(name, wire dtype, full shape)`` for every tensor a pass yields, in its order; no collective."""
-        return [TensorMeta(name, wire_dtype(tensor, self.dtype), tuple(tensor.shape))
-                for names, tensor in self._entries() for name in names]
+        """``(checkpoint name, wire dtype, full shape)`` for every tensor a pass yields, in its order; no collective."""
+        return [TensorMeta(piece.name, wire_dtype(tensor, self.dtype), piece.shape)
+                for names, tensor in self._entries() for name in names
+                for piece in self._format.pieces(name, tensor)]
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
         """A fresh pass (a collective: every rank must iterate it, or :meth:`drain` it, to the end)."""
@@ -128,7 +134,8 @@ class ExportSource:
         self.tensors = self.bytes = 0
         self.last_name = None
         self.done = False
-        self.expected = sum(len(names) for names, _ in self._entries())
+        self.expected = sum(len(self._format.pieces(name, tensor)) for names, tensor in self._entries()
+                            for name in names)
         if self._show:
             from tqdm.auto import tqdm
 

@@ -18,9 +18,12 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 from typing_extensions import override
 
-from lightning_fsdp_export.export import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, ExportPlan, ExportReport, lazy_export, nonfinite
+from lightning_fsdp_export.checkpoint_format import CheckpointFormat
+from lightning_fsdp_export.export import (DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, ExportPlan, ExportReport, lazy_export,
+                                          nonfinite, planned_shapes)
 from lightning_fsdp_export.lora import (
     LoraMode,
+    check_adapters_loadable,
     entries_for,
     is_peft_model,
     parse_lora_mode,
@@ -143,6 +146,8 @@ class LazyExportFSDP2(ModelParallelStrategy):
             )
         self._prefetch = export_prefetch
         self._export_module: nn.Module | None = None
+        self._format: CheckpointFormat | None = None
+        self._format_of: nn.Module | None = None
         self._export_module_error: ValueError | None = None
         self._params_offloaded = False
         self._pool: HostPool | None = None  # offload="params" on CUDA: pinned host buffers reused every step
@@ -208,12 +213,23 @@ class LazyExportFSDP2(ModelParallelStrategy):
             )
         return self._export_module
 
+    @property
+    def checkpoint_format(self) -> CheckpointFormat:
+        """How the exported model's tensors map to its Hugging Face checkpoint's (fused MoE experts split,
+        prefixes renamed; see :mod:`~lightning_fsdp_export.checkpoint_format`); available after setup."""
+        module = self.export_module
+        if self._format is None or self._format_of is not module:
+            self._format, self._format_of = CheckpointFormat.of(module), module
+        return self._format
+
     def export_weights(
         self, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None, lora: LoraMode = "merged"
     ) -> Iterator[tuple[str, Tensor]]:
         """Yield ``(hf_name, full_tensor)`` for every weight of the exported model; a collective.
 
-        Every rank must iterate the returned generator fully and in the same order. Non-LoRA models
+        Every rank must iterate the returned generator fully and in the same order. Tensors come in the
+        layout of the model's checkpoint, as ``save_pretrained`` writes them (a fused MoE expert tensor as
+        one tensor per expert and projection; :attr:`checkpoint_format`). Non-LoRA models
         take the lazy path: each tensor is staged on ``device`` and gathered alone, with no model-wide
         move, even while parameters are offloaded. A tied tensor is gathered once and yielded under
         each of its names, consecutively. Peft (LoRA) models take the staged path for ``"merged"``
@@ -233,15 +249,28 @@ class LazyExportFSDP2(ModelParallelStrategy):
                 ) -> Iterator[tuple[str, Tensor]]:
         """One collective export pass; ``reorder`` rearranges the planned entries first."""
         module = self.export_module
+        fmt = self._format_for(mode)
         target = torch.device(device) if device is not None else self.root_device
         if mode == "merged" and is_peft_model(module):  # plans its entries after merging
             return staged_merged_export(module, device=target, dtype=dtype, stage=self._stage_for_export,
                                         unstage=self._offload_params, on_finish=self._record_export,
-                                        bucket_bytes=self._bucket_bytes, prefetch=self._prefetch, reorder=reorder)
-        entries = entries_for(module, mode)
+                                        bucket_bytes=self._bucket_bytes, prefetch=self._prefetch, reorder=reorder,
+                                        checkpoint_format=fmt)
+        entries = self._entries(mode)
         return lazy_export(module, device=target, dtype=dtype, on_finish=self._record_export,
                            entries=reorder(entries) if reorder else entries, bucket_bytes=self._bucket_bytes,
-                           prefetch=self._prefetch)
+                           prefetch=self._prefetch, checkpoint_format=fmt)
+
+    def _format_for(self, mode: str) -> CheckpointFormat:
+        """Adapters go out under peft's file names, untouched; base weights in checkpoint format."""
+        return CheckpointFormat(None) if mode == "adapter" else self.checkpoint_format
+
+    def _entries(self, mode: LoraMode) -> list[tuple[list[str], Tensor]]:
+        """The planned entries of an export in ``mode``; adapters vLLM could not load are refused here."""
+        entries = entries_for(self.export_module, mode)
+        if mode == "adapter":
+            check_adapters_loadable(entries_for(self.export_module, "base"), entries, self.checkpoint_format)
+        return entries
 
     def export_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged",
                       show_progress: bool = False) -> ExportSource:
@@ -257,9 +286,9 @@ class LazyExportFSDP2(ModelParallelStrategy):
             show_progress: a progress bar on this rank for passes longer than ~2 s.
         """
         mode = self._lora_mode(lora)
-        return ExportSource(lambda: layerwise_entries(entries_for(self.export_module, mode)),
+        return ExportSource(lambda: layerwise_entries(self._entries(mode)),
                             lambda: self._export(mode, dtype=dtype, reorder=layerwise_entries),
-                            dtype=dtype, show_progress=show_progress)
+                            dtype=dtype, show_progress=show_progress, checkpoint_format=self._format_for(mode))
 
     def weight_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged") -> Any:
         """The exported weights as a vLLM ``WeightSource`` (``vllm.distributed.weight_transfer``).
@@ -291,9 +320,8 @@ class LazyExportFSDP2(ModelParallelStrategy):
             lora: as in :meth:`export_weights`.
             check_finite: also list the tensors whose local shard on this rank holds NaN or Inf.
         """
-        entries = entries_for(self.export_module, self._lora_mode(lora))
-        shapes = [(name, tuple(tensor.shape)) for names, tensor in entries for name in names]
-        return ExportPlan(shapes, nonfinite(entries) if check_finite else [])
+        entries = self._entries(self._lora_mode(lora))
+        return ExportPlan(planned_shapes(entries, self._format_for(lora)), nonfinite(entries) if check_finite else [])
 
     def _lora_mode(self, lora: str) -> LoraMode:
         mode = parse_lora_mode(lora)

