@@ -64,6 +64,7 @@ class CheckpointFormat:
         self._model = _WithRules(model, rules) if rules else None
         self._rules = bool(rules)
         self._pieces: dict[tuple[str, tuple[int, ...], torch.dtype], list[Piece]] = {}
+        self._checked = False
 
     @classmethod
     def of(cls, module: nn.Module) -> CheckpointFormat:
@@ -82,6 +83,9 @@ class CheckpointFormat:
         """
         key = (name, tuple(tensor.shape), tensor.dtype)
         found = self._pieces.get(key)
+        if found is None and self._rules and not self._checked:
+            self._check_one_at_a_time()
+            found = self._pieces.get(key)
         if found is None:
             if not self._rules:
                 found = [Piece(name, key[1])]
@@ -154,6 +158,40 @@ class CheckpointFormat:
             raise RuntimeError(f"the checkpoint pieces of {name!r} covered {filled} of the {local.numel()} elements"
                                f" of rows [{lo}, {hi}).")
         return local
+
+    def _check_one_at_a_time(self) -> None:
+        """Refuse a model whose rules join several in-memory tensors into one checkpoint tensor.
+
+        The export converts one tensor at a time, which is exact for splits and renames (every LLM family
+        here). A rule that concatenates (say a vision model's separate q/k/v into one fused ``qkv`` on disk)
+        needs its tensors together: converting them alone would write wrong tensors. Found by reverting the
+        whole state dict at once and tensor by tensor, on meta tensors, and comparing.
+        """
+        from lightning_fsdp_export.names import export_name, is_lora_name
+
+        self._checked = True
+        state = {export_name(n): torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
+                 for n, t in self._model.state_dict(keep_vars=True).items()  # type: ignore[union-attr]
+                 if isinstance(t, Tensor) and not is_lora_name(n)}
+        together = {n: tuple(t.shape) for n, t in self._revert_all(state)}
+        alone: dict[str, tuple[int, ...]] = {}
+        for name, meta in state.items():
+            pieces = [Piece(n, tuple(t.shape)) for n, t in self._revert(name, meta)]
+            self._pieces[(name, tuple(meta.shape), meta.dtype)] = pieces
+            alone.update((p.name, p.shape) for p in pieces)
+        if together != alone:
+            differ = sorted(set(together.items()) ^ set(alone.items()))[:6]
+            model = type(self._model._model).__name__  # type: ignore[union-attr]
+            raise ValueError(
+                f"{model}: transformers joins several of its in-memory tensors into one checkpoint tensor"
+                f" (converted together and one by one they differ: {differ}). This package converts one tensor at"
+                " a time and cannot export this model in checkpoint format yet."
+            )
+
+    def _revert_all(self, state: dict[str, Tensor]) -> list[tuple[str, Tensor]]:
+        from transformers.core_model_loading import revert_weight_conversion
+
+        return list(revert_weight_conversion(self._model, dict(state)).items())
 
     def _revert(self, name: str, tensor: Tensor) -> list[tuple[str, Tensor]]:
         from transformers.core_model_loading import revert_weight_conversion

