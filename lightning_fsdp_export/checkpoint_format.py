@@ -11,8 +11,9 @@ vLLM and ``pretrained=`` read the checkpoint's layout, so every exported tensor 
 - :meth:`CheckpointFormat.shapes`: the checkpoint names and shapes an entry becomes, from its shape alone
   (the rules run on a meta tensor: no collective, no memory), for ``metadata()`` and the pre-checks;
 - :meth:`CheckpointFormat.convert`: the full tensor split/renamed into them, during the export. A fused
-  expert tensor is gathered whole, then split into views of it: the export's peak memory is one fused
-  tensor (as for any tensor; FSDP2 shards it by experts), not more;
+  expert tensor is gathered whole, then split by transformers' rules into per-expert copies; the export
+  drops the fused tensor right after the split and each piece as soon as the consumer moves on, so its
+  peak is twice one fused tensor (one layer's experts of one projection), during that split;
 - :meth:`CheckpointFormat.read_local`: the other way, for ``pretrained=``: this rank's shard of a converted
   tensor assembled from the checkpoint tensors that overlap its rows (its experts), read from the
   safetensors files; the pieces of other ranks' experts are never read.
@@ -107,7 +108,8 @@ class CheckpointFormat:
     def convert(self, name: str, full: Tensor) -> list[tuple[str, Tensor]]:
         """The full tensor of entry ``name`` as its checkpoint tensors, in :meth:`pieces` order.
 
-        Pieces are views of ``full`` where the rules allow (a split), so no second copy is made.
+        An untouched or only renamed tensor is returned as is; a split one as transformers' rules produce
+        it (copies of its parts).
         """
         pieces = self.pieces(name, full)
         if len(pieces) == 1 and pieces[0].shape == tuple(full.shape):

@@ -198,13 +198,17 @@ def lazy_export(
             fulls = iter([gather_full(run[0][1], device=device, dtype=dtype, stats=gathered)])
         for names, _ in run:
             full = next(fulls)
-            stats[2] += time.perf_counter() - start
-            for entry_name in names:
-                for name, piece in fmt.convert(entry_name, full):
-                    stats[0] += 1
-                    stats[1] += piece.numel() * piece.element_size()
-                    yield name, piece
+            # In checkpoint format (a fused expert tensor split per expert); the full tensor is dropped before
+            # the first piece goes out, and each piece once the consumer moves on.
+            pieces = [piece for entry_name in names for piece in fmt.convert(entry_name, full)][::-1]
             del full
+            stats[2] += time.perf_counter() - start
+            while pieces:
+                name, piece = pieces.pop()
+                stats[0] += 1
+                stats[1] += piece.numel() * piece.element_size()
+                yield name, piece
+                del piece
             start = time.perf_counter()
         del fulls
     if on_finish is not None:

@@ -1,0 +1,149 @@
+"""The checkpoint-format mapping (``checkpoint_format.py``) in one process: transformers' own rules, per tensor.
+
+The 2-rank checks against ``save_pretrained`` for every family are in ``tests/test_families.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_fsdp_export import VLLMWeightSync
+from lightning_fsdp_export.checkpoint_format import CheckpointFormat
+from lightning_fsdp_export.exact import EMPTY_SHA256, compare_checksums
+from lightning_fsdp_export.testing import tiny_family
+
+SNAPSHOT = Path(__file__).parent / "data" / "conversion_table.json"
+
+
+def conversion_table() -> dict[str, list[str]]:
+    """``{architecture key: sorted kinds of rule}`` of transformers' conversion table."""
+    from transformers.conversion_mapping import _MODEL_TO_CONVERSION_PATTERN, _build_checkpoint_conversion_mapping
+    from transformers.core_model_loading import WeightConverter
+
+    table: dict[str, list[str]] = {}
+    for key, rules in _build_checkpoint_conversion_mapping().items():
+        kinds = set()
+        for rule in rules:
+            ops = rule.operations if isinstance(rule, WeightConverter) else [rule]
+            kinds |= {type(op).__name__ + ("(check_dims)" if getattr(op, "check_dims", False) else "") for op in ops}
+        table[key] = sorted(kinds)
+    for alias, key in _MODEL_TO_CONVERSION_PATTERN.items():
+        table.setdefault(alias, [f"= {key}"])
+    return dict(sorted(table.items()))
+
+
+def test_transformers_conversion_table_is_the_one_reviewed() -> None:
+    # A new architecture, or a new kind of rule, in transformers' table fails here, so it is not silently
+    # exported in the wrong layout: check it (an export-vs-save_pretrained case in test_families.py), then
+    # refresh the snapshot: python -c "from tests.test_checkpoint_format import *; write_snapshot()".
+    now, reviewed = conversion_table(), json.loads(SNAPSHOT.read_text())
+    added = {k: v for k, v in now.items() if reviewed.get(k) != v}
+    removed = sorted(set(reviewed) - set(now))
+    assert not added and not removed, f"transformers' conversion table changed: new/changed {added}, gone {removed}"
+
+
+def write_snapshot() -> None:
+    SNAPSHOT.write_text(json.dumps(conversion_table(), indent=1) + "\n")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3", "gpt_oss"])
+def test_same_layout_models_pass_through_untouched(arch: str) -> None:
+    model = tiny_family(arch)
+    fmt = CheckpointFormat.of(model)
+    assert fmt.has_rules is False
+    for name, tensor in model.state_dict().items():
+        assert fmt.shapes(name, tensor) == [(name, tuple(tensor.shape))]
+        assert fmt.convert(name, tensor)[0][1] is tensor  # no copy, no call into transformers
+
+
+def test_fused_experts_split_per_expert_in_checkpoint_order() -> None:
+    model = tiny_family("qwen3_moe")
+    fmt = CheckpointFormat.of(model)
+    name = "model.layers.0.mlp.experts.gate_up_proj"
+    full = model.state_dict()[name]  # (E=4, 2I=256, H=256), gate rows first
+    pieces = fmt.convert(name, full)
+    assert [n for n, _ in pieces] == [f"model.layers.0.mlp.experts.{e}.{p}.weight" for p in ("gate_proj", "up_proj")
+                                      for e in range(4)]
+    assert torch.equal(pieces[1][1], full[1, :128]) and torch.equal(pieces[5][1], full[1, 128:])
+    assert all(t.untyped_storage().data_ptr() != full.untyped_storage().data_ptr() for _, t in pieces)  # copies
+    assert fmt.shapes(name, torch.empty(full.shape, device="meta")) == [(n, tuple(t.shape)) for n, t in pieces]
+
+
+def test_read_local_reads_only_its_own_experts_and_equals_the_converted_rows() -> None:
+    model = tiny_family("mixtral")
+    fmt = CheckpointFormat.of(model)
+    state = model.state_dict()
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    disk = dict(piece for key in state for piece in fmt.convert(key, state[key]))
+    read: list[str] = []
+    local = fmt.read_local(name, state[name], (2, 4), lambda n: (read.append(n), disk[n].clone())[1])
+    assert torch.equal(local, state[name][2:4])
+    assert sorted(read) == [f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight" for e in (2, 3) for w in ("w1", "w3")]
+    mixed = fmt.read_local(name, state[name].to(torch.bfloat16), (0, 1), lambda n: disk[n])  # cast on the way
+    assert mixed.dtype == torch.bfloat16 and torch.equal(mixed, state[name][:1].to(torch.bfloat16))
+
+
+def test_a_checkpoint_piece_of_another_shape_is_named() -> None:
+    model = tiny_family("qwen3_moe")
+    fmt = CheckpointFormat.of(model)
+    name = "model.layers.0.mlp.experts.down_proj"
+    with pytest.raises(ValueError, match=r"experts\.0\.down_proj\.weight: checkpoint \[3\]"):
+        fmt.read_local(name, model.state_dict()[name], (0, 2), lambda n: torch.zeros(3))
+
+
+def test_vision_language_prefixes_are_renamed_even_after_fully_shard_renamed_the_classes() -> None:
+    # fully_shard swaps each sharded module's class for FSDP<name>; transformers picks rules by class name
+    model = tiny_family("qwen2_5_vl")
+    fmt = CheckpointFormat.of(model)
+    assert fmt.shapes("model.language_model.layers.0.mlp.up_proj.weight", torch.empty(512, 256)) == [
+        ("model.layers.0.mlp.up_proj.weight", (512, 256))]
+    assert fmt.shapes("model.visual.blocks.0.norm1.weight", torch.empty(64))[0][0] == "visual.blocks.0.norm1.weight"
+
+
+def test_lora_over_moe_merged_pushes_map_like_save_pretrained_and_expert_adapters_are_refused() -> None:
+    from peft import LoraConfig, get_peft_model
+
+    from lightning_fsdp_export.lora import check_adapters_loadable, entries_for, staged_merged_export
+
+    torch.manual_seed(0)
+    peft = get_peft_model(tiny_family("qwen3_moe"), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))
+    fmt = CheckpointFormat.of(peft)
+    merged = dict(staged_merged_export(peft, device=torch.device("cpu"), dtype=None, stage=lambda: False,
+                                       unstage=lambda: None, on_finish=lambda report: None, checkpoint_format=fmt))
+    plain = copy.deepcopy(peft).merge_and_unload()
+    want = dict(p for k, t in plain.state_dict().items() for p in CheckpointFormat.of(plain).convert(k, t))
+    assert merged.keys() == want.keys() and all(torch.equal(merged[k], want[k]) for k in want)
+    check_adapters_loadable(entries_for(peft, "base"), entries_for(peft, "adapter"), fmt)  # attention: fine
+
+    on_experts = get_peft_model(tiny_family("qwen3_moe"), LoraConfig(r=4, target_parameters=["mlp.experts.gate_up_proj"]))
+    with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts\.lora_A\.weight.*lora='merged'"):
+        check_adapters_loadable(entries_for(on_experts, "base"), entries_for(on_experts, "adapter"),
+                                CheckpointFormat.of(on_experts))
+
+
+def test_exact_check_never_counts_an_empty_hash_as_a_match() -> None:
+    before = {"e": {"dp0:pp0:pcp0:tp0:model.embed_tokens.weight": "a", "dp0:pp0:pcp0:tp0:qkv_proj.weight": EMPTY_SHA256,
+                    "dp0:pp0:pcp0:tp0:w13_weight": "b"}}
+    after = {"e": {"dp0:pp0:pcp0:tp0:model.embed_tokens.weight": "a", "dp0:pp0:pcp0:tp0:qkv_proj.weight": EMPTY_SHA256,
+                   "dp0:pp0:pcp0:tp0:w13_weight": "c"}}
+    check = compare_checksums(before, after)
+    assert (check.compared, check.not_comparable, check.mismatched, check.engines) == (2, 1, ["e: w13_weight"], 1)
+
+
+def test_exact_first_sync_arguments_are_checked_eagerly() -> None:
+    from lightning_fsdp_export import InMemoryTarget
+
+    with pytest.raises(TypeError, match="needs a target with weight_checksums and reset_weights"):
+        VLLMWeightSync(InMemoryTarget(), exact_first_sync=True)
+
+    class Checked(InMemoryTarget):
+        def weight_checksums(self) -> dict: return {}  # noqa: E704
+        def reset_weights(self) -> None: pass  # noqa: E704
+
+    with pytest.raises(ValueError, match="needs sync_on_train_start=True"):
+        VLLMWeightSync(Checked(), exact_first_sync=True, sync_on_train_start=False)
