@@ -25,13 +25,16 @@ which ``save_pretrained`` drops).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
 
-__all__ = ["CheckpointFormat", "Piece"]
+__all__ = ["DEFAULT_BLOCK_ELEMENTS", "CheckpointFormat", "Piece"]
+
+DEFAULT_BLOCK_ELEMENTS = 32 * 2**20
 
 
 @dataclass(frozen=True)
@@ -58,13 +61,17 @@ class CheckpointFormat:
 
     Args:
         model: the Hugging Face model whose conversion rules apply; ``None``: every name maps to itself.
+        block_elements: a split tensor is converted in blocks of whole rows (experts) of at most this many
+            elements (default 32M: 64 MiB in bf16), which bounds the pieces held beside the full tensor.
     """
 
-    def __init__(self, model: nn.Module | None) -> None:
+    def __init__(self, model: nn.Module | None, *, block_elements: int = DEFAULT_BLOCK_ELEMENTS) -> None:
         rules = _conversion_rules(model) if model is not None else None
         self._model = _WithRules(model, rules) if rules else None
         self._rules = bool(rules)
-        self._pieces: dict[tuple[str, tuple[int, ...], torch.dtype], list[Piece]] = {}
+        self._block_elements = block_elements
+        self._pieces: dict[tuple[str, tuple[int, ...]], list[Piece]] = {}
+        self._blocks: dict[tuple[str, tuple[int, ...]], list[tuple[int, int, list[tuple[str, Piece]]]]] = {}
         self._checked = False
 
     @classmethod
@@ -80,20 +87,28 @@ class CheckpointFormat:
     def pieces(self, name: str, tensor: Tensor) -> list[Piece]:
         """The checkpoint tensors the entry ``name`` (full shape ``tensor.shape``) becomes; no collective.
 
-        Computed once per name and shape, by running transformers' reverse rules on a meta tensor.
+        Computed once per name and shape, by running transformers' reverse rules on meta tensors. A split
+        tensor's pieces come block by block (:meth:`blocks`): the order the export yields them in.
         """
-        key = (name, tuple(tensor.shape), tensor.dtype)
-        found = self._pieces.get(key)
-        if found is None and self._rules and not self._checked:
-            self._check_one_at_a_time()
-            found = self._pieces.get(key)
+        return [piece for _, _, pairs in self.blocks(name, tensor) for _, piece in pairs]
+
+    def blocks(self, name: str, tensor: Tensor) -> list[tuple[int, int, list[tuple[str, Piece]]]]:
+        """How entry ``name`` is converted: ``(lo, hi, [(name in the block's conversion, piece)])`` per block of
+        whole rows (dim 0: a fused tensor's experts), each at most ``block_elements`` elements.
+
+        transformers' rules run on the rows ``[lo, hi)`` alone name them as a model of ``hi - lo`` experts
+        would (``experts.0`` ...): each such name maps to the checkpoint piece with the expert index moved
+        by ``lo``. A tensor whose rules do not split that way (checked on meta tensors: every piece found
+        exactly once, same shapes) is converted whole, as one block.
+        """
+        key = (name, tuple(tensor.shape))
+        found = self._blocks.get(key)
         if found is None:
-            if not self._rules:
-                found = [Piece(name, key[1])]
-            else:
-                meta = torch.empty(key[1], dtype=tensor.dtype, device="meta")
-                found = [Piece(n, tuple(t.shape)) for n, t in self._revert(name, meta)]
-            self._pieces[key] = found
+            whole = self._whole(name, key[1], tensor.dtype)
+            found = [(0, key[1][0] if key[1] else 0, [(p.name, p) for p in whole])]
+            if len(whole) > 1 and len(key[1]) >= 2:
+                found = self._plan_blocks(name, key[1], tensor.dtype, whole) or found
+            self._blocks[key] = found
         return found
 
     def converts(self, name: str, tensor: Tensor) -> bool:
@@ -105,61 +120,128 @@ class CheckpointFormat:
         """``(checkpoint name, shape)`` of every piece of the entry ``name``; no collective."""
         return [(p.name, p.shape) for p in self.pieces(name, tensor)]
 
-    def convert(self, name: str, full: Tensor) -> list[tuple[str, Tensor]]:
-        """The full tensor of entry ``name`` as its checkpoint tensors, in :meth:`pieces` order.
+    def convert(self, name: str, full: Tensor) -> Iterator[tuple[str, Tensor]]:
+        """The full tensor of entry ``name`` as its checkpoint tensors, in :meth:`pieces` order (a generator).
 
-        An untouched or only renamed tensor is returned as is; a split one as transformers' rules produce
-        it (copies of its parts).
+        An untouched or only renamed tensor is yielded as is. A split one is converted one block of rows
+        at a time, by transformers' rules (copies of its parts), so beside ``full`` only one block's
+        pieces exist at once, plus those the consumer keeps.
         """
-        pieces = self.pieces(name, full)
-        if len(pieces) == 1 and pieces[0].shape == tuple(full.shape):
-            return [(pieces[0].name, full)]  # untouched, or only renamed
-        out = self._revert(name, full)
-        got = [(n, tuple(t.shape)) for n, t in out]
-        if got != [(p.name, p.shape) for p in pieces]:  # the rules depend on values: never seen, never silent
-            raise RuntimeError(f"transformers' conversion of {name!r} gave {got} for the full tensor but"
-                               f" {[(p.name, p.shape) for p in pieces]} for its shape alone.")
-        return out
+        blocks = self.blocks(name, full)
+        if len(blocks) == 1 and len(blocks[0][2]) == 1 and blocks[0][2][0][1].shape == tuple(full.shape):
+            yield blocks[0][2][0][1].name, full  # untouched, or only renamed
+            return
+        for lo, hi, pairs in blocks:
+            part = full if (lo, hi) == (0, full.shape[0]) else full[lo:hi]
+            out = dict(self._revert(name, part))
+            for local, piece in pairs:
+                got = out.pop(local, None)
+                if got is None or tuple(got.shape) != piece.shape:  # rules that depend on values: never silent
+                    raise RuntimeError(f"transformers' conversion of rows [{lo}, {hi}) of {name!r} gave"
+                                       f" {sorted(out)} where its shape alone planned {local!r} {list(piece.shape)}.")
+                yield piece.name, got
+            del out
 
     def read_local(self, name: str, tensor: Tensor, rows: tuple[int, int], read: Callable[[str], Tensor]) -> Tensor:
         """This rank's rows ``[lo, hi)`` (dim 0) of entry ``name``, assembled from checkpoint tensors.
 
-        Two index probes, both ``expand`` views (no memory), go through the same reverse rules as the
-        weights: one holds each element's row, the other its offset inside the row; each piece then says
-        where its elements sit. Only pieces overlapping the rows are read (``read(piece name)``); their
-        values are cast to ``tensor.dtype`` and scattered, so the result equals the rows of the
-        converted full tensor bit for bit.
+        Block by block of whole rows (as :meth:`blocks` plans them, clipped to ``[lo, hi)``), an index probe
+        (each element's position in the block, int64) goes through the same reverse rules as the weights;
+        each piece then says where its elements sit. Only the pieces of these rows are read
+        (``read(piece name)``); their values are cast to ``tensor.dtype`` and scattered, so the result
+        equals those rows of the converted full tensor bit for bit. Transient memory: one block's probe.
         """
         lo, hi = rows
         shape = tuple(tensor.shape)
-        row_numel = 1
-        for size in shape[1:]:
-            row_numel *= size
-        ones = (1,) * (len(shape) - 1)
-        row_of = torch.arange(shape[0], dtype=torch.int64).view(shape[0], *ones).expand(shape)
-        offset_of = torch.arange(row_numel, dtype=torch.int64).view(1, *shape[1:]).expand(shape)
-        rows_out = dict(self._revert(name, row_of))
-        offsets_out = dict(self._revert(name, offset_of))
+        row_numel = math.prod(shape[1:])
         local = torch.empty((hi - lo, *shape[1:]), dtype=tensor.dtype)
         flat = local.view(-1)
         filled = 0
-        for piece in self.pieces(name, tensor):
-            piece_rows = rows_out[piece.name].reshape(-1)
-            first, last = int(piece_rows.min()), int(piece_rows.max())
-            if last < lo or first >= hi:
-                continue  # another rank's experts: never read
-            keep = (piece_rows >= lo) & (piece_rows < hi)
-            target = (piece_rows[keep] - lo) * row_numel + offsets_out[piece.name].reshape(-1)[keep]
-            values = read(piece.name)
-            if tuple(values.shape) != piece.shape:
-                raise ValueError(f"{piece.name}: checkpoint {list(values.shape)}, model expects {list(piece.shape)}"
-                                 f" (converted into {name!r}).")
-            flat[target] = values.reshape(-1)[keep].to(tensor.dtype)
-            filled += int(keep.sum())
+        step = self._rows_per_block(shape)
+        for a in range(lo, hi, step):
+            b = min(hi, a + step)
+            pairs = self._block_pairs(name, shape, tensor.dtype, a, b)
+            if pairs is None:  # not splittable by rows: the whole tensor's probe, this rank's part of it
+                return self._read_rows_of_whole(name, tensor, rows, read)
+            probe = torch.arange((b - a) * row_numel, dtype=torch.int64).view(b - a, *shape[1:])
+            positions = dict(self._revert(name, probe))
+            for local_name, piece in pairs:
+                values = read(piece.name)
+                if tuple(values.shape) != piece.shape:
+                    raise ValueError(f"{piece.name}: checkpoint {list(values.shape)}, model expects"
+                                     f" {list(piece.shape)} (converted into {name!r}).")
+                flat[(a - lo) * row_numel + positions[local_name].reshape(-1)] = values.reshape(-1).to(tensor.dtype)
+                filled += values.numel()
         if filled != local.numel():
             raise RuntimeError(f"the checkpoint pieces of {name!r} covered {filled} of the {local.numel()} elements"
                                f" of rows [{lo}, {hi}).")
         return local
+
+    def _read_rows_of_whole(self, name: str, tensor: Tensor, rows: tuple[int, int],
+                            read: Callable[[str], Tensor]) -> Tensor:
+        """:meth:`read_local` for rules that do not split by rows: probes of the whole tensor (``expand`` views),
+        every piece overlapping the rows read."""
+        lo, hi = rows
+        shape = tuple(tensor.shape)
+        row_numel = math.prod(shape[1:])
+        ones = (1,) * (len(shape) - 1)
+        row_of = dict(self._revert(name, torch.arange(shape[0]).view(shape[0], *ones).expand(shape)))
+        offset_of = dict(self._revert(name, torch.arange(row_numel).view(1, *shape[1:]).expand(shape)))
+        local = torch.empty((hi - lo, *shape[1:]), dtype=tensor.dtype)
+        flat = local.view(-1)
+        for piece in self._whole(name, shape, tensor.dtype):
+            piece_rows = row_of[piece.name].reshape(-1)
+            keep = (piece_rows >= lo) & (piece_rows < hi)
+            if bool(keep.any()):
+                values = read(piece.name).reshape(-1)[keep].to(tensor.dtype)
+                flat[(piece_rows[keep] - lo) * row_numel + offset_of[piece.name].reshape(-1)[keep]] = values
+        return local
+
+    def _whole(self, name: str, shape: tuple[int, ...], dtype: torch.dtype) -> list[Piece]:
+        """The pieces of the whole tensor, in transformers' order (one reverse on a meta tensor)."""
+        found = self._pieces.get((name, shape))
+        if found is None and self._rules and not self._checked:
+            self._check_one_at_a_time()
+            found = self._pieces.get((name, shape))
+        if found is None:
+            if not self._rules:
+                found = [Piece(name, shape)]
+            else:
+                meta = torch.empty(shape, dtype=dtype, device="meta")
+                found = [Piece(n, tuple(t.shape)) for n, t in self._revert(name, meta)]
+            self._pieces[(name, shape)] = found
+        return found
+
+    def _rows_per_block(self, shape: tuple[int, ...]) -> int:
+        return max(1, self._block_elements // max(1, math.prod(shape[1:])))
+
+    def _plan_blocks(self, name: str, shape: tuple[int, ...], dtype: torch.dtype,
+                     whole: list[Piece]) -> list[tuple[int, int, list[tuple[str, Piece]]]] | None:
+        step = self._rows_per_block(shape)
+        if step >= shape[0]:
+            return None
+        plan = []
+        for lo in range(0, shape[0], step):
+            hi = min(shape[0], lo + step)
+            pairs = self._block_pairs(name, shape, dtype, lo, hi, whole)
+            if pairs is None:
+                return None
+            plan.append((lo, hi, pairs))
+        found = [piece for _, _, pairs in plan for _, piece in pairs]
+        return plan if sorted(p.name for p in found) == sorted(p.name for p in whole) else None
+
+    def _block_pairs(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, lo: int, hi: int,
+                     whole: list[Piece] | None = None) -> list[tuple[str, Piece]] | None:
+        """The rows ``[lo, hi)`` converted alone, each name paired with the whole tensor's piece it is."""
+        by_name = {p.name: p for p in (whole or self._whole(name, shape, dtype))}
+        meta = torch.empty((hi - lo, *shape[1:]), dtype=dtype, device="meta")
+        pairs = []
+        for local, part in self._revert(name, meta):
+            target = _moved(local, lo, by_name)
+            if target is None or by_name[target].shape != tuple(part.shape):
+                return None
+            pairs.append((local, by_name[target]))
+        return pairs if len({p.name for _, p in pairs}) == len(pairs) else None
 
     def _check_one_at_a_time(self) -> None:
         """Refuse a model whose rules join several in-memory tensors into one checkpoint tensor.
@@ -179,7 +261,7 @@ class CheckpointFormat:
         alone: dict[str, tuple[int, ...]] = {}
         for name, meta in state.items():
             pieces = [Piece(n, tuple(t.shape)) for n, t in self._revert(name, meta)]
-            self._pieces[(name, tuple(meta.shape), meta.dtype)] = pieces
+            self._pieces[(name, tuple(meta.shape))] = pieces
             alone.update((p.name, p.shape) for p in pieces)
         if together != alone:
             differ = sorted(set(together.items()) ^ set(alone.items()))[:6]
@@ -252,3 +334,14 @@ class _unsharded_class_names:
     def __exit__(self, *exc: object) -> None:
         for module, cls in self._swapped:
             module.__class__ = cls
+
+
+def _moved(name: str, offset: int, names: dict[str, Piece]) -> str | None:
+    """The one name of ``names`` that is ``name`` with one integer segment moved by ``offset`` (an expert's index
+    in a block of rows to its index in the whole tensor); ``None`` if there is not exactly one."""
+    if offset == 0:
+        return name if name in names else None
+    parts = name.split(".")
+    found = [moved for i, part in enumerate(parts) if part.isdigit()
+             for moved in [".".join(parts[:i] + [str(int(part) + offset)] + parts[i + 1:])] if moved in names]
+    return found[0] if len(found) == 1 else None

@@ -198,22 +198,28 @@ def lazy_export(
             fulls = iter([gather_full(run[0][1], device=device, dtype=dtype, stats=gathered)])
         for names, _ in run:
             full = next(fulls)
-            # In checkpoint format (a fused expert tensor split per expert); the full tensor is dropped before
-            # the first piece goes out, and each piece once the consumer moves on.
-            pieces = [piece for entry_name in names for piece in fmt.convert(entry_name, full)][::-1]
+            # In checkpoint format (a fused expert tensor split per expert, a block of experts at a time); the
+            # full tensor lives only as long as its conversion, and each piece until the consumer moves on.
+            converted = _converted(fmt, names, full)
             del full
-            stats[2] += time.perf_counter() - start
-            while pieces:
-                name, piece = pieces.pop()
+            for name, piece in converted:
+                stats[2] += time.perf_counter() - start
                 stats[0] += 1
                 stats[1] += piece.numel() * piece.element_size()
                 yield name, piece
                 del piece
+                start = time.perf_counter()
+            del converted
             start = time.perf_counter()
         del fulls
     if on_finish is not None:
         on_finish(ExportReport("lazy", int(stats[0]), int(stats[1]), float(stats[2]), module_moves=0,
                                gathered_bytes=gathered[0]))
+
+
+def _converted(fmt: CheckpointFormat, names: list[str], full: Tensor) -> Iterator[tuple[str, Tensor]]:
+    for name in names:
+        yield from fmt.convert(name, full)
 
 
 def _runs(entries: list[tuple[list[str], Tensor]]) -> Iterator[list[tuple[list[str], Tensor]]]:

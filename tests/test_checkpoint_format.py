@@ -58,7 +58,7 @@ def test_same_layout_models_pass_through_untouched(arch: str) -> None:
     assert fmt.has_rules is False
     for name, tensor in model.state_dict().items():
         assert fmt.shapes(name, tensor) == [(name, tuple(tensor.shape))]
-        assert fmt.convert(name, tensor)[0][1] is tensor  # no copy, no call into transformers
+        assert list(fmt.convert(name, tensor))[0][1] is tensor  # no copy, no call into transformers
 
 
 def test_fused_experts_split_per_expert_in_checkpoint_order() -> None:
@@ -66,12 +66,31 @@ def test_fused_experts_split_per_expert_in_checkpoint_order() -> None:
     fmt = CheckpointFormat.of(model)
     name = "model.layers.0.mlp.experts.gate_up_proj"
     full = model.state_dict()[name]  # (E=4, 2I=256, H=256), gate rows first
-    pieces = fmt.convert(name, full)
+    pieces = list(fmt.convert(name, full))
     assert [n for n, _ in pieces] == [f"model.layers.0.mlp.experts.{e}.{p}.weight" for p in ("gate_proj", "up_proj")
                                       for e in range(4)]
     assert torch.equal(pieces[1][1], full[1, :128]) and torch.equal(pieces[5][1], full[1, 128:])
     assert all(t.untyped_storage().data_ptr() != full.untyped_storage().data_ptr() for _, t in pieces)  # copies
     assert fmt.shapes(name, torch.empty(full.shape, device="meta")) == [(n, tuple(t.shape)) for n, t in pieces]
+
+
+def test_large_fused_tensors_convert_a_block_of_experts_at_a_time() -> None:
+    model = tiny_family("qwen3_moe")
+    state = model.state_dict()
+    name = "model.layers.1.mlp.experts.gate_up_proj"  # (4, 256, 256): 2 experts per block of 2**17 elements
+    whole, blocked = CheckpointFormat.of(model), CheckpointFormat(model, block_elements=2 * 256 * 256)
+    disk = dict(p for key in state for p in whole.convert(key, state[key]))
+    assert [(lo, hi) for lo, hi, _ in blocked.blocks(name, state[name])] == [(0, 2), (2, 4)]
+    names = [n for n, _ in blocked.shapes(name, state[name])]
+    assert names[:4] == [f"model.layers.1.mlp.experts.{e}.{p}.weight" for p in ("gate_proj", "up_proj") for e in (0, 1)]
+    assert sorted(names) == sorted(n for n, _ in whole.shapes(name, state[name]))
+    converted = blocked.convert(name, state[name])
+    first = next(converted)  # only the first block has been converted so far
+    assert first[0] == names[0] and torch.equal(first[1], disk[first[0]])
+    assert all(torch.equal(t, disk[n]) for n, t in converted)
+    read: list[str] = []
+    local = blocked.read_local(name, state[name], (1, 4), lambda n: (read.append(n), disk[n])[1])
+    assert torch.equal(local, state[name][1:4]) and len(read) == 6 and not any(".experts.0." in n for n in read)
 
 
 def test_read_local_reads_only_its_own_experts_and_equals_the_converted_rows() -> None:
