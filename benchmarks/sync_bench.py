@@ -37,7 +37,7 @@ class Alternate(pl.Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         # A benchmark-only switch of the strategy's option between syncs of one run.
-        trainer.strategy._prefetch = self.prefetch if trainer.global_step % 2 else 0
+        trainer.strategy._export.prefetch = self.prefetch if trainer.global_step % 2 else 0
         self.cpu_start = time.process_time()  # all threads of this rank: gloo's, vLLM's, ours
 
 
@@ -54,7 +54,7 @@ class Record(pl.Callback):
         if self.before is not None:
             self.cpu_per_wall.append((time.process_time() - self.before.cpu_start) / self.seconds[-1])
         if len(self.seconds) > 1:  # the first sync pays one-off costs (vLLM's first reload)
-            self.by_prefetch.setdefault(trainer.strategy._prefetch, []).append(self.seconds[-1])
+            self.by_prefetch.setdefault(trainer.strategy._export.prefetch, []).append(self.seconds[-1])
         if trainer.is_global_zero:
             m = self.sync.last_metrics
             print(f"step {trainer.global_step}: sync {m['weight_sync/seconds']:.3f} s,"

@@ -92,6 +92,14 @@ def materialize_meta(
             sub.__dict__.pop(_FLAG, None)
     _make_replicas_equal(root, rank_distinct=distinct)
     unset = _agreed_unset(root)
+    lacking = sorted({_class_name(root.get_submodule(n)) for n in unset
+                      if not callable(getattr(root.get_submodule(n), "reset_parameters", None))})
+    if lacking:  # Lightning's own wording (ModelParallelStrategy), so its tests and users' log filters see it
+        rank_zero_warn(
+            "Parameter initialization incomplete. The following modules have parameters or buffers with uninitialized"
+            " memory because they don't define a `reset_parameters()` method for re-initialization:"
+            f" {', '.join(lacking)}"
+        )
     if unset:
         rank_zero_warn(
             "Parameter initialization incomplete: after `trainer.init_module(empty_init=True)` these modules still"
@@ -100,6 +108,13 @@ def materialize_meta(
             " checkpoint (`LazyExportFSDP2(pretrained=...)`), or build the model without `empty_init=True`."
         )
     return unset
+
+
+def _class_name(module: nn.Module) -> str:
+    """The module's own class name (``fully_shard`` swaps it for ``FSDP<name>``)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
 def _own_tensors(root: nn.Module) -> Iterator[Tensor]:

@@ -102,12 +102,14 @@ class ExportSource:
         show_progress: a progress bar on this rank once a pass runs longer than ~2 s.
         checkpoint_format: how each entry becomes checkpoint tensors (names, shapes), as ``export`` yields
             them; ``None``: each name as it is.
+        kind: what the source holds (``"merged"``, ``"base"`` or ``"adapter"``: a LoRA mode).
     """
 
     def __init__(self, entries: Callable[[], Entries], export: Callable[[], Iterator[tuple[str, Tensor]]],
                  *, dtype: torch.dtype | None, show_progress: bool = False,
-                 checkpoint_format: CheckpointFormat | None = None) -> None:
+                 checkpoint_format: CheckpointFormat | None = None, kind: str = "merged") -> None:
         self._entries = entries
+        self.kind = kind
         self._format = checkpoint_format or CheckpointFormat(None)
         self._export = export
         self.dtype = dtype
@@ -126,6 +128,16 @@ class ExportSource:
         return [TensorMeta(piece.name, wire_dtype(tensor, self.dtype), piece.shape)
                 for names, tensor in self._entries() for name in names
                 for piece in self._format.pieces(name, tensor)]
+
+    def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
+        """``(name, full shape)`` of :meth:`metadata`, for the pre-checks."""
+        return [(m.name, m.shape) for m in self.metadata()]
+
+    def nonfinite(self) -> list[str]:
+        """Names of the trainer's tensors whose local shard on this rank holds NaN or Inf; no collective."""
+        from lightning_fsdp_export.export import nonfinite
+
+        return nonfinite(self._entries())
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
         """A fresh pass (a collective: every rank must iterate it, or :meth:`drain` it, to the end)."""

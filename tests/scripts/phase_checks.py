@@ -93,13 +93,13 @@ class Check(pl.Callback):
 
 def record_moves(strategy: LazyExportFSDP2, timeline: list[str]) -> None:
     """Put the strategy's shard moves on the timeline (on CPU the moves are no-ops; their order is the point)."""
-    move = strategy._move_params
+    move = strategy._phases.move
 
     def recorded(device: torch.device) -> None:
         timeline.append("offload" if not strategy.params_offloaded else "load")
         move(device)
 
-    strategy._move_params = recorded  # type: ignore[method-assign]
+    strategy._phases.move = recorded  # type: ignore[method-assign]
 
 
 ENGINE: dict[str, Any] = {}

@@ -140,16 +140,16 @@ def scenario_pool(pool: bool) -> dict[str, Any]:
     module = LM(build, export_each_step=True)
     strategy = LazyExportFSDP2(offload="params", offload_optimizer=True)
     if pool:
-        strategy._pool = HostPool(pin=False)
+        strategy._phases.pool = HostPool(pin=False)
     got = fit(module, strategy, steps=4, capture_start=False)
     out: dict[str, Any] = {"losses": module.losses, "after_steps": same(got["end"], got["full_state"]),
                            "offload_moves": strategy.offload_moves}
     if pool:
         params = fsdp_params(strategy.model)
-        out["allocations"] = strategy._pool.allocations
+        out["allocations"] = strategy._phases.pool.allocations
         out["fsdp_params"] = len(params)
         out["storage_is_pool_buffer"] = all(
-            sharded_storage(p).data_ptr() == strategy._pool._buffer_ptr(p) for p in params)
+            sharded_storage(p).data_ptr() == strategy._phases.pool._buffer_ptr(p) for p in params)
         out["uneven"] = any(p.sharded_param.shape[0] % 2 for p in params)  # 513 rows over 2 ranks
     return out
 
