@@ -14,7 +14,11 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["SyncGroup", "compare_shapes", "plan_digest"]
+__all__ = ["SyncGroup", "WeightSyncError", "agree_before", "compare_shapes", "plan_digest"]
+
+
+class WeightSyncError(RuntimeError):
+    """A sync failed on at least one rank; every rank raises it, and the target is marked stale."""
 
 
 class SyncGroup:
@@ -82,3 +86,60 @@ def compare_shapes(exported: list[tuple[str, tuple[int, ...]]], expected: dict[s
     if missing:
         lines.append(f"missing from the trainer's export ({len(missing)}): " + ", ".join(missing[:limit]))
     return lines
+
+
+def agree_before(group: SyncGroup, version: int, sources: list[Any], target: Any, *, check_finite: bool) -> None:
+    """Before any gather: every rank here, the same sources, finite weights, names and shapes the engine knows.
+
+    Reads only the sources' metadata (no collective besides this group's small messages); raises
+    :class:`WeightSyncError` on every rank, naming the ranks, when anything is off.
+
+    Args:
+        group: the sync's control group.
+        version: the sync's version (for messages).
+        sources: this sync's :class:`~lightning_fsdp_export.source.ExportSource` s, in push order.
+        target: a target with ``check_weights(shapes)`` gets the non-adapter sources' names and shapes.
+        check_finite: refuse NaN or Inf in this rank's local shards.
+    """
+    try:
+        group.arrive(f"Weight sync of version {version}")
+    except RuntimeError as err:
+        raise WeightSyncError(str(err)) from None
+    shapes = [source.shapes() for source in sources]
+    problems: list[str] = []
+    if check_finite:
+        bad = sorted({name for source in sources for name in source.nonfinite()})
+        if bad:
+            problems.append(f"NaN or Inf in {', '.join(bad[:5])} (check_finite=False pushes them anyway)")
+    check = getattr(target, "check_weights", None)
+    if callable(check):
+        for source, plan in zip(sources, shapes):
+            if source.kind != "adapter":
+                try:
+                    problems += check(plan)
+                except Exception as err:  # noqa: BLE001 - a server down: reported with the others below
+                    problems.append(f"checking names and shapes failed: {type(err).__name__}: {err}")
+    everyone = group.gather((plan_digest(shapes), problems))
+    digests = {digest for digest, _ in everyone}
+    if len(digests) > 1:
+        groups = {d: [r for r, (dd, _) in enumerate(everyone) if dd == d] for d in digests}
+        raise WeightSyncError(
+            f"Weight sync of version {version}: ranks would export different tensors or orders (ranks grouped by their"
+            f" plan: {sorted(groups.values())}); nothing was gathered or pushed. Every rank must export the same model"
+            " with the same options."
+        )
+    reported = [(rank, p) for rank, (_, ps) in enumerate(everyone) for p in ps]
+    if reported:
+        lines = "; ".join(f"rank {rank}: {p}" for rank, p in reported[:6])
+        raise WeightSyncError(
+            f"Weight sync of version {version} refused before any tensor was pushed ({lines}). The engine keeps its"
+            " previous weights."
+        )
+
+
+def agree_after(group: SyncGroup, version: int, mine: str | None, what: str) -> None:
+    """Every rank's failure (or ``None``) of one step of the sync; raise on every rank if any failed."""
+    failures = [(rank, msg) for rank, msg in enumerate(group.gather(mine)) if msg]
+    if failures:
+        lines = "; ".join(f"rank {rank}: {msg}" for rank, msg in failures)
+        raise WeightSyncError(what.format(version=version, lines=lines))

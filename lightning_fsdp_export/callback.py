@@ -1,13 +1,15 @@
-"""``VLLMWeightSync``: decides when to sync and streams ``export_weights()`` into a target."""
+"""``VLLMWeightSync``: when to sync, and a sync's path through the rooms (``docs/architecture.md``).
+
+A sync reads: should I sync -> the ranks agree on the sources' metadata -> the target consumes the
+sources -> verify -> report. The sources come from the strategy (:mod:`~lightning_fsdp_export.pushes`
+chooses their kinds once), the agreement from :mod:`~lightning_fsdp_export.agreement`, the checks from
+:mod:`~lightning_fsdp_export.verify` and :mod:`~lightning_fsdp_export.exact`.
+"""
 
 from __future__ import annotations
 
-import functools
 import os
-import shutil
-import tempfile
 import time
-from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -17,21 +19,17 @@ import torch
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
-from torch import Tensor
 from typing_extensions import override
 
-from lightning_fsdp_export.agreement import SyncGroup, plan_digest
-from lightning_fsdp_export.exact import ExactCheck, compare_checksums
-from lightning_fsdp_export.lora import write_adapter
+from lightning_fsdp_export.agreement import SyncGroup, WeightSyncError, agree_after, agree_before
+from lightning_fsdp_export.exact import EXACT_FAILED, ExactCheck, check_precondition, exact_verdict
+from lightning_fsdp_export.pushes import Push, plan_pushes, temporary_adapter_dir
 from lightning_fsdp_export.source import ExportSource
 from lightning_fsdp_export.strategy import LazyExportFSDP2
 from lightning_fsdp_export.targets.base import WeightTarget
+from lightning_fsdp_export.verify import check_logprobs
 
 __all__ = ["VLLMWeightSync", "WeightSyncError"]
-
-
-class WeightSyncError(RuntimeError):
-    """A sync failed on at least one rank; every rank raises it, and the target is marked stale."""
 
 
 class VLLMWeightSync(Callback):
@@ -98,48 +96,22 @@ class VLLMWeightSync(Callback):
                  exact_first_sync: bool = False) -> None:
         _validate(target, every_n_train_steps, every_n_epochs, dtype)
         _validate_sleep(target, every_n_train_steps, every_n_epochs, lora, on_error)
-        if verify not in (None, "logprobs"):
-            raise ValueError(f"VLLMWeightSync(verify={verify!r}) must be None or 'logprobs'.")
-        if verify and not callable(getattr(target, "prompt_logprobs", None)):
-            raise TypeError(f"VLLMWeightSync(verify='logprobs') needs a target with prompt_logprobs();"
-                            f" {type(target).__name__} has none (ColocatedVLLM has).")
-        if verify_tolerance <= 0:
-            raise ValueError(f"VLLMWeightSync(verify_tolerance={verify_tolerance}) must be positive.")
-        if lora not in ("merged", "adapter"):
-            raise ValueError(f"VLLMWeightSync(lora={lora!r}) must be 'merged' or 'adapter'.")
-        if lora == "adapter" and not callable(getattr(target, "push_adapter", None)):
-            raise TypeError(f"VLLMWeightSync(lora='adapter') needs a target with push_adapter();"
-                            f" {type(target).__name__} has none (ColocatedVLLM built with enable_lora=True has).")
+        _validate_checks(target, verify=verify, verify_tolerance=verify_tolerance, lora=lora, on_error=on_error,
+                         exact_first_sync=exact_first_sync, sync_on_train_start=sync_on_train_start)
+        self.target = target
         self._lora = lora
-        if exact_first_sync:
-            if not sync_on_train_start:
-                raise ValueError("VLLMWeightSync(exact_first_sync=True) checks the sync at train start, where the trainer"
-                                 " still holds the engine's checkpoint: it needs sync_on_train_start=True.")
-            lacking = [m for m in ("weight_checksums", "reset_weights") if not callable(getattr(target, m, None))]
-            if lacking:
-                raise TypeError(f"VLLMWeightSync(exact_first_sync=True) needs a target with {' and '.join(lacking)}();"
-                                f" {type(target).__name__} has none (ColocatedVLLM and RemoteVLLM have).")
-        self._exact_first_sync = bool(exact_first_sync)
-        self._exact_pending = self._exact_first_sync
-        self.last_exact_check: ExactCheck | None = None
-        """What the exact check compared on this rank (``exact_first_sync=True``), once it ran."""
-        if on_error not in ("raise", "warn"):
-            raise ValueError(f"VLLMWeightSync(on_error={on_error!r}) must be 'raise' or 'warn'.")
         self._on_error = on_error
         self._check_finite = bool(check_finite)
-        given = timeout
-        if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-            timeout = timedelta(seconds=timeout)
-        if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
-            raise ValueError(f"VLLMWeightSync(timeout={given!r}) must be a positive timedelta or number of seconds.")
-        self._timeout = timeout
+        self._timeout = _as_timedelta(timeout)
         self._group: SyncGroup | None = None  # built with the target, when the fit starts
         self._adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
         self._base_pushed = False
         self._verify = verify
         self._verify_tolerance = verify_tolerance
         self.last_verify_diff: float | None = None
-        self.target = target
+        self._exact_pending = bool(exact_first_sync)
+        self.last_exact_check: ExactCheck | None = None
+        """What the exact check compared on this rank (``exact_first_sync=True``), once it ran."""
         self._every_n_steps = every_n_train_steps if every_n_epochs is None else None
         if self._every_n_steps is None and every_n_epochs is None:
             self._every_n_steps = 1
@@ -160,6 +132,8 @@ class VLLMWeightSync(Callback):
         # Trainer may sync a merged and an adapter engine side by side.
         return self._generate_state_key(lora=self._lora)
 
+    # -- when -------------------------------------------------------------------------------------------
+
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         _require_strategy(trainer)
@@ -170,7 +144,7 @@ class VLLMWeightSync(Callback):
         strategy.export_module  # noqa: B018 - no or several models to export: fail before the first step
         self._ensure_target(trainer, strategy)
         if self._exact_pending:
-            self._check_exact_precondition(strategy)
+            check_precondition(self._ranks, strategy, self.target)
         strategy.add_phase_listener(self)  # the engine sleeps while the trainer computes
 
     def before_compute(self) -> None:
@@ -220,6 +194,8 @@ class VLLMWeightSync(Callback):
         return (trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING
                 or trainer.global_step == self.last_synced_step)
 
+    # -- a sync -------------------------------------------------------------------------------------------
+
     def sync(self, trainer: pl.Trainer) -> None:
         """Push the current weights now; every rank must call it (the export is collective).
 
@@ -244,12 +220,57 @@ class VLLMWeightSync(Callback):
         self.last_synced_step = trainer.global_step
         self._log(trainer, time.perf_counter() - start, sources)
 
+    def _sync(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> list[ExportSource]:
+        pushes = plan_pushes(strategy, self.target, lora=self._lora, base_pushed=self._base_pushed,
+                             dtype=self._dtype or self.target.dtype, version=self.version, rank=trainer.global_rank,
+                             adapter_dir=self._adapter_root, show_progress=trainer.is_global_zero)
+        agree_before(self._ranks, self.version, [p.source for p in pushes], self.target,
+                     check_finite=self._check_finite)
+        exact, self._exact_pending = self._exact_pending, False
+        baseline, mine = self._consume(pushes, exact)
+        agree_after(self._ranks, self.version, mine, "Weight sync of version {version} failed ({lines}). The target"
+                    " is stale.")
+        if exact:
+            self.last_exact_check, mine = exact_verdict(self.target, baseline)
+            agree_after(self._ranks, self.version, mine, EXACT_FAILED)
+            check = self.last_exact_check
+            rank_zero_info(f"VLLMWeightSync exact check passed: {check.compared} engine parameter(s) restored bit for"
+                           f" bit, {check.not_comparable} not comparable (repacked by the engine).")
+        if self._verify:
+            diff, mine = check_logprobs(strategy, self.target, self._verify_tolerance)
+            self.last_verify_diff = diff if diff is not None else self.last_verify_diff
+            agree_after(self._ranks, self.version, mine, "Weight sync of version {version} did not verify ({lines}).")
+        return [p.source for p in pushes]
+
+    def _consume(self, pushes: list[Push], exact: bool) -> tuple[dict[str, dict[str, str]], str | None]:
+        """Every source into the target (the exact check zeroes the engine first); this rank's failure, if any.
+
+        Every source is drained whatever happens, so no other rank waits forever in one of its gathers.
+        """
+        error: BaseException | None = None
+        failed_at = ""
+        baseline: dict[str, dict[str, str]] = {}
+        if exact:
+            try:
+                baseline = self.target.weight_checksums()  # type: ignore[attr-defined]
+                self.target.reset_weights()  # type: ignore[attr-defined]
+            except Exception as err:  # noqa: BLE001 - reported on every rank, after the ranks agree
+                error, failed_at = err, "before the push, taking the engine's checksums or zeroing it"
+        for push in pushes:
+            try:
+                if error is None:
+                    push.consume(push.source)
+            except Exception as err:  # noqa: BLE001 - reported on every rank, after the ranks agree
+                error, failed_at = err, push.source.where()
+            finally:
+                push.source.drain()
+        return baseline, None if error is None else f"{type(error).__name__}: {error} ({failed_at})"
+
     def _ensure_target(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> None:
         if self._target_ready:
             return
         self.target.setup(trainer)
-        timeout = self._timeout or strategy._timeout or timedelta(minutes=30)
-        self._group = SyncGroup(timeout)
+        self._group = SyncGroup(self._timeout or strategy._timeout or timedelta(minutes=30))
         self._target_ready = True
 
     @property
@@ -257,182 +278,12 @@ class VLLMWeightSync(Callback):
         assert self._group is not None, "the sync group is built by _ensure_target"
         return self._group
 
-    def _check_exact_precondition(self, strategy: LazyExportFSDP2) -> None:
-        """``exact_first_sync`` compares against the engine's own load: the trainer must start from that checkpoint."""
-        pretrained = strategy.export_checkpoint
-        if pretrained is None:
-            raise ValueError("VLLMWeightSync(exact_first_sync=True) needs LazyExportFSDP2(pretrained=DIR) with DIR the"
-                             " checkpoint the engine loaded: only then must the first push restore the engine bit for bit.")
-        try:
-            engine = str(getattr(self.target, "checkpoint_path", lambda: "")())
-        except Exception:  # noqa: BLE001 - a server not answering yet: the first sync reports it
-            engine = ""
-        mine = None
-        if engine and Path(engine).is_dir() and Path(engine).resolve() != Path(pretrained).resolve():
-            mine = f"the trainer starts from {str(pretrained)!r} but the engine loaded {engine!r}"
-        wrong = [msg for msg in self._ranks.gather(mine) if msg]  # every rank raises, or none
-        if wrong:
-            raise ValueError(f"VLLMWeightSync(exact_first_sync=True): {wrong[0]}; the first push cannot restore the"
-                             " engine's own weights. Start both from the same checkpoint, or drop exact_first_sync.")
-
-    def _sync(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> list[ExportSource]:
-        plan = self._plan(trainer, strategy)
-        self._agree_before(strategy, [mode for mode, _ in plan])
-        error: BaseException | None = None
-        failed_at = ""
-        sources: list[ExportSource] = []
-        exact, self._exact_pending = self._exact_pending, False
-        baseline: dict[str, dict[str, str]] = {}
-        if exact:
-            try:
-                baseline = self.target.weight_checksums()  # type: ignore[attr-defined]
-                self.target.reset_weights()  # type: ignore[attr-defined]
-            except Exception as err:  # noqa: BLE001 - reported below on every rank, after the ranks agree
-                error, failed_at = err, "before the push, taking the engine's checksums or zeroing it"
-        for mode, push in plan:
-            source = strategy.export_source(dtype=self._dtype or self.target.dtype, lora=mode,
-                                            show_progress=trainer.is_global_zero)
-            sources.append(source)
-            try:
-                if error is None:
-                    push(source)
-            except Exception as err:  # noqa: BLE001 - reported below on every rank, after the ranks agree
-                error = err
-                failed_at = source.where()
-            finally:
-                source.drain()  # the remaining gathers, so no other rank waits forever in one
-        mine = None if error is None else f"{type(error).__name__}: {error} ({failed_at})"
-        failures = [(rank, msg) for rank, msg in enumerate(self._ranks.gather(mine)) if msg is not None]
-        if failures:
-            lines = "; ".join(f"rank {rank}: {msg}" for rank, msg in failures)
-            raise WeightSyncError(f"Weight sync of version {self.version} failed ({lines}). The target is stale.")
-        if exact:
-            self._check_exact(baseline)
-        if self._verify:
-            verdicts = self._ranks.gather(self._check_logprobs(strategy))
-            bad = "; ".join(f"rank {rank}: {msg}" for rank, msg in enumerate(verdicts) if msg)
-            if bad:
-                raise WeightSyncError(f"Weight sync of version {self.version} did not verify ({bad}).")
-        return sources
-
-    def _check_exact(self, baseline: dict[str, dict[str, str]]) -> None:
-        """After the exact check's push: every compared engine parameter must be back, bit for bit."""
-        try:
-            self.last_exact_check = compare_checksums(baseline, self.target.weight_checksums())  # type: ignore[attr-defined]
-            mine: str | None = None
-            if self.last_exact_check.mismatched:
-                bad = self.last_exact_check.mismatched
-                mine = f"{len(bad)} engine parameter(s) not restored bit for bit: {', '.join(bad[:8])}"
-        except Exception as err:  # noqa: BLE001 - reported through the agreement
-            mine = f"the engine's checksums could not be read after the push ({type(err).__name__}: {err})"
-        verdicts = self._ranks.gather(mine)
-        bad_ranks = "; ".join(f"rank {rank}: {msg}" for rank, msg in enumerate(verdicts) if msg)
-        if bad_ranks:
-            raise WeightSyncError(
-                f"Exact check of version {self.version} failed ({bad_ranks}). The engine was zeroed and then pushed the"
-                " trainer's weights, which equal its checkpoint: these parameters did not load (a tensor the export"
-                " names or lays out otherwise than the engine's loader expects, or one the engine's reload drops).")
-        check = self.last_exact_check
-        if check is not None:
-            rank_zero_info(f"VLLMWeightSync exact check passed: {check.compared} engine parameter(s) restored bit for"
-                           f" bit, {check.not_comparable} not comparable (repacked by the engine).")
-
-    def _agree_before(self, strategy: LazyExportFSDP2, modes: list[str]) -> None:
-        """Before any gather: same plan on every rank, finite weights, names and shapes the engine knows."""
-        try:
-            self._ranks.arrive(f"Weight sync of version {self.version}")
-        except RuntimeError as err:
-            raise WeightSyncError(str(err)) from None
-        plans = [strategy.export_plan(lora=mode, check_finite=self._check_finite)  # type: ignore[arg-type]
-                 for mode in modes]
-        shapes = [plan.shapes for plan in plans]
-        problems: list[str] = []
-        if self._check_finite:
-            bad = sorted({name for plan in plans for name in plan.nonfinite})
-            if bad:
-                problems.append(f"NaN or Inf in {', '.join(bad[:5])} (check_finite=False pushes them anyway)")
-        check = getattr(self.target, "check_weights", None)
-        if callable(check):
-            for mode, plan in zip(modes, shapes):
-                if mode != "adapter":
-                    try:
-                        problems += check(plan)
-                    except Exception as err:  # noqa: BLE001 - a server down: reported with the others below
-                        problems.append(f"checking names and shapes failed: {type(err).__name__}: {err}")
-        everyone = self._ranks.gather((plan_digest(shapes), problems))
-        digests = {digest for digest, _ in everyone}
-        if len(digests) > 1:
-            groups = {d: [r for r, (dd, _) in enumerate(everyone) if dd == d] for d in digests}
-            raise WeightSyncError(
-                f"Weight sync of version {self.version}: ranks would export different tensors or orders (ranks grouped"
-                f" by their plan: {sorted(groups.values())}); nothing was gathered or pushed. Every rank must export"
-                " the same model with the same options."
-            )
-        reported = [(rank, p) for rank, (_, ps) in enumerate(everyone) for p in ps]
-        if reported:
-            lines = "; ".join(f"rank {rank}: {p}" for rank, p in reported[:6])
-            raise WeightSyncError(
-                f"Weight sync of version {self.version} refused before any tensor was pushed ({lines}). The engine"
-                " keeps its previous weights."
-            )
-
-    def _plan(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> list[tuple[str, Callable[[ExportSource], None]]]:
-        """The exports of this sync (their ``lora`` mode) and where each goes, in the order every rank runs them."""
-        version = self.version
-        push = functools.partial(self._push, version=version)
-        if self._lora == "merged":
-            return [("merged", push)]
-        plan: list[tuple[str, Callable[[ExportSource], None]]] = []
-        if not self._base_pushed:
-            plan.append(("base", push))
-        plan.append(("adapter", lambda source: self._push_adapter(iter(source), trainer, strategy)))
-        return plan
-
-    def _push(self, source: ExportSource, *, version: int) -> None:
-        """A target that consumes a source itself (``push_source``) gets it; others get one pass."""
-        push_source = getattr(self.target, "push_source", None)
-        if callable(push_source):
-            push_source(source, version=version)
-        else:
-            self.target.push(iter(source), version=version)
-
-    def _push_adapter(self, weights: Iterator[tuple[str, Tensor]], trainer: pl.Trainer,
-                      strategy: LazyExportFSDP2) -> None:
+    def _adapter_root(self) -> Path:
         if self._adapter_dir is None:
-            self._adapter_dir = Path(tempfile.mkdtemp(prefix="lora_sync_"))
-        rank_dir = self._adapter_dir / f"rank{trainer.global_rank}"
-        path = rank_dir / f"v{self.version:06d}"
-        write_adapter(weights, strategy.export_module, str(path), write=True)
-        self.target.push_adapter(path, version=self.version)  # type: ignore[attr-defined]
-        for old in rank_dir.glob("v[0-9]*"):  # the engine holds loaded adapters in memory
-            if int(old.name[1:]) < self.version - 1:
-                shutil.rmtree(old, ignore_errors=True)
+            self._adapter_dir = temporary_adapter_dir()
+        return self._adapter_dir
 
-    def _check_logprobs(self, strategy: LazyExportFSDP2) -> str | None:
-        """This rank's engine against the trainer on a fixed probe; a message when past the tolerance."""
-        module = strategy.export_module
-        vocab = int(getattr(getattr(module, "config", None), "vocab_size", 256))
-        probe = [(13 * i + 7) % vocab for i in range(32)]
-        with torch.no_grad(), strategy.params_on_device():
-            logits = module(input_ids=torch.tensor([probe], device=strategy.root_device)).logits[0].float()
-        logp = torch.log_softmax(logits, -1)
-        mine = [logp[t - 1, probe[t]].item() for t in range(1, len(probe))]
-        try:
-            scored = self.target.prompt_logprobs(probe)  # type: ignore[attr-defined]
-        except Exception as err:  # noqa: BLE001 - reported through the ranks' agreement, never raised alone
-            return f"the engine could not score the probe ({type(err).__name__}: {err})"
-        # One engine's list, or {engine name: list} (RemoteVLLM: every server, from rank 0; {} elsewhere).
-        engines = scored if isinstance(scored, dict) else {"the engine": scored}
-        if not engines:
-            return None
-        diffs = {name: max(abs(a - b) for a, b in zip(mine, lps)) for name, lps in engines.items()}
-        worst = max(diffs, key=diffs.__getitem__)
-        self.last_verify_diff = diffs[worst]
-        if diffs[worst] <= self._verify_tolerance:
-            return None
-        return (f"{worst}'s probe logprobs differ from the trainer's by {diffs[worst]:.3f} > verify_tolerance="
-                f"{self._verify_tolerance}: it does not hold the trainer's weights (a missing or misnamed tensor, or a"
-                " stale cache)")
+    # -- report and state ----------------------------------------------------------------------------------
 
     def _log(self, trainer: pl.Trainer, seconds: float, sources: list[ExportSource]) -> None:
         self.last_metrics = {"weight_sync/seconds": seconds,
@@ -447,18 +298,17 @@ class VLLMWeightSync(Callback):
     def state_dict(self) -> dict[str, Any]:
         return {"version": self.version, "last_synced_step": self.last_synced_step, "stale": self.stale}
 
-
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.version = state_dict["version"]
         self.last_synced_step = state_dict["last_synced_step"]
         self.stale = True  # a restored run's engine holds whatever it was built from
         self._resumed = True
+        self._base_pushed = False
         if self._exact_pending:  # the trainer resumes from trained weights, not the engine's checkpoint
             self._exact_pending = False
             rank_zero_info("VLLMWeightSync(exact_first_sync=True): skipped in a resumed run (the trainer's weights are"
                            " no longer the engine's checkpoint); syncs are checked by verify='logprobs' only.")
-        self._base_pushed = False
 
 
 def _require_strategy(trainer: pl.Trainer) -> LazyExportFSDP2:
@@ -501,3 +351,38 @@ def _validate(target: Any, every_n_train_steps: Any, every_n_epochs: Any, dtype:
             raise ValueError(f"VLLMWeightSync({name}={value!r}) must be a positive integer or None.")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"VLLMWeightSync(dtype={dtype!r}) must be a torch.dtype such as torch.bfloat16, or None.")
+
+
+def _validate_checks(target: Any, *, verify: Any, verify_tolerance: float, lora: str, on_error: str,
+                     exact_first_sync: bool, sync_on_train_start: bool) -> None:
+    if verify not in (None, "logprobs"):
+        raise ValueError(f"VLLMWeightSync(verify={verify!r}) must be None or 'logprobs'.")
+    if verify and not callable(getattr(target, "prompt_logprobs", None)):
+        raise TypeError(f"VLLMWeightSync(verify='logprobs') needs a target with prompt_logprobs();"
+                        f" {type(target).__name__} has none (ColocatedVLLM has).")
+    if verify_tolerance <= 0:
+        raise ValueError(f"VLLMWeightSync(verify_tolerance={verify_tolerance}) must be positive.")
+    if lora not in ("merged", "adapter"):
+        raise ValueError(f"VLLMWeightSync(lora={lora!r}) must be 'merged' or 'adapter'.")
+    if lora == "adapter" and not callable(getattr(target, "push_adapter", None)):
+        raise TypeError(f"VLLMWeightSync(lora='adapter') needs a target with push_adapter();"
+                        f" {type(target).__name__} has none (ColocatedVLLM built with enable_lora=True has).")
+    if exact_first_sync:
+        if not sync_on_train_start:
+            raise ValueError("VLLMWeightSync(exact_first_sync=True) checks the sync at train start, where the trainer"
+                             " still holds the engine's checkpoint: it needs sync_on_train_start=True.")
+        lacking = [m for m in ("weight_checksums", "reset_weights") if not callable(getattr(target, m, None))]
+        if lacking:
+            raise TypeError(f"VLLMWeightSync(exact_first_sync=True) needs a target with {' and '.join(lacking)}();"
+                            f" {type(target).__name__} has none (ColocatedVLLM and RemoteVLLM have).")
+    if on_error not in ("raise", "warn"):
+        raise ValueError(f"VLLMWeightSync(on_error={on_error!r}) must be 'raise' or 'warn'.")
+
+
+def _as_timedelta(timeout: timedelta | float | None) -> timedelta | None:
+    given = timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+        raise ValueError(f"VLLMWeightSync(timeout={given!r}) must be a positive timedelta or number of seconds.")
+    return timeout

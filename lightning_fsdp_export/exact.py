@@ -18,8 +18,12 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
 
-__all__ = ["EMPTY_SHA256", "ExactCheck", "compare_checksums"]
+from lightning_fsdp_export.agreement import SyncGroup
+
+__all__ = ["EMPTY_SHA256", "EXACT_FAILED", "ExactCheck", "check_precondition", "compare_checksums", "exact_verdict"]
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
@@ -55,3 +59,39 @@ def compare_checksums(before: dict[str, dict[str, str]], after: dict[str, dict[s
             if now.get(name) != digest:
                 mismatched.append(f"{engine}: {name.rsplit(':', 1)[-1]}")
     return ExactCheck(compared, not_comparable, mismatched, len(before))
+
+
+def check_precondition(group: SyncGroup, strategy: Any, target: Any) -> None:
+    """At fit start: the trainer must start from the engine's own checkpoint (every rank raises, or none)."""
+    pretrained = strategy.export_checkpoint
+    if pretrained is None:
+        raise ValueError("VLLMWeightSync(exact_first_sync=True) needs LazyExportFSDP2(pretrained=DIR) with DIR the"
+                         " checkpoint the engine loaded: only then must the first push restore the engine bit for bit.")
+    try:
+        engine = str(getattr(target, "checkpoint_path", lambda: "")())
+    except Exception:  # noqa: BLE001 - a server not answering yet: the first sync reports it
+        engine = ""
+    mine = None
+    if engine and Path(engine).is_dir() and Path(engine).resolve() != Path(pretrained).resolve():
+        mine = f"the trainer starts from {str(pretrained)!r} but the engine loaded {engine!r}"
+    wrong = [msg for msg in group.gather(mine) if msg]
+    if wrong:
+        raise ValueError(f"VLLMWeightSync(exact_first_sync=True): {wrong[0]}; the first push cannot restore the"
+                         " engine's own weights. Start both from the same checkpoint, or drop exact_first_sync.")
+
+
+EXACT_FAILED = ("Exact check of version {version} failed ({lines}). The engine was zeroed and then pushed the trainer's"
+                " weights, which equal its checkpoint: these parameters did not load (a tensor the export names or lays"
+                " out otherwise than the engine's loader expects, or one the engine's reload drops).")
+
+
+def exact_verdict(target: Any, baseline: dict[str, dict[str, str]]) -> tuple[ExactCheck | None, str | None]:
+    """After the exact check's push: what was compared on this rank, and a message if anything is not back."""
+    try:
+        check = compare_checksums(baseline, target.weight_checksums())
+    except Exception as err:  # noqa: BLE001 - reported through the agreement
+        return None, f"the engine's checksums could not be read after the push ({type(err).__name__}: {err})"
+    if check.mismatched:
+        bad = check.mismatched
+        return check, f"{len(bad)} engine parameter(s) not restored bit for bit: {', '.join(bad[:8])}"
+    return check, None

@@ -26,7 +26,6 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import (  # noqa: E402
     ColocatedVLLM, InMemoryTarget, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync)
-from lightning_fsdp_export.export import ExportPlan  # noqa: E402
 from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
 from tests.scripts.common import run_scenarios, start_script  # noqa: E402
 from tests.scripts.sync_checks import LM, loader  # noqa: E402
@@ -104,13 +103,15 @@ class Reorder(pl.Callback):
 
     def on_fit_start(self, trainer: Trainer, pl_module: LM) -> None:
         if trainer.global_rank == 1:
-            original = trainer.strategy.export_plan
+            original = trainer.strategy.export_source
 
-            def reversed_plan(**kwargs: Any) -> ExportPlan:
-                plan = original(**kwargs)
-                return ExportPlan(list(reversed(plan.shapes)), plan.nonfinite)
+            def reordered(**kwargs: Any) -> Any:
+                source = original(**kwargs)
+                shapes = source.shapes
+                source.shapes = lambda: list(reversed(shapes()))  # what the ranks agree on before any gather
+                return source
 
-            trainer.strategy.export_plan = reversed_plan  # type: ignore[method-assign]
+            trainer.strategy.export_source = reordered  # type: ignore[method-assign]
 
 
 class SyncOnRankZeroOnly(pl.Callback):

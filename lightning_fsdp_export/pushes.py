@@ -1,0 +1,78 @@
+"""What one sync pushes: sources of the strategy, each paired with how the target consumes it.
+
+``VLLMWeightSync`` chooses the kinds once per sync (:func:`plan_pushes`): ``lora="merged"`` is one
+merged source; ``lora="adapter"`` is the base weights (first sync only) then the adapter. Every rank
+builds the same list, in the same order (each pass is a collective).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from lightning_fsdp_export.lora import write_adapter
+from lightning_fsdp_export.source import ExportSource
+
+__all__ = ["Push", "plan_pushes"]
+
+
+@dataclass
+class Push:
+    """One source of this sync and its consumer (a target call)."""
+
+    source: ExportSource
+    consume: Callable[[ExportSource], None]
+
+
+def plan_pushes(strategy: Any, target: Any, *, lora: str, base_pushed: bool, dtype: torch.dtype | None,
+                version: int, rank: int, adapter_dir: Callable[[], Path], show_progress: bool) -> list[Push]:
+    """The sources this sync pushes, in the order every rank runs them.
+
+    Args:
+        strategy: the ``LazyExportFSDP2`` giving the sources.
+        target: where they go.
+        lora: the callback's mode, ``"merged"`` or ``"adapter"``.
+        base_pushed: the engine holds the current base weights (``"adapter"`` then pushes the adapter only).
+        dtype: the wire dtype.
+        version: this sync's version.
+        rank: this trainer rank (adapter directories are per rank).
+        adapter_dir: where ``"adapter"`` writes peft directories.
+        show_progress: a progress bar for long passes.
+    """
+    def source(kind: str) -> ExportSource:
+        return strategy.export_source(dtype=dtype, lora=kind, show_progress=show_progress)
+
+    def to_target(src: ExportSource) -> None:
+        push_source = getattr(target, "push_source", None)
+        if callable(push_source):  # a target that needs the metadata before the stream
+            push_source(src, version=version)
+        else:
+            target.push(iter(src), version=version)
+
+    if lora == "merged":
+        return [Push(source("merged"), to_target)]
+    pushes = [] if base_pushed else [Push(source("base"), to_target)]
+    module = strategy.export_module
+    return pushes + [Push(source("adapter"), lambda src: _push_adapter(src, target, module, adapter_dir() /
+                                                                       f"rank{rank}", version))]
+
+
+def _push_adapter(source: ExportSource, target: Any, module: Any, rank_dir: Path, version: int) -> None:
+    """Write the adapter as a peft directory, load it into the engine, drop directories it no longer needs."""
+    path = rank_dir / f"v{version:06d}"
+    write_adapter(iter(source), module, str(path), write=True)
+    target.push_adapter(path, version=version)
+    for old in rank_dir.glob("v[0-9]*"):  # the engine holds loaded adapters in memory
+        if int(old.name[1:]) < version - 1:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def temporary_adapter_dir() -> Path:
+    """A fresh directory for adapters when the user gave none."""
+    return Path(tempfile.mkdtemp(prefix="lora_sync_"))
