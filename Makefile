@@ -33,6 +33,7 @@ bench: setup
 	$(VPY) benchmarks/export_bench.py --shape balanced --json runs/bench_balanced.json
 	$(VPY) benchmarks/transport_bench.py --size 40m --steps 6
 	$(VPY) benchmarks/transport_bench.py --size 200m --steps 6
+	$(VPY) benchmarks/moe_export_bench.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -71,3 +71,13 @@ def test_load_bench_tiny(tmp_path: Path) -> None:
     assert result["identical"] is True  # both ways end with the same shards
     assert set(result["methods"]) == {"whole_then_shard", "meta_pretrained"}
     assert all(m["peak_extra_bytes"] > 0 for m in result["methods"].values())
+
+
+def test_moe_export_bench_tiny() -> None:
+    proc = subprocess.run([sys.executable, "benchmarks/moe_export_bench.py", "--experts", "4", "--hidden", "256",
+                           "--layers", "1", "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.startswith(("memory", "check"))}
+    assert set(rows) == {"memory_layout", "checkpoint", "checkpoint_whole"}
+    # 1 layer: 2 fused expert tensors become 4 experts x 3 projections; the rest pass through
+    assert int(rows["checkpoint"][3]) == int(rows["checkpoint_whole"][3]) == int(rows["memory_layout"][3]) - 2 + 12
