@@ -35,7 +35,7 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    only = [f"export:{arch}" for arch in FAMILIES] + [f"sync:{a}" for a in ["qwen3_moe", "mixtral", "gpt_oss",
+    only = [f"export:{arch}" for arch in FAMILIES] + ["lora:qwen3_moe"] + [f"sync:{a}" for a in ["qwen3_moe", "mixtral", "gpt_oss",
                                                                            "deepseek_v3", "qwen3", "gemma3"]]
     return run_torchrun("family_checks.py", tmp_path_factory.mktemp("families") / "results.json",
                         "--only", ",".join(only), env=ENGINE_ENV, timeout=900)
@@ -53,6 +53,15 @@ def test_export_after_pretrained_equals_save_pretrained_bit_for_bit(results: dic
     converted = {"qwen3": 0, "gemma3": 0, "gpt_oss": 0, "qwen3_moe": 4, "mixtral": 6, "deepseek_v3": 2,
                  "qwen2_5_vl": 44}
     assert got["converted"] == converted[arch]  # in-memory tensors whose checkpoint layout differs
+
+
+def test_lora_over_moe_merged_push_is_in_checkpoint_format(results: dict[str, Any]) -> None:
+    # peft LoRA (random lora_B) on a Qwen3-MoE's attention, 2 FSDP2 ranks, offloaded shards: the staged
+    # merged export equals merge_and_unload() of the same model converted by save_pretrained's rules
+    got = scenario(results, "lora:qwen3_moe")
+    assert got["names_equal"] is True and got["max_diff"] == 0.0
+    assert got["experts_split"] == 6  # expert 0's gate/up/down in both layers: the fused experts were split
+    assert got["module_unchanged"] is True and got["path"] == "staged"
 
 
 @pytest.mark.vllm

@@ -219,6 +219,49 @@ def scenario_remote(arch: str, url: str, steps: int = 2) -> dict[str, Any]:
     return {"checks": record.checks}
 
 
+def lora_moe(seed: int = 0) -> torch.nn.Module:
+    """peft LoRA (random ``lora_B``, so merging matters) on the attention of a tiny Qwen3-MoE."""
+    from peft import LoraConfig, get_peft_model
+
+    base = tiny_family("qwen3_moe", seed=seed)
+    torch.manual_seed(seed + 1)
+    return get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+
+
+def scenario_lora(arch: str) -> dict[str, Any]:
+    """Merged pushes of a peft model over an MoE base (staged path, offloaded shards): checkpoint format."""
+    from torch.distributed.tensor import DTensor
+
+    from lightning_fsdp_export.checkpoint_format import CheckpointFormat
+
+    assert arch == "qwen3_moe"
+    seed_everything(0)
+    out: dict[str, Any] = {}
+
+    def local(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone() for n, p in module.named_parameters()}
+
+    class Check(pl.Callback):
+        def on_train_start(self, trainer: Trainer, pl_module: CausalLM) -> None:
+            before = local(pl_module.model)
+            merged = dict(trainer.strategy.export_weights())
+            after = local(pl_module.model)
+            plain = lora_moe().merge_and_unload()
+            fmt = CheckpointFormat.of(plain)
+            want = dict(piece for key, tensor in plain.state_dict().items() for piece in fmt.convert(key, tensor))
+            out["names_equal"] = sorted(merged) == sorted(want)
+            out["max_diff"] = max((merged[k] - want[k]).abs().max().item() for k in want)
+            out["experts_split"] = sum(".experts.0." in k for k in merged)
+            out["module_unchanged"] = all(torch.equal(before[n], after[n]) for n in before)
+            out["path"] = trainer.strategy.last_export.path
+
+    trainer = Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(offload="params"), max_steps=1,
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=[Check()])
+    trainer.fit(CausalLM(lora_moe), token_loader(n=2))
+    return out
+
+
 def main() -> None:
     global ROOT
     args, ROOT = start_script("export:qwen3_moe", "families")
@@ -228,6 +271,7 @@ def main() -> None:
         kind, arch = name.split(":")
         runs[name] = {"export": lambda arch=arch: scenario_export(arch),
                       "sync": lambda arch=arch: scenario_sync(arch),
+                      "lora": lambda arch=arch: scenario_lora(arch),
                       "remote": lambda arch=arch: scenario_remote(arch, servers[arch])}[kind]
     results = run_scenarios(runs, args.only.split(","))
     if dist.get_rank() == 0:
