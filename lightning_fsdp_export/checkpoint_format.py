@@ -26,6 +26,7 @@ which ``save_pretrained`` drops).
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ from torch import Tensor, nn
 __all__ = ["DEFAULT_BLOCK_ELEMENTS", "CheckpointFormat", "Piece"]
 
 DEFAULT_BLOCK_ELEMENTS = 32 * 2**20
+_FORMATS: weakref.WeakKeyDictionary[nn.Module, CheckpointFormat] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,18 @@ class CheckpointFormat:
 
     @classmethod
     def of(cls, module: nn.Module) -> CheckpointFormat:
-        """The format of ``module`` (an HF model, a peft model over one, or any module: identity)."""
-        return cls(find_pretrained_model(module))
+        """The format of ``module`` (an HF model, a peft model over one, or any module: identity).
+
+        One per model (kept while the model lives): ``pretrained=`` at setup and every later export share
+        its plans, so the one-time check of the rules runs once.
+        """
+        model = find_pretrained_model(module)
+        if model is None:
+            return cls(None)
+        found = _FORMATS.get(model)
+        if found is None:
+            found = _FORMATS[model] = cls(model)
+        return found
 
     @property
     def has_rules(self) -> bool:
@@ -265,7 +277,7 @@ class CheckpointFormat:
             alone.update((p.name, p.shape) for p in pieces)
         if together != alone:
             differ = sorted(set(together.items()) ^ set(alone.items()))[:6]
-            model = type(self._model._model).__name__  # type: ignore[union-attr]
+            model = type(self._model.model).__name__  # type: ignore[union-attr]
             raise ValueError(
                 f"{model}: transformers joins several of its in-memory tensors into one checkpoint tensor"
                 f" (converted together and one by one they differ: {differ}). This package converts one tensor at"
@@ -306,14 +318,23 @@ def _conversion_rules(model: nn.Module) -> list[object] | None:
 
 
 class _WithRules:
-    """``model`` as ``revert_weight_conversion`` sees it, with the rules already chosen (see above)."""
+    """``model`` as ``revert_weight_conversion`` sees it, with the rules already chosen (see above).
+
+    Holds the model weakly, so the per-model cache of :meth:`CheckpointFormat.of` never keeps it alive.
+    """
 
     def __init__(self, model: nn.Module, rules: list[object]) -> None:
-        self._model = model
+        self._ref = weakref.ref(model)
         self._weight_conversions = rules
 
+    @property
+    def model(self) -> nn.Module:
+        model = self._ref()
+        assert model is not None, "the model of this CheckpointFormat was garbage-collected"
+        return model
+
     def __getattr__(self, name: str) -> object:
-        return getattr(self._model, name)
+        return getattr(self.model, name)
 
 
 class _unsharded_class_names:
@@ -325,11 +346,10 @@ class _unsharded_class_names:
         self._swapped = [(m, type(m)) for m in model.modules() if isinstance(m, FSDPModule)]
 
     def __enter__(self) -> None:
-        from torch.distributed.fsdp import FSDPModule
+        from lightning_fsdp_export.sharding import unsharded_class
 
-        for module, cls in self._swapped:
-            original = next(c for c in cls.__mro__[1:] if not issubclass(c, FSDPModule))
-            module.__class__ = original
+        for module, _ in self._swapped:
+            module.__class__ = unsharded_class(module)
 
     def __exit__(self, *exc: object) -> None:
         for module, cls in self._swapped:

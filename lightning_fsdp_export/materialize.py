@@ -34,7 +34,7 @@ from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from lightning_fsdp_export.sharding import outermost
+from lightning_fsdp_export.sharding import outermost, unsharded_class
 
 __all__ = ["materialize_meta"]
 
@@ -92,7 +92,7 @@ def materialize_meta(
             sub.__dict__.pop(_FLAG, None)
     _make_replicas_equal(root, rank_distinct=distinct)
     unset = _agreed_unset(root)
-    lacking = sorted({_class_name(root.get_submodule(n)) for n in unset
+    lacking = sorted({unsharded_class(root.get_submodule(n)).__name__ for n in unset
                       if not callable(getattr(root.get_submodule(n), "reset_parameters", None))})
     if lacking:  # Lightning's own wording (ModelParallelStrategy), so its tests and users' log filters see it
         rank_zero_warn(
@@ -108,13 +108,6 @@ def materialize_meta(
             " checkpoint (`LazyExportFSDP2(pretrained=...)`), or build the model without `empty_init=True`."
         )
     return unset
-
-
-def _class_name(module: nn.Module) -> str:
-    """The module's own class name (``fully_shard`` swaps it for ``FSDP<name>``)."""
-    from torch.distributed.fsdp import FSDPModule
-
-    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule)).__name__
 
 
 def _own_tensors(root: nn.Module) -> Iterator[Tensor]:

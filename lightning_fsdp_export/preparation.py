@@ -60,7 +60,7 @@ class ModelPreparation:
         reject_fsdp1(model, self.name)
         export_module, error = self._find_export_module(lightning_module)
         self._shard(model, export_module, mesh)
-        load = (lambda: self._load_pretrained(lightning_module, export_module, error)) if self.pretrained else None
+        load = (lambda: self._load_pretrained(lightning_module, export_module)) if self.pretrained else None
         # CPUOffloadPolicy keeps shards on the host: allocate them there (plain tensors move later)
         home = torch.device("cpu") if self.offload is OffloadMode.POLICY else device
         materialize_meta(model, home, load=load)
@@ -92,14 +92,12 @@ class ModelPreparation:
         auto_shard(model, mesh=mesh["data_parallel"], shard_modules=self.shard_modules, roots=roots,
                    fsdp_kwargs=self._fsdp_kwargs(mesh.device_type))
 
-    def _load_pretrained(self, lightning_module: nn.Module, export_module: nn.Module | None,
-                         error: ValueError | None) -> list[Tensor]:
+    def _load_pretrained(self, lightning_module: nn.Module, export_module: nn.Module | None) -> list[Tensor]:
         assert self.pretrained is not None
         loaded: list[Tensor] = []
         for name, path in self.pretrained.items():
-            if name is None:
-                if export_module is None:
-                    raise ValueError(str(error))
+            if name is None:  # _find_export_module raised already if there is no export module
+                assert export_module is not None
                 module = export_module
             else:
                 try:

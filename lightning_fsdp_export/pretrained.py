@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from lightning_fsdp_export.checkpoint_format import CheckpointFormat
 from lightning_fsdp_export.export import plan_export
 from lightning_fsdp_export.names import is_lora_name
+from lightning_fsdp_export.sharding import unsharded_class
 
 __all__ = ["checkpoint_shapes", "load_hf_checkpoint"]
 
@@ -59,12 +60,9 @@ def load_hf_checkpoint(module: nn.Module, path: str | os.PathLike[str]) -> list[
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import HuggingFaceStorageReader
 
-    from torch.distributed.fsdp import FSDPModule
 
     available = checkpoint_shapes(path)
-    model_name = type(module).__name__
-    if isinstance(module, FSDPModule):  # fully_shard swaps the class for "FSDP<name>"
-        model_name = type(module).__mro__[2].__name__
+    model_name = unsharded_class(module).__name__
     fmt = CheckpointFormat.of(module)
     state: dict[str, Tensor] = {}  # checkpoint name -> tensor, read by DCP (same layout on both sides)
     converted: list[tuple[str, Tensor]] = []  # read piece by piece, this rank's rows only

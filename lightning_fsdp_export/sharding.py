@@ -10,7 +10,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 from torch.distributed.tensor import DTensor
 
-__all__ = ["auto_shard", "default_shard_classes", "is_fully_sharded", "outermost", "reject_fsdp1"]
+__all__ = ["auto_shard", "default_shard_classes", "is_fully_sharded", "outermost", "reject_fsdp1", "unsharded_class"]
 
 
 def outermost(root: nn.Module, match: Callable[[nn.Module], bool]) -> list[tuple[str, nn.Module]]:
@@ -22,6 +22,11 @@ def outermost(root: nn.Module, match: Callable[[nn.Module], bool]) -> list[tuple
         if not inside and match(sub):
             found.append((name, sub))
     return found
+
+
+def unsharded_class(module: nn.Module) -> type[nn.Module]:
+    """The module's own class: ``fully_shard`` swaps it for a generated ``FSDP<name>`` subclass."""
+    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
 
 
 def is_fully_sharded(module: nn.Module) -> bool:

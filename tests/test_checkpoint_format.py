@@ -107,6 +107,28 @@ def test_read_local_reads_only_its_own_experts_and_equals_the_converted_rows() -
     assert mixed.dtype == torch.bfloat16 and torch.equal(mixed, state[name][:1].to(torch.bfloat16))
 
 
+def test_the_whole_tensor_fallback_of_read_local_equals_the_rows() -> None:
+    # the path for rules that do not split by rows (none of the families here): probes of the whole tensor
+    model = tiny_family("qwen3_moe")
+    fmt = CheckpointFormat.of(model)
+    state = model.state_dict()
+    name = "model.layers.0.mlp.experts.down_proj"
+    disk = dict(p for key in state for p in fmt.convert(key, state[key]))
+    assert torch.equal(fmt._read_rows_of_whole(name, state[name], (1, 3), disk.__getitem__), state[name][1:3])
+
+
+def test_one_format_per_model_and_it_does_not_keep_the_model_alive() -> None:
+    import gc
+    import weakref
+
+    model = tiny_family("qwen3_moe")
+    assert CheckpointFormat.of(model) is CheckpointFormat.of(model)
+    gone = weakref.ref(model)
+    del model
+    gc.collect()
+    assert gone() is None
+
+
 def test_a_checkpoint_piece_of_another_shape_is_named() -> None:
     model = tiny_family("qwen3_moe")
     fmt = CheckpointFormat.of(model)
