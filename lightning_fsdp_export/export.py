@@ -34,7 +34,8 @@ class ExportReport:
     """What one export did; ``strategy.last_export`` holds the latest.
 
     Attributes:
-        path: ``"lazy"`` (per-tensor staging) or ``"staged"`` (the module moved as a whole; LoRA).
+        path: ``"lazy"`` (per-tensor staging), ``"staged"`` (the module moved as a whole; LoRA) or
+            ``"shards"`` (shard-direct: each rank's own rows; see :mod:`~lightning_fsdp_export.shards`).
         tensors: number of ``(name, tensor)`` pairs yielded (a tied tensor counts once per name).
         bytes: bytes of the yielded tensors, after the ``dtype`` cast.
         seconds: time spent inside the exporter (gathers, copies, casts), not in the consumer.
@@ -43,7 +44,7 @@ class ExportReport:
             included); with a cast before the gather, about ``bytes`` rather than the master's size.
     """
 
-    path: Literal["lazy", "staged"]
+    path: Literal["lazy", "staged", "shards"]
     tensors: int
     bytes: int
     seconds: float

@@ -31,6 +31,7 @@ from lightning_fsdp_export.lora import (
     parse_lora_mode,
     staged_merged_export,
 )
+from lightning_fsdp_export.shards import ShardSource, row_bounds, shard_export, trainer_world
 from lightning_fsdp_export.source import Entries, ExportSource, layerwise_entries
 
 __all__ = ["ModelExport"]
@@ -113,6 +114,37 @@ class ModelExport:
                             lambda: self.weights(mode, dtype=dtype, reorder=layerwise_entries),
                             dtype=dtype, show_progress=show_progress, checkpoint_format=self._format_for(mode),
                             kind=mode)
+
+    def shard_source(self, mode: LoraMode, *, dtype: torch.dtype | None, even: bool = False,
+                     device: torch.device | str | None = None, show_progress: bool = False) -> ShardSource:
+        """The weights of kind ``mode`` for a shard-direct consumer (:mod:`~lightning_fsdp_export.shards`).
+
+        ``even=True`` sends uneven shards whole (vLLM's ``nccl_m2n`` needs rows that divide by the ranks);
+        ``device`` is where each rank's rows are yielded (``None``: where the shard lives). A peft model
+        merged with its adapters goes through the staged merge, every tensor whole.
+        """
+        module = self.module
+        fmt = self._format_for(mode)
+        _, world = trainer_world()
+        merged_peft = mode == "merged" and is_peft_model(module)
+
+        def layout(names: list[str], tensor: Tensor) -> tuple[int, ...] | None:
+            return None if merged_peft else row_bounds(names, tensor, fmt, world, even=even)
+
+        def export() -> Iterator[tuple[str, Tensor]]:
+            if merged_peft:
+                return self.weights(mode, dtype=dtype, reorder=layerwise_entries)
+            return shard_export(layerwise_entries(self._entries(mode)), fmt=fmt, dtype=dtype, layout=layout,
+                                device=device, gather_device=self._device(), on_finish=self._record)
+
+        return ShardSource(lambda: layerwise_entries(self._entries(mode)), export, layout=layout, world=world,
+                           dtype=dtype, show_progress=show_progress, checkpoint_format=fmt, kind=mode)
+
+    def m2n_source(self, mode: LoraMode, *, dtype: torch.dtype | None, device: torch.device | str | None) -> Any:
+        """:meth:`shard_source` as a vLLM ``M2NWeightSource`` (imports vLLM)."""
+        from lightning_fsdp_export.targets.vllm_source import FSDP2M2NSource
+
+        return FSDP2M2NSource(self.shard_source(mode, dtype=dtype, even=True, device=device))
 
     def weight_source(self, mode: LoraMode, *, dtype: torch.dtype | None) -> Any:
         """:meth:`source` as a vLLM ``WeightSource`` (imports vLLM)."""

@@ -274,7 +274,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
         return self._export.weights(self._export.kind(lora), dtype=dtype, device=device)
 
     def export_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged",
-                      show_progress: bool = False) -> ExportSource:
+                      show_progress: bool = False, layout: Literal["full", "shards"] = "full") -> ExportSource:
         """The exported weights as a re-iterable source: ``metadata()`` without a collective, and a fresh
         :meth:`export_weights` pass per ``iter()``, both in vLLM's layerwise order (torch only).
 
@@ -285,8 +285,17 @@ class LazyExportFSDP2(ModelParallelStrategy):
             dtype: cast floating tensors to this dtype (``None``: their own); ``metadata()`` reports it.
             lora: as in :meth:`export_weights`.
             show_progress: a progress bar on this rank for passes longer than ~2 s.
+            layout: ``"full"`` (every tensor gathered whole on every rank) or ``"shards"``: each rank yields
+                its own rows of every FSDP2 shard, no gather (a
+                :class:`~lightning_fsdp_export.shards.ShardSource`, for shard-direct transports; tensors
+                the checkpoint format splits still go whole).
         """
-        return self._export.source(self._export.kind(lora), dtype=dtype, show_progress=show_progress)
+        mode = self._export.kind(lora)
+        if layout == "shards":
+            return self._export.shard_source(mode, dtype=dtype, show_progress=show_progress)
+        if layout != "full":
+            raise ValueError(f"export_source(layout={layout!r}) must be 'full' or 'shards'.")
+        return self._export.source(mode, dtype=dtype, show_progress=show_progress)
 
     def weight_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged") -> Any:
         """The exported weights as a vLLM ``WeightSource`` (``vllm.distributed.weight_transfer``).
@@ -308,6 +317,25 @@ class LazyExportFSDP2(ModelParallelStrategy):
             lora: as in :meth:`export_weights`.
         """
         return self._export.weight_source(self._export.kind(lora), dtype=dtype)
+
+    def m2n_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged",
+                   device: torch.device | str | None = None) -> Any:
+        """The exported weights as vLLM's ``M2NWeightSource``, for its ``nccl_m2n`` trainer engine (every rank).
+
+        Each rank yields its own rows of every FSDP2 shard (``Shard(0)`` over the trainer's ranks: placement
+        ``(0, REPLICATE)`` on the mesh ``(world, 1)``), cast to ``dtype`` on the rank and staged on ``device``
+        one tensor at a time (default: the strategy's device, so offloaded shards come up per tensor); no
+        all-gather. Tensors m2n cannot take as rows go whole (``REPLICATED``, gathered): those the
+        checkpoint format splits (fused MoE experts), plain or replicated ones, and shards whose rows do not
+        divide by the ranks. Names are checkpoint names, a tied head under each of its names. Needs vLLM.
+
+        Args:
+            dtype: the wire dtype of floating tensors (``None``: their own).
+            lora: as in :meth:`export_weights` (``"merged"`` on a peft model sends every tensor whole).
+            device: where rows are staged (``None``: ``root_device``).
+        """
+        target = device if device is not None else self.root_device
+        return self._export.m2n_source(self._export.kind(lora), dtype=dtype, device=target)
 
     def export_plan(self, *, lora: LoraMode = "merged", check_finite: bool = False) -> ExportPlan:
         """What :meth:`export_weights` would yield, from one walk of the state dict; no collective runs.

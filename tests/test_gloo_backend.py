@@ -45,6 +45,7 @@ def worker_engine(model: Model) -> gloo.GlooWeightTransferEngine:
     engine._store = None
     engine._reloading = False
     engine.buffer_bytes = gloo.DEFAULT_BUFFER_BYTES
+    engine.trainers = 1
     return engine
 
 
@@ -77,10 +78,7 @@ class InProcessClient:
 
         def join(engine: Any) -> None:
             offset = init_info["rank_offset"] + self.engines.index(engine)
-            info = gloo.GlooWeightTransferInitInfo(**{**init_info, "rank_offset": offset})
-            engine.buffer_bytes = info.packed_buffer_size_bytes
-            engine.group, engine._store = gloo._join(info.master_address, info.master_port, offset, info.world_size,
-                                                     info.group, info.timeout_s, host=False)
+            engine.join(gloo.GlooWeightTransferInitInfo(**{**init_info, "rank_offset": offset}), offset)
 
         self._each(join)
 
@@ -173,6 +171,137 @@ def test_update_info_is_validated() -> None:
         gloo.GlooWeightTransferUpdateInfo(names=["a"], dtype_names=["nn"], shapes=[[1]])
     with pytest.raises(ValueError, match="1 names, 2 dtype_names and 1 shapes"):
         gloo.GlooWeightTransferUpdateInfo(names=["a"], dtype_names=["float32", "float32"], shapes=[[1]])
+
+
+# -- shard-direct: two trainer ranks (threads), each sending its own rows ------------------------------------
+
+
+def shard_source_of(tensors: dict[str, torch.Tensor], rank: int, *, tied: tuple[str, str] | None = None,
+                    fail_at: str | None = None) -> FSDP2WeightSource:
+    """Trainer rank ``rank`` of 2 holding torch.chunk rows of every 2-D tensor (as FSDP2 shards them), the rest
+    whole; ``tied`` names one tensor twice."""
+    from lightning_fsdp_export.shards import ShardSource
+
+    entries = [([n], t) for n, t in tensors.items()]
+    if tied is not None:
+        entries = [(names + [tied[1]] if names[0] == tied[0] else names, t) for names, t in entries]
+
+    def layout(names: list[str], tensor: torch.Tensor) -> tuple[int, ...] | None:
+        if tensor.dim() != 2:
+            return None
+        chunk = -(-tensor.shape[0] // 2)
+        return tuple(min(r * chunk, tensor.shape[0]) for r in range(3))
+
+    def export() -> Any:
+        for names, tensor in entries:
+            if names[0] == fail_at:
+                raise RuntimeError(f"rank {rank} export failed at {names[0]}")
+            bounds = layout(names, tensor)
+            part = tensor if bounds is None else tensor[bounds[rank]:bounds[rank + 1]]
+            for name in names:
+                yield name, part
+
+    return FSDP2WeightSource(ShardSource(lambda: entries, export, layout=layout, world=2, dtype=None))
+
+
+class NoClient:
+    """Trainer ranks other than 0 never talk to the servers."""
+
+    def __getattr__(self, name: str) -> Any:
+        raise AssertionError(f"trainer rank 1 called the client's {name}")
+
+
+def connect_shards(n_workers: int, tensors: dict[str, torch.Tensor], *, refuse: str | None = None,
+                   fail: tuple[int, str] | None = None, buffer_bytes: int = 1000, tied: tuple[str, str] | None = None
+                   ) -> tuple[list[Any], list[Model], InProcessClient]:
+    models = [Model(refuse if i == 0 else None) for i in range(n_workers)]
+    client = InProcessClient([worker_engine(m) for m in models])
+    port, group = free_port(), "shards-test"
+    engines: list[Any] = [None, None]
+
+    def init(rank: int) -> None:
+        info = gloo.GlooTrainerInitInfo(rank=rank, master_address="127.0.0.1", master_port=port,
+                                        world_size=2 + n_workers, packed_buffer_size_bytes=buffer_bytes, timeout_s=20,
+                                        num_trainer_ranks=2, group=group)
+        source = shard_source_of(tensors, rank, tied=tied, fail_at=fail[1] if fail and fail[0] == rank else None)
+        engines[rank] = gloo.GlooTrainerWeightTransferEngine.trainer_init(
+            info, client=client if rank == 0 else NoClient(), source=source)  # type: ignore[arg-type]
+
+    both(init)
+    return engines, models, client
+
+
+def both(call: Any) -> list[BaseException | None]:
+    """``call(rank)`` for trainer ranks 0 and 1 at once; each rank's exception (or None)."""
+    errors: list[BaseException | None] = [None, None]
+
+    def run(rank: int) -> None:
+        try:
+            call(rank)
+        except BaseException as err:  # noqa: BLE001
+            errors[rank] = err
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def uneven() -> dict[str, torch.Tensor]:
+    tensors = weights()
+    g = torch.Generator().manual_seed(1)
+    tensors["model.layers.1.self_attn.o_proj.weight"] = torch.randn(41, 8, generator=g).to(torch.bfloat16)  # 21 + 20
+    tensors["model.layers.1.one_row.weight"] = torch.randn(1, 8, generator=g)  # rank 1 holds no row of it
+    return tensors
+
+
+def test_shard_direct_every_rank_sends_its_rows_and_every_worker_assembles_them_bit_exact() -> None:
+    tensors = uneven()
+    engines, models, client = connect_shards(2, tensors, buffer_bytes=700, tied=("model.embed_tokens.weight",
+                                                                                  "lm_head.tied.weight"))
+    for _ in range(2):  # two rounds on the same group
+        assert both(lambda rank: engines[rank].send_weights()) == [None, None]
+    assert client.calls == ["init", "start", "update", "finish", "start", "update", "finish"]
+    expected = {**tensors, "lm_head.tied.weight": tensors["model.embed_tokens.weight"]}
+    for model in models:
+        assert sorted(model.loaded) == sorted(expected)
+        for name, tensor in expected.items():
+            assert model.loaded[name].dtype == tensor.dtype and torch.equal(model.loaded[name], tensor), name
+    # Rank 1 sent only its rows of the 2-D tensors (to each of the 2 workers), rank 0 its rows and the rest whole.
+    rows1 = sum(t[-(-t.shape[0] // 2):].numel() * t.element_size() for t in expected.values() if t.dim() == 2)
+    assert rows1 <= engines[1].sent_bytes / 2 < rows1 + 16 * len(expected)  # parts are padded to 16 bytes
+    assert engines[0].sent_bytes > engines[1].sent_bytes
+
+
+def test_shard_direct_a_refused_tensor_fails_the_round_on_both_trainer_ranks_quickly() -> None:
+    engines, models, _ = connect_shards(2, uneven(), refuse="model.layers.1.self_attn.o_proj.weight")
+    start = time.monotonic()
+    errors = both(lambda rank: engines[rank].send_weights())
+    assert time.monotonic() - start < 10
+    assert "no module or parameter named 'model.layers.1.self_attn.o_proj.weight'" in str(errors[0])
+    assert "a worker refused this weight update round" in str(errors[1])
+
+
+def test_shard_direct_a_rank_that_fails_mid_export_aborts_everyone_naming_it() -> None:
+    engines, _, _ = connect_shards(1, uneven(), fail=(1, "model.layers.1.mlp.up_proj.weight"), buffer_bytes=100)
+    start = time.monotonic()
+    errors = both(lambda rank: engines[rank].send_weights())
+    assert time.monotonic() - start < 10
+    assert "rank 1 export failed at model.layers.1" in str(errors[1])
+    assert "trainer rank 1 aborted" in str(errors[0])  # the worker's error through the client
+
+
+def test_shard_direct_init_info_is_validated() -> None:
+    with pytest.raises(ValueError, match="shard-direct needs every rank below num_trainer_ranks=2, each with the same"):
+        gloo.GlooTrainerInitInfo(rank=0, master_address="h", master_port=1, world_size=3, num_trainer_ranks=2)
+    with pytest.raises(ValueError, match=r"num_trainer_ranks=3\) must leave at least one worker"):
+        gloo.GlooTrainerInitInfo(rank=0, master_address="h", master_port=1, world_size=3, num_trainer_ranks=3,
+                                 group="g")
+    info = gloo.GlooWeightTransferUpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[4, 2]], bounds=[[0, 3, 2]])
+    with pytest.raises(ValueError, match=r"bounds \[0, 3, 2\] of 'a' \[4, 2\] are not row offsets over 2"):
+        gloo._Plan.of(info, 2, 100)
 
 
 def test_register_tolerates_repeats_and_the_plugin() -> None:

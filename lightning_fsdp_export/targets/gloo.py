@@ -11,15 +11,23 @@ CPU trainer (or a GPU trainer whose inference servers have no NCCL path to it) s
 * trainer side, :class:`GlooTrainerWeightTransferEngine`, registered in
   ``WeightTransferTrainerFactory`` by :func:`register` (``RemoteVLLM(transport="gloo")`` does it).
 
-The protocol mirrors vLLM's NCCL one: trainer rank 0 hosts a ``TCPStore`` and is rank 0 of the
+The protocol follows vLLM's NCCL one: trainer rank 0 hosts a ``TCPStore`` and is rank 0 of the
 transfer group, the workers of each server join from their ``rank_offset``; per round the workers
-learn names, dtypes and shapes (``update_weights``), then receive the tensors packed into chunks of
-``packed_buffer_size_bytes`` with vLLM's ``pack_tensors``/``unpack_tensor``, each into a fresh
-buffer, loaded by ``model.load_weights`` inside vLLM's layerwise reload. Two additions make a failed
-round end instead of hang: a small header precedes every chunk (data, end, or "the trainer aborted"),
-and after the last chunk every member all-reduces a status, so a tensor one worker refused fails the
-round on the trainer and on every worker. Every collective has ``timeout_s``; a worker that fails
-finalizes the layerwise reload before it re-raises, so the next round can start.
+learn names, dtypes and shapes (``update_weights``), then receive the tensors in chunks of about
+``packed_buffer_size_bytes``, each tensor in a fresh buffer, loaded by ``model.load_weights`` inside
+vLLM's layerwise reload. Both sides cut the round into the same chunks from that update info.
+
+Shard-direct mode (``num_trainer_ranks=T > 1``, what ``RemoteVLLM(shard_direct=True)`` uses): all T
+trainer ranks are ranks ``[0, T)`` of the group, the workers follow from ``T``. A tensor the update
+info gives row ``bounds`` for is sent by every trainer rank as its own rows (an FSDP2 shard, never
+gathered), point to point to every worker, which assembles the full tensor; any other tensor trainer
+rank 0 sends whole. With ``T=1`` rank 0 sends every tensor whole (the plain mode).
+
+Two additions make a failed round end instead of hang: every chunk starts with a header all-reduced
+over the group (data, end, or "trainer rank r aborted": any trainer rank's failure ends the round for
+every member), and after the last chunk every member all-reduces a status, so a tensor one worker
+refused fails the round on every trainer rank and every worker. Every collective has ``timeout_s``; a
+worker that fails finalizes the layerwise reload before it re-raises, so the next round can start.
 """
 
 from __future__ import annotations
@@ -43,7 +51,6 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
 )
-from vllm.distributed.weight_transfer.packed_tensor import pack_tensors, unpack_tensor
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -65,11 +72,16 @@ BACKEND = "gloo"
 DEFAULT_BUFFER_BYTES = 16 * 1024 * 1024
 DEFAULT_TIMEOUT_S = 300.0
 _DATA, _END, _ABORT = 1, 0, -1
+_NOBODY = 1 << 62  # the origin a member that did not abort reports (the all-reduce keeps the smallest)
+_ALIGN = 16  # every part starts at a multiple of this many bytes, so each unpacks as a view of its dtype
 
 
 @dataclass(kw_only=True)
 class GlooWeightTransferInitInfo(WeightTransferInitInfo):
-    """What a worker needs to join the transfer group (sent by the trainer at rendezvous)."""
+    """What a worker needs to join the transfer group (sent by the trainer at rendezvous).
+
+    ``num_trainer_ranks`` trainer ranks hold ranks ``[0, num_trainer_ranks)`` of the group (1: trainer rank 0
+    sends everything; more: shard-direct, every trainer rank sends its own rows); the workers follow."""
 
     master_address: str
     master_port: int
@@ -78,15 +90,20 @@ class GlooWeightTransferInitInfo(WeightTransferInitInfo):
     group: str = ""
     packed_buffer_size_bytes: int = DEFAULT_BUFFER_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S
+    num_trainer_ranks: int = 1
 
 
 @dataclass
 class GlooTrainerInitInfo(TrainerInitInfo):
-    """Trainer-side init info: ``rank`` is this trainer's rank (0 sends and hosts the store at
-    ``master_address:master_port``), ``world_size`` counts the sender and every worker it feeds.
+    """Trainer-side init info: ``rank`` is this trainer's rank (0 hosts the store at
+    ``master_address:master_port`` and drives the servers), ``world_size`` counts the trainer ranks in the
+    group and every worker they feed.
 
-    Like vLLM's NCCL engine, the workers are told ``rank_offset=1``; a client that fans out to several
-    servers (``RemoteVLLM``'s) gives each its own offset."""
+    With ``num_trainer_ranks=1`` (vLLM's NCCL layout) rank 0 alone sends and the workers are told
+    ``rank_offset=1``; other trainer ranks only iterate their source. With ``num_trainer_ranks=T > 1``
+    (shard-direct) every rank ``< T`` joins the group and sends its own rows of each row-sharded tensor;
+    ``group`` must then be the same fresh name on every rank (the client agrees on it first). A client that
+    fans out to several servers (``RemoteVLLM``'s) gives each its own offset."""
 
     backend: ClassVar[str] = BACKEND
 
@@ -95,24 +112,96 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     world_size: int
     packed_buffer_size_bytes: int = DEFAULT_BUFFER_BYTES
     timeout_s: float = DEFAULT_TIMEOUT_S
+    num_trainer_ranks: int = 1
+    group: str = ""
+
+    def __post_init__(self) -> None:
+        if not 0 < self.num_trainer_ranks < self.world_size:
+            raise ValueError(f"GlooTrainerInitInfo(num_trainer_ranks={self.num_trainer_ranks}) must leave at least one"
+                             f" worker in world_size={self.world_size}.")
+        if self.num_trainer_ranks > 1 and not (0 <= self.rank < self.num_trainer_ranks and self.group):
+            raise ValueError(f"GlooTrainerInitInfo(rank={self.rank}, group={self.group!r}): shard-direct needs every"
+                             f" rank below num_trainer_ranks={self.num_trainer_ranks}, each with the same group name.")
+
+    @property
+    def is_sender(self) -> bool:
+        return self.rank < self.num_trainer_ranks
 
 
 @dataclass
 class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
-    """Per round: what the trainer will send, in order."""
+    """Per round: what the trainer ranks will send, in order.
+
+    ``bounds[i]`` is ``None`` when trainer rank 0 sends tensor ``i`` whole, else ``num_trainer_ranks + 1`` row
+    offsets: trainer rank ``r`` sends rows ``bounds[i][r]:bounds[i][r + 1]`` (``bounds=None``: all whole)."""
 
     names: list[str]
     dtype_names: list[str]
     shapes: list[list[int]]
+    bounds: list[list[int] | None] | None = None
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
             raise ValueError(f"gloo update_info: {len(self.names)} names, {len(self.dtype_names)} dtype_names and"
                              f" {len(self.shapes)} shapes; they must be equally long.")
+        if self.bounds is not None and len(self.bounds) != len(self.names):
+            raise ValueError(f"gloo update_info: {len(self.bounds)} bounds for {len(self.names)} names.")
         bad = [(n, d) for n, d in zip(self.names, self.dtype_names) if not isinstance(getattr(torch, d, None), torch.dtype)]
         if bad:
             raise ValueError(f"gloo update_info: {bad[0][1]!r} (for {bad[0][0]!r}) is not a torch dtype name such as"
                              " 'bfloat16'.")
+
+
+@dataclass(frozen=True)
+class _Tensor:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    bounds: tuple[int, ...] | None
+
+    def part(self, rank: int) -> int:
+        """Bytes trainer ``rank`` sends of this tensor."""
+        if self.bounds is None:
+            return math.prod(self.shape) * self.dtype.itemsize if rank == 0 else 0
+        row = math.prod(self.shape[1:]) * self.dtype.itemsize
+        return (self.bounds[rank + 1] - self.bounds[rank]) * row
+
+
+class _Plan:
+    """The round's cut into chunks (consecutive tensors until their full size passes ``buffer_bytes``) and each
+    trainer rank's share of each chunk: computed alike by the trainer ranks and the workers from the update info."""
+
+    def __init__(self, tensors: list[_Tensor], trainers: int, buffer_bytes: int) -> None:
+        self.tensors = tensors
+        self.trainers = trainers
+        self.chunks: list[list[_Tensor]] = []
+        total = 0
+        for tensor in tensors:
+            if not self.chunks or total > buffer_bytes:
+                self.chunks.append([])
+                total = 0
+            self.chunks[-1].append(tensor)
+            total += tensor.part(0) if tensor.bounds is None else sum(tensor.part(r) for r in range(trainers))
+
+    def segment(self, chunk: list[_Tensor], rank: int) -> int:
+        """Bytes trainer ``rank`` sends of ``chunk`` (each part padded to ``_ALIGN``)."""
+        return sum(_aligned(t.part(rank)) for t in chunk)
+
+    @classmethod
+    def of(cls, info: GlooWeightTransferUpdateInfo, trainers: int, buffer_bytes: int) -> _Plan:
+        bounds = info.bounds or [None] * len(info.names)
+        tensors = []
+        for name, dtype_name, shape, rows in zip(info.names, info.dtype_names, info.shapes, bounds):
+            if rows is not None and (len(rows) != trainers + 1 or not shape or rows[0] != 0 or rows[-1] != shape[0]
+                                     or any(a > b for a, b in zip(rows, rows[1:]))):
+                raise ValueError(f"gloo update_info: bounds {rows} of {name!r} {list(shape)} are not row offsets over"
+                                 f" {trainers} trainer ranks.")
+            tensors.append(_Tensor(name, getattr(torch, dtype_name), tuple(shape), None if rows is None else tuple(rows)))
+        return cls(tensors, trainers, buffer_bytes)
+
+
+def _aligned(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
 
 
 def _join(address: str, port: int, rank: int, world_size: int, group: str, timeout_s: float,
@@ -125,16 +214,14 @@ def _join(address: str, port: int, rank: int, world_size: int, group: str, timeo
     return dist.ProcessGroupGloo(dist.PrefixStore(f"lfe-gloo/{group}", store), rank, world_size, timeout), store
 
 
-def _header(pg: dist.ProcessGroup, code: int = 0, nbytes: int = 0) -> tuple[int, int]:
-    header = torch.tensor([code, nbytes], dtype=torch.int64)
-    _broadcast(pg, header)
+def _header(pg: dist.ProcessGroup, code: int = _DATA, origin: int = _NOBODY) -> tuple[int, int]:
+    """Every member's ``(code, origin)``, reduced to the smallest: an abort by any trainer rank (and the first
+    rank that aborted) wins over an end, an end over more data."""
+    header = torch.tensor([code, origin], dtype=torch.int64)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    pg.allreduce([header], opts).wait()
     return int(header[0]), int(header[1])
-
-
-def _broadcast(pg: dist.ProcessGroup, tensor: torch.Tensor) -> None:
-    opts = dist.BroadcastOptions()
-    opts.rootRank = 0
-    pg.broadcast([tensor], opts).wait()
 
 
 def _status(pg: dist.ProcessGroup, failed: bool) -> bool:
@@ -146,8 +233,14 @@ def _status(pg: dist.ProcessGroup, failed: bool) -> bool:
     return bool(flag.item())
 
 
+def _aborted(origin: int) -> str:
+    return (f"trainer rank {origin} aborted this weight update round (it failed while exporting); the model is"
+            " incomplete until the next full round")
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
-    """Worker side: receives packed chunks over gloo and loads them with the layerwise reload."""
+    """Worker side: receives every trainer rank's parts of each chunk over gloo, assembles each tensor in a
+    fresh buffer, and loads them with the layerwise reload."""
 
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
@@ -158,13 +251,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.group: dist.ProcessGroup | None = None
         self._store: dist.TCPStore | None = None
         self.buffer_bytes = DEFAULT_BUFFER_BYTES
+        self.trainers = 1
+        self.timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
         self._reloading = False
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()
         parallel = self.parallel_config
         rank = parallel.data_parallel_index * parallel.world_size + parallel.rank + init_info.rank_offset
+        self.join(init_info, rank)
+
+    def join(self, init_info: GlooWeightTransferInitInfo, rank: int) -> None:
+        """Join the transfer group as ``rank``."""
         self.buffer_bytes = init_info.packed_buffer_size_bytes
+        self.trainers = init_info.num_trainer_ranks
+        self.timeout = timedelta(seconds=init_info.timeout_s)
         self.group, self._store = _join(init_info.master_address, init_info.master_port, rank, init_info.world_size,
                                         init_info.group, init_info.timeout_s, host=False)
 
@@ -196,90 +297,124 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             raise RuntimeError("gloo weight transfer is not initialized: call init_weight_transfer_engine first.")
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-        pending = iter(list(zip(update_info.names, update_info.dtype_names, update_info.shapes)))
+        plan = _Plan.of(update_info, self.trainers, self.buffer_bytes)
         error: BaseException | None = None
         with disable_mtp_completeness_check():
-            while True:
-                code, nbytes = _header(self.group)
+            for index, chunk in enumerate(plan.chunks):
+                code, origin = _header(self.group)
                 if code == _ABORT:
-                    raise RuntimeError("the trainer aborted this weight update round (it failed while exporting);"
-                                       " the model is incomplete until the next full round")
+                    raise RuntimeError(_aborted(origin))
                 if code == _END:
-                    left = sum(1 for _ in pending)
-                    if left and error is None:
-                        error = RuntimeError(f"the trainer ended the round with {left} announced tensors unsent")
+                    left = sum(len(c) for c in plan.chunks[index:])
+                    error = error or RuntimeError(f"the trainer ended the round with {left} announced tensors unsent")
                     break
-                names, shapes, dtypes, sizes = self._next_chunk(pending)
-                buffer = torch.empty(nbytes, dtype=torch.uint8)
-                _broadcast(self.group, buffer)
+                parts = self._receive(plan, chunk, index)
                 if error is not None:
-                    continue  # keep receiving so the trainer's broadcasts complete; report at the end
-                if sum(sizes) != nbytes:
-                    error = RuntimeError(f"chunk of {nbytes} bytes but the announced tensors {names[:3]}... take"
-                                         f" {sum(sizes)}: trainer and worker disagree on packed_buffer_size_bytes")
-                    continue
+                    continue  # keep receiving so the trainer ranks' sends complete; report at the end
                 try:
-                    self.model.load_weights(unpack_tensor(buffer, names, shapes, dtypes, sizes))
+                    self.model.load_weights(_unpack(chunk, parts, plan.trainers))
                 except Exception as err:  # noqa: BLE001 - the whole group learns of it below
                     error = err
+            else:
+                code, origin = _header(self.group)
+                if code == _ABORT:
+                    raise RuntimeError(_aborted(origin))
         if _status(self.group, error is not None):
             raise error or RuntimeError("another member of the weight-transfer group failed this round")
 
-    def _next_chunk(self, pending: Iterator[tuple[str, str, list[int]]]
-                    ) -> tuple[list[str], list[list[int]], list[torch.dtype], list[int]]:
-        """The tensors of the next chunk: the same cut as ``pack_tensors`` (add until the size passes the buffer)."""
-        names: list[str] = []
-        shapes: list[list[int]] = []
-        dtypes: list[torch.dtype] = []
-        sizes: list[int] = []
-        total = 0
-        for name, dtype_name, shape in pending:
-            dtype = getattr(torch, dtype_name)
-            names.append(name)
-            shapes.append(list(shape))
-            dtypes.append(dtype)
-            sizes.append(math.prod(shape) * dtype.itemsize)
-            total += sizes[-1]
-            if total > self.buffer_bytes:
-                break
-        return names, shapes, dtypes, sizes
+    def _receive(self, plan: _Plan, chunk: list[_Tensor], index: int) -> list[torch.Tensor | None]:
+        """Each trainer rank's part of ``chunk`` (``None`` where it sends nothing), all received at once."""
+        assert self.group is not None
+        parts: list[torch.Tensor | None] = []
+        works = []
+        for rank in range(plan.trainers):
+            size = plan.segment(chunk, rank)
+            parts.append(torch.empty(size, dtype=torch.uint8) if size else None)
+            if size:
+                works.append(self.group.recv([parts[-1]], rank, index))
+        for work in works:
+            work.wait(self.timeout)
+        return parts
 
     def shutdown(self) -> None:
         self.group = self._store = None
 
 
+def _unpack(chunk: list[_Tensor], parts: list[torch.Tensor | None], trainers: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The chunk's tensors: a whole one is a view of rank 0's part; a row-sharded one a fresh tensor of every
+    rank's rows."""
+    offsets = [0] * trainers
+    for tensor in chunk:
+        if tensor.bounds is None:
+            yield tensor.name, _view(parts[0], offsets, 0, tensor, tensor.shape)
+            continue
+        full = torch.empty(tensor.shape, dtype=tensor.dtype)
+        for rank in range(trainers):
+            lo, hi = tensor.bounds[rank], tensor.bounds[rank + 1]
+            if hi > lo:
+                full[lo:hi] = _view(parts[rank], offsets, rank, tensor, (hi - lo, *tensor.shape[1:]))
+        yield tensor.name, full
+
+
+def _view(part: torch.Tensor | None, offsets: list[int], rank: int, tensor: _Tensor,
+          shape: tuple[int, ...]) -> torch.Tensor:
+    nbytes = tensor.part(rank)
+    assert part is not None
+    start = offsets[rank]
+    offsets[rank] += _aligned(nbytes)
+    return part[start:start + nbytes].view(tensor.dtype).view(shape)
+
+
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
-    """Trainer side: rank 0 hosts the store and broadcasts; other ranks only iterate the source."""
+    """Trainer side: rank 0 hosts the store and drives the workers; every rank in the group sends its parts.
+
+    ``sent_bytes`` is what this rank sent in the last round (each worker's copy counted)."""
 
     init_info_cls = GlooTrainerInitInfo
 
     def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource | None, is_sender: bool = True,
-                 buffer_bytes: int = DEFAULT_BUFFER_BYTES) -> None:
+                 buffer_bytes: int = DEFAULT_BUFFER_BYTES, rank: int = 0, trainers: int = 1,
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         super().__init__(client=client, source=source, is_sender=is_sender)
         self.buffer_bytes = buffer_bytes
+        self.rank = rank
+        self.trainers = trainers
+        self.timeout = timedelta(seconds=timeout_s)
         self.group: dist.ProcessGroup | None = None
         self._store: dist.TCPStore | None = None  # rank 0 hosts it for the group's lifetime
+        self.workers: list[int] = []
+        self.sent_bytes = 0
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient,
                      source: WeightSource | None = None) -> GlooTrainerWeightTransferEngine:
         if source is None:
             raise ValueError("the gloo trainer engine needs a WeightSource (e.g. strategy.weight_source()).")
+        trainers = init_info.num_trainer_ranks
         engine = cls(client=client, source=source, is_sender=init_info.is_sender,
-                     buffer_bytes=init_info.packed_buffer_size_bytes)
+                     buffer_bytes=init_info.packed_buffer_size_bytes, rank=init_info.rank, trainers=trainers,
+                     timeout_s=init_info.timeout_s)
         if not engine.is_sender:
             return engine
-        group = uuid.uuid4().hex  # a fresh namespace per rendezvous: a re-init never meets stale keys
+        engine.workers = list(range(trainers, init_info.world_size))
+        group = init_info.group or uuid.uuid4().hex  # a fresh namespace per rendezvous: a re-init never meets stale keys
+
+        def join() -> None:
+            engine.group, engine._store = _join(init_info.master_address, init_info.master_port, init_info.rank,
+                                                init_info.world_size, group, init_info.timeout_s, host=engine.rank == 0)
+
+        if engine.rank != 0:
+            join()
+            return engine
         payload = asdict(GlooWeightTransferInitInfo(
-            master_address=init_info.master_address, master_port=init_info.master_port, rank_offset=1,
+            master_address=init_info.master_address, master_port=init_info.master_port, rank_offset=trainers,
             world_size=init_info.world_size, group=group, packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
-            timeout_s=init_info.timeout_s))
+            timeout_s=init_info.timeout_s, num_trainer_ranks=trainers))
         with ThreadPoolExecutor(max_workers=1) as pool:
             # The workers block in the rendezvous until rank 0 joins: run the request beside it.
             answer = pool.submit(client.init_weight_transfer_engine, payload)
             try:
-                engine.group, engine._store = _join(init_info.master_address, init_info.master_port, 0, init_info.world_size, group,
-                                     init_info.timeout_s, host=True)
+                join()
             finally:
                 answer.result()
         return engine
@@ -293,46 +428,95 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 pass
             return
         assert self.group is not None, "trainer_init() must run before send_weights()"
+        bounds = [_bounds(m, self.trainers) for m in meta]
         info = GlooWeightTransferUpdateInfo(names=[m.name for m in meta],
                                             dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
-                                            shapes=[list(m.shape) for m in meta])
+                                            shapes=[list(m.shape) for m in meta],
+                                            bounds=None if all(b is None for b in bounds) else bounds)
+        plan = _Plan.of(info, self.trainers, self.buffer_bytes)
+        if self.rank != 0:
+            self._stream(plan, self._checked(source, meta), None)
+            return
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             answer = pool.submit(self.client.update_weights, asdict(info))
-            self._stream(self._checked(source, meta), answer)
+            self._stream(plan, self._checked(source, meta), answer)
             answer.result()
         finally:
             pool.shutdown(wait=False)  # a worker stuck in a collective must not turn an error into a hang
         self.client.finish_weight_update()
 
-    def _stream(self, pairs: Iterator[tuple[str, torch.Tensor]], answer: Any) -> None:
+    def _stream(self, plan: _Plan, pairs: Iterator[tuple[str, torch.Tensor]], answer: Any) -> None:
         assert self.group is not None
-        try:
-            while (chunk := pack_tensors(pairs, lambda item: item[1], self.buffer_bytes)) is not None:
-                if answer.done():
+        self.sent_bytes = 0
+        for index, chunk in enumerate(plan.chunks):
+            try:
+                if answer is not None and answer.done():
                     answer.result()  # the workers refused the round before any data: say why
-                _header(self.group, _DATA, chunk.packed_tensor.numel())
-                _broadcast(self.group, chunk.packed_tensor)
+                part = self._pack(plan, chunk, pairs)
+            except BaseException:
+                if answer is None or not answer.done():
+                    self._abort()
+                raise
+            code, origin = _header(self.group)
+            if code == _ABORT:
+                raise RuntimeError(_aborted(origin))
+            if code == _END:
+                raise RuntimeError("another trainer rank ended the round early: the ranks' sources disagree")
+            if part is not None:
+                works = [self.group.send([part], worker, index) for worker in self.workers]
+                for work in works:
+                    work.wait(self.timeout)
+                self.sent_bytes += part.numel() * len(self.workers)
+        try:
+            if next(pairs, None) is not None:
+                raise ValueError("WeightSource yielded more tensors than metadata() declared.")
         except BaseException:
-            if not answer.done():
-                _header(self.group, _ABORT)  # the workers stop waiting and raise
+            self._abort()
             raise
-        _header(self.group, _END)
+        code, origin = _header(self.group, _END)
+        if code == _ABORT:
+            raise RuntimeError(_aborted(origin))
         if _status(self.group, False):
-            answer.result()  # the worker's own error, through its server
+            if answer is not None:
+                answer.result()  # the worker's own error, through its server
             raise RuntimeError("a worker refused this weight update round")
 
-    @staticmethod
-    def _checked(source: WeightSource, meta: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
-        """The source's pairs, each checked against what the workers were told to expect."""
+    def _pack(self, plan: _Plan, chunk: list[_Tensor], pairs: Iterator[tuple[str, torch.Tensor]]) -> torch.Tensor | None:
+        """This rank's part of ``chunk``, from the next tensors of the source (``None``: it sends nothing)."""
+        size = plan.segment(chunk, self.rank)
+        part = torch.empty(size, dtype=torch.uint8) if size else None
+        offset = 0
+        for want in chunk:
+            _, tensor = next(pairs)  # checked against the metadata (rows on this rank) by _checked
+            nbytes = want.part(self.rank)
+            if nbytes:
+                assert part is not None
+                part[offset:offset + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
+                offset += _aligned(nbytes)
+        return part
+
+    def _abort(self) -> None:
+        """Tell every member this round is over (they raise), best effort: a dead peer must not hide the error."""
+        try:
+            _header(self.group, _ABORT, self.rank)
+        except Exception:  # noqa: BLE001, S110 - the caller raises the original error
+            pass
+
+    def _checked(self, source: WeightSource, meta: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
+        """The source's pairs, each checked against what the workers were told to expect (rows on shard ranks)."""
         sent = 0
         for name, tensor in source:
             want = meta[sent] if sent < len(meta) else None
-            if want is None or name != want.name or tensor.dtype != want.dtype or tuple(tensor.shape) != want.shape:
-                expected = "nothing more" if want is None else f"{want.name!r} {want.dtype} {tuple(want.shape)}"
+            bounds = _bounds(want, self.trainers) if want is not None else None
+            shape = want.shape if bounds is None or want is None else (
+                bounds[self.rank + 1] - bounds[self.rank], *want.shape[1:])
+            if want is None or name != want.name or tensor.dtype != want.dtype or tuple(tensor.shape) != tuple(shape):
+                expected = "nothing more" if want is None else f"{want.name!r} {want.dtype} {tuple(shape)}"
                 raise ValueError(f"WeightSource yielded {name!r} {tensor.dtype} {tuple(tensor.shape)} at position {sent}"
-                                 f" where metadata() declared {expected}; the two must agree.")
+                                 f" on trainer rank {self.rank} where metadata() declared {expected}; the two must"
+                                 " agree.")
             sent += 1
             yield name, tensor
         if sent != len(meta):
@@ -340,6 +524,17 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     def shutdown(self) -> None:
         self.group = self._store = None
+
+
+def _bounds(meta: Any, trainers: int) -> list[int] | None:
+    """A tensor's row offsets over the trainer ranks when its metadata has them (shard-direct), else ``None``."""
+    bounds = getattr(meta, "bounds", None)
+    if bounds is None:
+        return None
+    if len(bounds) != trainers + 1:
+        raise ValueError(f"{meta.name!r}: row bounds {list(bounds)} are not for {trainers} trainer rank(s); a"
+                         " shard-direct source must be sent with num_trainer_ranks equal to its world.")
+    return None if trainers == 1 else list(bounds)
 
 
 def register() -> None:

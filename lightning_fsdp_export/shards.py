@@ -1,0 +1,166 @@
+"""Shard-direct export: every rank yields its own rows of each FSDP2 shard, no gather; torch only.
+
+A full export gathers every tensor on every rank (an all-gather each) so that one rank can send it. A
+shard-direct consumer (vLLM's ``nccl_m2n``, the shard-direct mode of this package's ``gloo`` backend)
+instead has every trainer rank send its own part, and the receivers assemble the full tensors. For
+each state-dict entry, :func:`row_bounds` decides how it goes:
+
+* **rows**: an FSDP2 shard (``Shard(0)`` over the 1-D mesh of all trainer ranks, in rank order) whose
+  checkpoint tensor is itself, or itself under another name (a VLM prefix): every rank yields its local
+  rows, cast to the wire dtype on the rank; ``bounds[r]:bounds[r + 1]`` are rank ``r``'s rows of the full
+  tensor (``torch.chunk`` rows, as FSDP2 shards: uneven shards leave the last ranks fewer or none);
+* **full**: anything else (a tensor the checkpoint format splits, such as fused MoE experts; a plain or
+  replicated tensor; another mesh; with ``even=True`` also a shard whose rows do not divide by the
+  ranks) is gathered as the full export does and yielded whole, in checkpoint format, on every rank.
+
+A tied tensor yields its rows (or its full pieces) under every one of its names.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lightning_fsdp_export.buckets import bucketable
+from lightning_fsdp_export.checkpoint_format import CheckpointFormat
+from lightning_fsdp_export.export import ExportReport, _converted, gather_full
+from lightning_fsdp_export.source import Entries, ExportSource, wire_dtype
+
+__all__ = ["ShardMeta", "ShardSource", "row_bounds", "shard_export", "trainer_world"]
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """One tensor of a shard-direct pass: vLLM's ``ParamMeta`` fields and how the ranks hold it.
+
+    Attributes:
+        bounds: ``None`` when every rank yields the whole tensor (rank 0's copy is the one to send);
+            else ``world + 1`` row offsets, rank ``r`` yielding rows ``bounds[r]:bounds[r + 1]``.
+    """
+
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    bounds: tuple[int, ...] | None
+
+
+def trainer_world() -> tuple[int, int]:
+    """``(rank, world size)`` of the default process group (``(0, 1)`` without one)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def row_bounds(names: list[str], tensor: Tensor, fmt: CheckpointFormat, world: int, *,
+               even: bool = False) -> tuple[int, ...] | None:
+    """Rank ``r``'s rows of ``tensor`` are ``bounds[r]:bounds[r + 1]`` when every rank can send its own rows
+    as the checkpoint tensors of ``names``; ``None`` when the entry must go whole (see the module doc)."""
+    if not bucketable(tensor) or world < 1:
+        return None
+    assert isinstance(tensor, DTensor)
+    if tensor.device_mesh.mesh.flatten().tolist() != list(range(world)):
+        return None  # a sub-mesh (HSDP, a group of ranks): the receivers could not tell whose rows are whose
+    for name in names:
+        pieces = fmt.pieces(name, tensor)
+        if len(pieces) != 1 or pieces[0].shape != tuple(tensor.shape):
+            return None  # split or reshaped on the way to the checkpoint: only the full tensor converts
+    rows = tensor.shape[0]
+    if even and rows % world:
+        return None
+    chunk = -(-rows // world)
+    return tuple(min(rank * chunk, rows) for rank in range(world + 1))
+
+
+def shard_export(entries: Entries, *, fmt: CheckpointFormat, dtype: torch.dtype | None,
+                 layout: Callable[[list[str], Tensor], tuple[int, ...] | None], device: torch.device | str | None,
+                 gather_device: torch.device, on_finish: Callable[[ExportReport], None] | None = None
+                 ) -> Iterator[tuple[str, Tensor]]:
+    """One shard-direct pass over ``entries`` (a collective generator: the full entries are gathered).
+
+    Yields ``(checkpoint name, tensor)``: this rank's rows for entries ``layout`` gives bounds, the full
+    checkpoint tensors otherwise. Rows are cast to ``dtype`` here and moved to ``device`` (``None``: they
+    stay where the shard lives, the host when offloaded); with no cast they are the module's own storage,
+    valid until the weights change. ``ExportReport.gathered_bytes`` counts only the full entries.
+    """
+    rank, _ = trainer_world()
+    stats = [0, 0, 0.0]
+    gathered = [0]
+    start = time.perf_counter()
+    for names, tensor in entries:
+        bounds = layout(names, tensor)
+        if bounds is None:
+            full = gather_full(tensor, device=gather_device, dtype=dtype, stats=gathered)
+            pairs: Iterator[tuple[str, Tensor]] = _converted(fmt, names, full)
+            del full
+        else:
+            pairs = iter(_local_rows(names, tensor, bounds, rank, fmt, dtype, device))
+        for name, out in pairs:
+            stats[0] += 1
+            stats[1] += out.numel() * out.element_size()
+            stats[2] += time.perf_counter() - start
+            yield name, out
+            del out
+            start = time.perf_counter()
+        del pairs
+    if on_finish is not None:
+        on_finish(ExportReport("shards", int(stats[0]), int(stats[1]), float(stats[2]), module_moves=0,
+                               gathered_bytes=gathered[0]))
+
+
+def _local_rows(names: list[str], tensor: Tensor, bounds: tuple[int, ...], rank: int, fmt: CheckpointFormat,
+                dtype: torch.dtype | None, device: torch.device | str | None) -> list[tuple[str, Tensor]]:
+    assert isinstance(tensor, DTensor)
+    local = tensor.to_local().detach()
+    want = bounds[rank + 1] - bounds[rank]
+    if local.shape[0] != want:
+        raise RuntimeError(f"{names[0]!r}: rank {rank} holds {local.shape[0]} rows of its FSDP2 shard where the"
+                           f" chunk rule gives rows {bounds[rank]}:{bounds[rank + 1]} of {tensor.shape[0]}; shard-direct"
+                           " transfer needs torch.chunk row shards (as fully_shard makes them).")
+    wire = wire_dtype(tensor, dtype)
+    with torch.no_grad():
+        out = local.to(device=device if device is not None else local.device, dtype=wire)
+    return [(fmt.pieces(name, tensor)[0].name, out) for name in names]
+
+
+class ShardSource(ExportSource):
+    """:class:`~lightning_fsdp_export.source.ExportSource` of a shard-direct pass: ``metadata()`` also says,
+    per tensor, which rows each rank yields (:class:`ShardMeta`); ``iter()`` is a :func:`shard_export` pass.
+
+    Built by ``LazyExportFSDP2.export_source(layout="shards")``; ``m2n_source()`` is its vLLM view.
+
+    Args:
+        entries: what one pass exports, in order (no collective).
+        export: starts one pass yielding, per tensor, what ``layout`` says.
+        layout: :func:`row_bounds` with this model's format and world bound.
+        world: the trainer ranks.
+        dtype, show_progress, checkpoint_format, kind: as for ``ExportSource``.
+    """
+
+    def __init__(self, entries: Callable[[], Entries], export: Callable[[], Iterator[tuple[str, Tensor]]], *,
+                 layout: Callable[[list[str], Tensor], tuple[int, ...] | None], world: int,
+                 dtype: torch.dtype | None, show_progress: bool = False,
+                 checkpoint_format: CheckpointFormat | None = None, kind: str = "merged") -> None:
+        super().__init__(entries, export, dtype=dtype, show_progress=show_progress,
+                         checkpoint_format=checkpoint_format, kind=kind)
+        self.layout = layout
+        self.world = world
+
+    def metadata(self) -> list[ShardMeta]:  # type: ignore[override]
+        """Every tensor of a pass, in order: checkpoint name, wire dtype, full shape, and the ranks' rows."""
+        out = []
+        for names, tensor in self._entries():
+            bounds = self.layout(names, tensor)
+            for name in names:
+                for piece in self._format.pieces(name, tensor):
+                    out.append(ShardMeta(piece.name, wire_dtype(tensor, self.dtype), piece.shape, bounds))
+        return out
+
+    def full_tensors(self) -> list[str]:
+        """Names of the tensors that go whole (gathered), not as every rank's rows."""
+        return [m.name for m in self.metadata() if m.bounds is None]
