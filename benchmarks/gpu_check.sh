@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
 # One prepared command for a lent CUDA GPU (see benchmarks/gpu_check.py): staged vs lazy export of a
 # Qwen2.5-7B-shaped model with offloaded shards, the pinned-copy floor, time to the first tensor and
-# peak GPU memory, one offload/load round with and without the pinned host pool; then fp32 masters exported as bf16 (cast before the gather, prefetch, grouped).
+# peak GPU memory, one offload/load round with and without the pinned host pool; then fp32 masters exported as bf16 (cast before the gather, prefetch, grouped);
+# then, where vLLM is installed, the MoE reload round trip and (2+ GPUs, nccl-extensions) a nccl_m2n sync check.
 # Uses the machine's own torch/transformers (no install, no network); the whole run is bounded to
-# 7.5 minutes so it fits an 8-minute budget with the machine's start. Tables last.
+# 7.5 minutes on one GPU so it fits an 8-minute budget with the machine's start (the m2n check, up to 4 more
+# minutes, runs only with 2+ GPUs). Tables last.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 python -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'cuda', torch.cuda.is_available())"
@@ -18,4 +20,13 @@ if python -c "import vllm" 2>/dev/null; then
   timeout 180 python tests/scripts/moe_reload_check.py --dir "$MOE_DIR" | grep '^RESULT' || echo "moe reload check failed"
 else
   echo "moe reload check skipped: vLLM is not installed on this machine"
+fi
+# Shard-direct over NCCL (RemoteVLLM(transport="nccl_m2n")): needs vLLM, NVIDIA's nccl-extensions and at least
+# two GPUs (trainer ranks on the first ones, the server on the next). One trainer rank per spare GPU, at most 2.
+GPUS=$(python -c "import torch; print(torch.cuda.device_count())")
+if [ "$GPUS" -ge 2 ] && python -c "import vllm, nccl.m2n" 2>/dev/null; then
+  TRAINERS=$(( GPUS - 1 < 2 ? GPUS - 1 : 2 ))
+  timeout 240 python -m torch.distributed.run --nproc-per-node "$TRAINERS" benchmarks/m2n_check.py | grep '^RESULT' || echo "m2n check failed"
+else
+  echo "m2n check skipped: needs 2+ GPUs (found $GPUS), vLLM and nccl-extensions (import nccl.m2n)"
 fi

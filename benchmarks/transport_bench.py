@@ -1,4 +1,4 @@
-"""Per-sync seconds of the three ways to reach vLLM, same model, same 2-rank fit, one run.
+"""Per-sync seconds of the ways to reach vLLM, same model, same 2-rank fit, one run.
 
     python benchmarks/transport_bench.py --size 40m
     python benchmarks/transport_bench.py --size 200m --steps 6
@@ -8,12 +8,16 @@ One size per run (Lightning starts rank 1 once per process): a checkpoint of a Q
 in which, after every step, three ``VLLMWeightSync`` objects push the same weights in turn (the order
 rotates each step):
 
-* ``gloo``: ``RemoteVLLM(url, transport="gloo")``: streamed over the network;
+* ``gloo``: ``RemoteVLLM(url, transport="gloo")``: every rank gathers each tensor, rank 0 streams it;
+* ``gloo_shards``: ``RemoteVLLM(url, transport="gloo", shard_direct=True)``: every rank streams its own
+  rows of each FSDP2 shard, nothing gathered; the server assembles them;
 * ``directory``: ``RemoteVLLM(url, directory=...)``: rank 0 writes safetensors, the server reloads them;
 * ``colocated``: ``ColocatedVLLM``: an engine inside each rank, fed in-process.
 
 Rank 0 prints each sync's seconds and the medians (the first sync of each is dropped: it
-pays one-off costs) with their ratio to ``directory``.
+pays one-off costs) with their ratio to ``directory`` and to ``gloo``; per method also each rank's peak
+extra resident memory during the sync (``VmHWM`` reset before it, minus ``VmRSS`` then; medians) and
+the bytes each trainer rank sent (network transports: every server's copy counted).
 """
 
 from __future__ import annotations
@@ -42,20 +46,39 @@ SIZES = {"40m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, 
                       num_attention_heads=16, num_key_value_heads=8)}  # 202M parameters
 
 
+def _status_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    return 0
+
+
+def _sent_bytes(sync: VLLMWeightSync) -> int:
+    native = getattr(sync.target, "_native", None)
+    return int(getattr(getattr(native, "engine", None), "sent_bytes", 0) or 0)
+
+
 class Rotate(pl.Callback):
     """After each step: every sync pushes once, in an order that rotates per step."""
 
     def __init__(self, syncs: dict[str, VLLMWeightSync]) -> None:
         self.syncs = syncs
         self.seconds: dict[str, list[float]] = {name: [] for name in syncs}
+        self.peak_mib: dict[str, list[float]] = {name: [] for name in syncs}
+        self.sent: dict[str, int] = {}
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
         names = list(self.syncs)
         shift = trainer.global_step % len(names)
         for name in names[shift:] + names[:shift]:
             sync = self.syncs[name]
+            Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS
+            before = _status_kib("VmRSS")
             sync.sync(trainer)
+            self.peak_mib[name].append((_status_kib("VmHWM") - before) / 1024)
             self.seconds[name].append(sync.last_metrics["weight_sync/seconds"])
+            self.sent[name] = _sent_bytes(sync) if name != "directory" or not trainer.is_global_zero else int(
+                sync.last_metrics["weight_sync/gigabytes"] * 1e9)
         if trainer.is_global_zero:
             print(f"step {trainer.global_step}: " + ", ".join(f"{n} {s[-1]:.3f} s" for n, s in self.seconds.items()),
                   flush=True)
@@ -80,6 +103,7 @@ def run(size: str, steps: int, workdir: Path, port: int) -> None:
         print(f"[{size}] server up in {time.monotonic() - start:.0f} s", flush=True)
     pl.seed_everything(0)
     syncs = {"gloo": VLLMWeightSync(RemoteVLLM(url, transport="gloo")),
+             "gloo_shards": VLLMWeightSync(RemoteVLLM(url, transport="gloo", shard_direct=True)),
              "directory": VLLMWeightSync(RemoteVLLM(url, directory=workdir / f"versions_{size}")),
              "colocated": VLLMWeightSync(ColocatedVLLM(model=ckpt, dtype="bfloat16", max_model_len=128,
                                                        enforce_eager=True))}
@@ -95,14 +119,22 @@ def run(size: str, steps: int, workdir: Path, port: int) -> None:
     finally:
         if rank0:
             stop_server(ckpt, port)
+    import torch.distributed as dist
+
+    mine = {name: (statistics.median(p[1:]), rotate.sent.get(name, 0)) for name, p in rotate.peak_mib.items()}
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
     if trainer.is_global_zero:
         params = sum(p.numel() for p in lm.parameters())
         medians = {name: statistics.median(s[1:]) for name, s in rotate.seconds.items()}
         print(f"\n[{size}] {params / 1e6:.1f}M params, bf16 pushes, 2 ranks, {steps - 1} syncs each (first dropped):")
         for name, med in medians.items():
             runs = rotate.seconds[name][1:]
-            print(f"  {name:10s} median {med:.3f} s (min {min(runs):.3f}, max {max(runs):.3f}),"
-                  f" x directory: {med / medians['directory']:.2f}")
+            peaks = " / ".join(f"{r[name][0]:.0f}" for r in ranks)
+            sent = " / ".join(f"{r[name][1] / 1e6:.0f}" for r in ranks)
+            print(f"  {name:11s} median {med:.3f} s (min {min(runs):.3f}, max {max(runs):.3f}),"
+                  f" x directory: {med / medians['directory']:.2f}, x gloo: {med / medians['gloo']:.2f};"
+                  f" peak extra RSS rank 0 / 1: {peaks} MiB; sent by rank 0 / 1: {sent} MB")
 
 
 def main() -> None:

@@ -45,8 +45,11 @@ def plan_pushes(strategy: Any, target: Any, *, lora: str, base_pushed: bool, dty
         adapter_dir: where ``"adapter"`` writes peft directories.
         show_progress: a progress bar for long passes.
     """
+    layout = getattr(target, "source_layout", "full")  # a shard-direct target takes every rank's own shards
+
     def source(kind: str) -> ExportSource:
-        return strategy.export_source(dtype=dtype, lora=kind, show_progress=show_progress)
+        return strategy.export_source(dtype=dtype, lora=kind, show_progress=show_progress,
+                                      layout="full" if kind == "adapter" else layout)
 
     def to_target(src: ExportSource) -> None:
         push_source = getattr(target, "push_source", None)

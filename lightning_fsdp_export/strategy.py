@@ -274,7 +274,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
         return self._export.weights(self._export.kind(lora), dtype=dtype, device=device)
 
     def export_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged",
-                      show_progress: bool = False, layout: Literal["full", "shards"] = "full") -> ExportSource:
+                      show_progress: bool = False, layout: Literal["full", "shards", "m2n"] = "full") -> ExportSource:
         """The exported weights as a re-iterable source: ``metadata()`` without a collective, and a fresh
         :meth:`export_weights` pass per ``iter()``, both in vLLM's layerwise order (torch only).
 
@@ -288,13 +288,17 @@ class LazyExportFSDP2(ModelParallelStrategy):
             layout: ``"full"`` (every tensor gathered whole on every rank) or ``"shards"``: each rank yields
                 its own rows of every FSDP2 shard, no gather (a
                 :class:`~lightning_fsdp_export.shards.ShardSource`, for shard-direct transports; tensors
-                the checkpoint format splits still go whole).
+                the checkpoint format splits still go whole); ``"m2n"``: as ``"shards"`` with vLLM's
+                ``nccl_m2n`` limits (rows that do not divide by the ranks go whole; rows staged on the
+                strategy's device), what :meth:`m2n_source` wraps.
         """
         mode = self._export.kind(lora)
-        if layout == "shards":
-            return self._export.shard_source(mode, dtype=dtype, show_progress=show_progress)
+        if layout in ("shards", "m2n"):
+            m2n = layout == "m2n"
+            return self._export.shard_source(mode, dtype=dtype, show_progress=show_progress, even=m2n,
+                                             device=self.root_device if m2n else None)
         if layout != "full":
-            raise ValueError(f"export_source(layout={layout!r}) must be 'full' or 'shards'.")
+            raise ValueError(f"export_source(layout={layout!r}) must be 'full', 'shards' or 'm2n'.")
         return self._export.source(mode, dtype=dtype, show_progress=show_progress)
 
     def weight_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged") -> Any:

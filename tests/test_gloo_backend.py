@@ -299,6 +299,8 @@ def test_shard_direct_init_info_is_validated() -> None:
     with pytest.raises(ValueError, match=r"num_trainer_ranks=3\) must leave at least one worker"):
         gloo.GlooTrainerInitInfo(rank=0, master_address="h", master_port=1, world_size=3, num_trainer_ranks=3,
                                  group="g")
+    # Outside the group (plain mode, rank > 0) nothing is joined, so nothing to check: it only iterates.
+    assert not gloo.GlooTrainerInitInfo(rank=1, master_address="h", master_port=0, world_size=0).is_sender
     info = gloo.GlooWeightTransferUpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[4, 2]], bounds=[[0, 3, 2]])
     with pytest.raises(ValueError, match=r"bounds \[0, 3, 2\] of 'a' \[4, 2\] are not row offsets over 2"):
         gloo._Plan.of(info, 2, 100)

@@ -68,8 +68,9 @@ def test_the_weight_source_passes_vllms_own_checks_and_equals_the_export(results
     assert got["module_unchanged"] is True  # every pass ended: no adapter left merged, no shard moved
 
 
-def test_every_sync_reaches_both_replicas_with_the_trainers_weights(results: dict[str, Any]) -> None:
-    fit = scenario(results, "fit")
+@pytest.mark.parametrize("mode", ["", "_shards"])
+def test_every_sync_reaches_both_replicas_with_the_trainers_weights(results: dict[str, Any], mode: str) -> None:
+    fit = scenario(results, "fit" + mode)
     records = fit["records"]
     assert [r["version"] for r in records] == [1, 2, 3]  # train start, steps 2 and 4
     for record in records:
@@ -81,9 +82,10 @@ def test_every_sync_reaches_both_replicas_with_the_trainers_weights(results: dic
         assert min(record["stale_gaps"]) > 10 * LOGPROB_TOLERANCE, record
 
 
+@pytest.mark.parametrize("mode", ["", "_shards"])
 def test_a_refused_tensor_fails_the_round_and_leaves_both_servers_paused_until_a_full_push(
-        results: dict[str, Any]) -> None:
-    refused = scenario(results, "refused")
+        results: dict[str, Any], mode: str) -> None:
+    refused = scenario(results, "refused" + mode)
     assert max(refused["first_gaps"]) < LOGPROB_TOLERANCE
     error = refused["refused_error"]
     assert error and "bogus" in error and "127.0.0.1" in error, error
@@ -97,9 +99,10 @@ def test_a_refused_tensor_fails_the_round_and_leaves_both_servers_paused_until_a
     assert min(refused["stale_gaps"]) > 10 * LOGPROB_TOLERANCE
 
 
+@pytest.mark.parametrize("mode", ["", "_shards"])
 def test_a_dead_replica_fails_the_sync_naming_it_and_a_restart_recovers(results: dict[str, Any],
-                                                                         servers: Any) -> None:
-    down = scenario(results, "replica_down")
+                                                                         servers: Any, mode: str) -> None:
+    down = scenario(results, "replica_down" + mode)
     _, urls = servers
     # Sync 3 (after step 2) met the dead replica: a warning naming its URL (on_error="warn"), the target
     # stale on every rank, the live replica still paused on version 2 (never serving a half-updated model).
@@ -112,6 +115,41 @@ def test_a_dead_replica_fails_the_sync_naming_it_and_a_restart_recovers(results:
     assert last["version"] == 4 and [s["version"] for s in last["servers"]] == ["4", "4"]
     assert not any(s["paused"] for s in last["servers"])
     assert max(last["gaps"]) < LOGPROB_TOLERANCE, last
+
+
+def test_shard_direct_sends_each_ranks_own_rows_and_gathers_nothing(results: dict[str, Any]) -> None:
+    sent = scenario(results, "fit_shards")["sent"]
+    plain = scenario(results, "fit")["sent"]
+    assert [r["version"] for r in sent] == [1, 2, 3]
+    for record, before in zip(sent, plain):
+        ranks = record["ranks"]
+        assert all(r["path"] == "shards" and r["gathered_bytes"] == 0 for r in ranks)  # tied Qwen2: all row shards
+        # Each rank sent its own half of the model to each of the 2 servers (parts padded to 16 bytes);
+        # in the plain mode rank 0 alone sent the whole model, after every rank gathered every tensor.
+        total = sum(r["bytes"] for r in ranks)
+        assert abs(ranks[0]["sent_bytes"] - ranks[1]["sent_bytes"]) < 0.01 * total
+        assert 2 * total <= sum(r["sent_bytes"] for r in ranks) < 2 * total * 1.01
+        assert before["ranks"][0]["sent_bytes"] >= 2 * before["ranks"][0]["bytes"]
+        assert before["ranks"][1]["sent_bytes"] in (0, None) and before["ranks"][0]["gathered_bytes"] > 0
+
+
+def test_shard_sources_rows_uneven_shards_tied_heads_and_what_goes_whole(results: dict[str, Any]) -> None:
+    got = scenario(results, "shards_source")
+    for rank in (0, 1):
+        dense, moe = got["qwen2_uneven_tied_offloaded"][rank], got["qwen3_moe"][rank]
+        for one in (dense, moe):
+            assert one["rows_right"] and one["m2n_rows_right"]  # every rank's rows equal the full export's rows
+            assert one["path"] == "shards" and one["m2n_problems"] == [] and one["m2n_mesh"] == [2, 1]
+        # Vocab 513 over 2 ranks: rows 0:257 and 257:513, the tied head under its own name too; nothing gathered.
+        assert dense["uneven"] == ["model.embed_tokens.weight", "lm_head.weight"] and dense["lm_head"] == [0, 257, 513]
+        assert dense["full_tensors"] == [] and dense["gathered_bytes"] == 0
+        assert dense["yielded_bytes"] < 0.51 * dense["full_bytes"]
+        # vLLM's m2n needs even rows: ours sends those two whole; vLLM's own DTensorModuleSource would be refused.
+        assert dense["m2n_replicated"] == ["model.embed_tokens.weight", "lm_head.weight"]
+        assert any("does not divide evenly" in p for p in dense["vllm_own_source_problems"])
+        # Fused MoE experts are split by the checkpoint format: gathered and sent whole, 2 layers x 3 x 4 experts.
+        assert len(moe["full_tensors"]) == 24 and all(".mlp.experts." in n for n in moe["full_tensors"])
+        assert moe["m2n_replicated"] == moe["full_tensors"] and moe["gathered_bytes"] > 0
 
 
 _DYING_TRAINER = textwrap.dedent("""

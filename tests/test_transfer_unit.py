@@ -207,8 +207,9 @@ def source() -> ExportSource:
 
 
 class Rank:
-    def __init__(self, rank: int) -> None:
+    def __init__(self, rank: int, world_size: int = 1) -> None:
         self.global_rank = rank
+        self.world_size = world_size
 
 
 ROUND = ["/pause?mode=wait", "/start_weight_update", "/update_weights", "/finish_weight_update",
@@ -309,10 +310,10 @@ def test_the_precheck_is_skipped_when_the_checkpoint_is_not_readable_here(record
 
 @pytest.mark.parametrize(("kwargs", "match"), [
     ({"transport": "gloo", "directory": "/x"}, r"does not use directory='/x' \(a 'directory' option\)"),
-    ({"transport": "ipc", "master_port": 5}, r"does not use master_port=5 \(a 'nccl' / 'gloo' option\)"),
+    ({"transport": "ipc", "master_port": 5}, r"does not use master_port=5 \(a 'nccl' / 'gloo' / 'nccl_m2n' option\)"),
     ({"transport": "gloo", "packed": False}, r"does not use packed=False"),
     ({"directory": "/x", "buffer_bytes": 3}, r"transport='directory'\) does not use buffer_bytes=3"),
-    ({"transport": "tcp"}, r"transport='tcp'\) must be one of 'nccl', 'ipc', 'gloo', 'directory'"),
+    ({"transport": "tcp"}, r"transport='tcp'\) must be one of 'nccl', 'ipc', 'gloo', 'nccl_m2n', 'directory'"),
     ({"transport": "directory"}, r"needs directory="),
     ({"pause_mode": "abort"}, r"pause_mode='abort'\) must be 'wait' or 'keep'"),
 ])
@@ -343,3 +344,103 @@ def test_prompt_logprobs_come_from_every_server_on_rank_zero_only(recording_engi
     both.setup(Rank(0))
     with pytest.raises(ServerError, match="Unable to get tokenizer"):  # VLLMWeightSync reports it on every rank
         both.prompt_logprobs([2, 5, 9])
+
+
+# -- nccl_m2n: vLLM's own M2N trainer engine, with a recording stand-in for NVIDIA's nccl.m2n runtime -----------
+
+class FakeM2N:
+    """``nccl.m2n`` (nccl-extensions, CUDA only) as far as vLLM's trainer engine calls it: records each reshard."""
+
+    def __init__(self) -> None:
+        self.reshards: list[dict[str, Any]] = []
+
+    def reshard(self, shard: torch.Tensor, _out: Any, comm: Any, stream: Any, *, src_mesh: Any, src_placements: Any,
+                dst_mesh: Any, dst_placements: Any, handle: Any) -> None:
+        self.reshards.append({"shard": shard.clone(), "src_mesh": src_mesh, "src": src_placements,
+                              "dst_mesh": dst_mesh, "dst": dst_placements})
+
+    def Mesh(self, dims: Any, start_rank: int) -> tuple[Any, int]:  # noqa: N802 - nccl.m2n's names
+        return tuple(dims), start_rank
+
+    def Replicate(self) -> str:  # noqa: N802
+        return "R"
+
+    def Shard(self, dim: int) -> str:  # noqa: N802
+        return f"S{dim}"
+
+    class Config:
+        def __init__(self, max_cta: Any = None) -> None:
+            pass
+
+    class Handle:
+        @staticmethod
+        def create(config: Any) -> Any:
+            return type("H", (), {"destroy": lambda self: None})()
+
+
+@pytest.fixture
+def fake_m2n(monkeypatch: pytest.MonkeyPatch) -> FakeM2N:
+    """vLLM's real ``M2NTrainerWeightTransferEngine`` with the CUDA-only parts replaced: the m2n runtime, the NCCL
+    communicator (``trainer_init``), the workers' destination plan (every tensor the full-tensor fallback, as for
+    fused or quantized layers), and the CUDA stream calls."""
+    from vllm.distributed.weight_transfer import m2n_trainer
+
+    fake = FakeM2N()
+    stream = type("Stream", (), {"synchronize": lambda self: None})()
+    monkeypatch.setattr(m2n_trainer, "import_m2n", lambda: fake)
+    comm = type("Comm", (), {"destroy": lambda self: None})()
+    monkeypatch.setattr(m2n_trainer, "trainer_init", lambda info, rank: comm)
+    monkeypatch.setattr(m2n_trainer, "comm_ptr", lambda comm: 1)
+    monkeypatch.setattr(m2n_trainer, "publish_destination_placements", lambda comm, first, plan, n: [None] * n)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: stream)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, s: None)
+    monkeypatch.setattr(torch.accelerator, "synchronize", lambda: None)
+    return fake
+
+
+def shard_source() -> Any:
+    from lightning_fsdp_export.shards import ShardSource
+
+    items = [("model.embed_tokens.weight", torch.arange(8.0).reshape(4, 2)), ("model.norm.weight", torch.ones(2))]
+
+    def layout(names: list[str], tensor: torch.Tensor) -> tuple[int, ...] | None:
+        return (0, tensor.shape[0]) if tensor.dim() == 2 else None
+
+    return ShardSource(lambda: [([n], t) for n, t in items], lambda: iter(items), layout=layout, world=1,
+                       dtype=torch.float32)
+
+
+def test_nccl_m2n_drives_vllms_own_m2n_engine_with_our_shard_source(fake_m2n: FakeM2N) -> None:
+    stubs = [Stub(world_size=2), Stub(world_size=1)]
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl_m2n", master_address="10.0.0.1", master_port=29999)
+    assert target.source_layout == "m2n"
+    target.setup(Rank(0))
+    assert all(s.requests == [] for s in stubs)  # shard-direct: the group is built at the first push, every rank
+    target.push_source(shard_source(), version=7)
+    for stub, offset in zip(stubs, (1, 3)):  # 1 trainer rank, then the first server's 2 workers
+        assert stub.paths() == ["/get_world_size", "/pause?mode=wait", "/init_weight_transfer_engine",
+                                "/start_weight_update", "/update_weights", "/finish_weight_update",
+                                "/reset_prefix_cache", "/resume"]
+        init = stub.body("/init_weight_transfer_engine")[0]["init_info"]
+        assert (init["rank_offset"], init["world_size"], init["master_port"]) == (offset, 4, 29999)
+        assert init["names"] == ["model.embed_tokens.weight", "model.norm.weight"]
+        assert init["src_mesh_dims"] == [1, 1] and init["src_placements"] == [[0, -1], None]
+        assert stub.body("/finish_weight_update") == [{"weight_version": "7"}]
+    first, second = fake_m2n.reshards
+    assert first["src"] == ["S0", "R"] and torch.equal(first["shard"], torch.arange(8.0).reshape(4, 2))
+    assert second["src_mesh"] == ((1, 1), 0) and second["dst_mesh"] == ((3, 1), 1)  # REPLICATED: the fallback
+    target.push_source(shard_source(), version=8)  # the same plan: no new rendezvous
+    assert stubs[0].paths()[8:] == ["/pause?mode=wait", "/start_weight_update", "/update_weights",
+                                    "/finish_weight_update", "/reset_prefix_cache", "/resume"]
+    with pytest.raises(TypeError, match="nccl_m2n'\\) sends every rank's own shards: give it a ShardSource"):
+        target.push_source(source(), version=9)
+    target.teardown()
+
+
+def test_shard_direct_options() -> None:
+    assert RemoteVLLM("http://h:1", transport="gloo", shard_direct=True).source_layout == "shards"
+    assert RemoteVLLM("http://h:1", transport="gloo").source_layout == "full"
+    with pytest.raises(ValueError, match=r"transport='nccl'\) does not use shard_direct=True \(a 'gloo' option\)"):
+        RemoteVLLM("http://h:1", transport="nccl", shard_direct=True)
+    with pytest.raises(ValueError, match="does not use buffer_bytes=5"):
+        RemoteVLLM("http://h:1", transport="nccl_m2n", buffer_bytes=5)

@@ -116,6 +116,8 @@ class GlooTrainerInitInfo(TrainerInitInfo):
     group: str = ""
 
     def __post_init__(self) -> None:
+        if not self.is_sender:
+            return  # a rank outside the group only iterates its source
         if not 0 < self.num_trainer_ranks < self.world_size:
             raise ValueError(f"GlooTrainerInitInfo(num_trainer_ranks={self.num_trainer_ranks}) must leave at least one"
                              f" worker in world_size={self.world_size}.")

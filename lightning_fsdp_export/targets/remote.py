@@ -26,11 +26,11 @@ if TYPE_CHECKING:
 
 __all__ = ["RemoteVLLM"]
 
-_TRANSPORTS = ("nccl", "ipc", "gloo", "directory")
+_TRANSPORTS = ("nccl", "ipc", "gloo", "nccl_m2n", "directory")
 # Which transports use each transport-specific option; any other transport refuses it.
 _OPTIONS = {"directory": ("directory",), "shard_bytes": ("directory",), "keep_last": ("directory",),
-            "master_address": ("nccl", "gloo"), "master_port": ("nccl", "gloo"),
-            "buffer_bytes": ("nccl", "ipc", "gloo"), "packed": ("nccl", "ipc")}
+            "master_address": ("nccl", "gloo", "nccl_m2n"), "master_port": ("nccl", "gloo", "nccl_m2n"),
+            "buffer_bytes": ("nccl", "ipc", "gloo"), "packed": ("nccl", "ipc"), "shard_direct": ("gloo",)}
 
 
 class RemoteVLLM:
@@ -43,16 +43,23 @@ class RemoteVLLM:
     * ``"ipc"``: vLLM's CUDA-IPC engine, for a server on the trainer's own GPU
       (``'{"backend": "ipc"}'`` and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` on the server).
     * ``"gloo"``: this package's backend over CPU sockets (``'{"backend": "gloo"}'``; the server's
-      environment must have this package installed, which registers it as a vLLM plugin).
+      environment must have this package installed, which registers it as a vLLM plugin). With
+      ``shard_direct=True`` every trainer rank sends its own rows of each FSDP2 shard (no all-gather on
+      the trainer; the workers assemble the full tensors); the servers need no other setting.
+    * ``"nccl_m2n"``: vLLM's M2N engine (``'{"backend": "nccl_m2n"}'``; needs NVIDIA's
+      ``nccl-extensions`` on both sides): every trainer rank sends its local shards over NCCL and the
+      workers reshard them (``strategy.m2n_source()``). GPU only.
     * ``"directory"``: rank 0 writes safetensors to ``directory`` (shared with the servers) and each
       server reloads them (``/collective_rpc reload_weights``): for setups with no network path.
 
     Default: ``"directory"`` when ``directory=`` is given, else ``"nccl"`` with CUDA and ``"gloo"`` without.
     The network transports rendezvous at fit start (trainer rank 0 hosts a store at
     ``master_address:master_port``; the servers' workers join at ranks after it, one server after the
-    other). Each sync then: ``/pause`` every server, stream the export once (every trainer rank takes
-    part in the gathers; rank 0 sends), set the version and reset the prefix cache on every server,
-    ``/resume``. All servers form one group: one replica that is down or refuses a tensor fails the
+    other; shard-direct transports at the first sync, with every trainer rank). Each sync then: ``/pause``
+    every server, stream the export once (every trainer rank takes part in the gathers and rank 0 sends;
+    shard-direct: every rank sends its own shards, and only tensors the checkpoint format splits, plain
+    tensors and other layouts are gathered and sent whole by rank 0), set the version and reset the
+    prefix cache on every server, ``/resume``. All servers form one group: one replica that is down or refuses a tensor fails the
     sync for all of them. Then every rank raises (``WeightSyncError`` from ``VLLMWeightSync``), the
     servers that answer have their round closed and stay paused (never serving a half-loaded model),
     and the next sync rebuilds the group, pushes every tensor and resumes them.
@@ -61,7 +68,7 @@ class RemoteVLLM:
         base_url: a server's address (``"http://10.0.0.5:8000"``), or a list of them (replicas). A
             data-parallel deployment behind one address is one entry (its ``/get_world_size`` counts
             every rank).
-        transport: ``"nccl"``, ``"ipc"``, ``"gloo"`` or ``"directory"``; see above.
+        transport: ``"nccl"``, ``"ipc"``, ``"gloo"``, ``"nccl_m2n"`` or ``"directory"``; see above.
         directory: (``"directory"``) a directory every server reads at the same path.
         api_key: sent as ``Authorization: Bearer ...`` (the servers' ``--api-key``).
         dtype: the dtype pushed; default ``torch.bfloat16``.
@@ -79,13 +86,15 @@ class RemoteVLLM:
         shard_bytes: (``"directory"``) the largest safetensors file written.
         keep_last: (``"directory"``) version directories kept on disk (at least 2: the servers read the
             current one).
+        shard_direct: (``"gloo"``) every trainer rank sends its own shards (see above); ``nccl_m2n`` always does.
     """
 
     def __init__(self, base_url: str | Sequence[str], *, transport: str | None = None,
                  directory: str | os.PathLike[str] | None = None, api_key: str | None = None,
                  dtype: torch.dtype | None = torch.bfloat16, timeout: float = 300.0, pause_mode: PauseMode = "wait",
                  master_address: str | None = None, master_port: int = 0, buffer_bytes: int | None = None,
-                 packed: bool = True, shard_bytes: int | None = None, keep_last: int | None = None) -> None:
+                 packed: bool = True, shard_bytes: int | None = None, keep_last: int | None = None,
+                 shard_direct: bool = False) -> None:
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
             raise ValueError("RemoteVLLM(base_url=[]) needs at least one server address.")
@@ -101,7 +110,7 @@ class RemoteVLLM:
             raise ValueError(f"RemoteVLLM(transport={transport!r}) must be one of {', '.join(map(repr, _TRANSPORTS))}.")
         given = {"directory": directory, "shard_bytes": shard_bytes, "keep_last": keep_last,
                  "master_address": master_address, "master_port": master_port or None, "buffer_bytes": buffer_bytes,
-                 "packed": None if packed else False}
+                 "packed": None if packed else False, "shard_direct": shard_direct or None}
         wrong = [f"{name}={value!r} (a {' / '.join(repr(t) for t in _OPTIONS[name])} option)"
                  for name, value in given.items() if value is not None and transport not in _OPTIONS[name]]
         if wrong:
@@ -132,7 +141,7 @@ class RemoteVLLM:
         else:
             self._native = NativeTransfer(self.servers, transport, master_address=master_address,  # type: ignore[arg-type]
                                           master_port=master_port, buffer_bytes=buffer_bytes, packed=packed,
-                                          timeout=timeout, pause_mode=pause_mode)
+                                          timeout=timeout, pause_mode=pause_mode, shard_direct=shard_direct)
 
     @property
     def base_url(self) -> str:
@@ -143,13 +152,21 @@ class RemoteVLLM:
     def dtype(self) -> torch.dtype | None:
         return self._dtype
 
+    @property
+    def source_layout(self) -> str:
+        """What ``VLLMWeightSync`` asks the strategy for (``export_source(layout=...)``): ``"shards"`` for gloo
+        shard-direct, ``"m2n"`` for ``nccl_m2n``, else ``"full"``."""
+        if self.transport == "nccl_m2n":
+            return "m2n"
+        return "shards" if self._native is not None and self._native.shard_direct else "full"
+
     def setup(self, trainer: pl.Trainer) -> None:
         """Every rank: the network transports rendezvous here (rank 0 with every server)."""
         self._is_rank_zero = trainer.global_rank == 0
         if self._writer is not None:
             self._writer.setup(trainer)
         if self._native is not None:
-            self._native.setup(trainer.global_rank)
+            self._native.setup(trainer.global_rank, trainer.world_size)
 
     def check_weights(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
         """Names and shapes the servers' checkpoints would refuse, when rank 0 can read them.

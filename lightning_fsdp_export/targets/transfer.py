@@ -12,12 +12,19 @@ gathers line up). This module adds what a deployment needs around it:
   cache reset, ``/resume``; and after a failure: close the round on every reachable server, leave them
   paused (they answer no request with half-loaded weights), and re-initialise the transfer group at
   the next sync, which then pushes everything.
+
+Shard-direct transports (``gloo`` with ``shard_direct=True``, vLLM's ``nccl_m2n``) put every trainer rank
+in the transfer group. Only rank 0 talks to the servers, so what it learns there (each server's world size,
+the store's port, a fresh group name, or that a server failed) reaches the other ranks through a small gloo
+control group of the trainer ranks before each round: every rank reports whether its last round broke,
+and if any did, rank 0 rebuilds the group with every rank.
 """
 
 from __future__ import annotations
 
 import socket
 from collections.abc import Sequence
+from datetime import timedelta
 from typing import Any, Literal
 
 import torch
@@ -28,7 +35,7 @@ from lightning_fsdp_export.targets.http import Server, ServerError, on_all
 
 __all__ = ["FanOutClient", "LLMClient", "NativeTransfer", "Transport", "PauseMode"]
 
-Transport = Literal["nccl", "ipc", "gloo"]
+Transport = Literal["nccl", "ipc", "gloo", "nccl_m2n"]
 PauseMode = Literal["wait", "keep"]
 
 
@@ -104,7 +111,7 @@ class NativeTransfer:
 
     Args:
         servers: the servers (replicas) updated by every sync.
-        transport: ``"nccl"`` / ``"ipc"`` (vLLM's engines) or ``"gloo"`` (ours).
+        transport: ``"nccl"`` / ``"ipc"`` / ``"nccl_m2n"`` (vLLM's engines) or ``"gloo"`` (ours).
         master_address: where the servers reach trainer rank 0's store (``nccl``/``gloo``).
         master_port: its port; 0 picks a free one at each rendezvous.
         buffer_bytes: the packed chunk size (``None``: the backend's default).
@@ -112,11 +119,13 @@ class NativeTransfer:
         timeout: seconds for the rendezvous and every collective of the transfer (``gloo``), and per request.
         pause_mode: ``"wait"`` lets running requests finish before the update; ``"keep"`` freezes them
             and preempts them after it (async RL).
+        shard_direct: every trainer rank joins the group and sends its own shards (``gloo``; implied by
+            ``nccl_m2n``). The group is built at the first push, from every rank.
     """
 
     def __init__(self, servers: Sequence[Server], transport: Transport, *, master_address: str | None,
                  master_port: int, buffer_bytes: int | None, packed: bool, timeout: float,
-                 pause_mode: PauseMode) -> None:
+                 pause_mode: PauseMode, shard_direct: bool = False) -> None:
         self.servers = list(servers)
         self.transport = transport
         self.master_address = master_address
@@ -125,8 +134,12 @@ class NativeTransfer:
         self.packed = packed
         self.timeout = timeout
         self.pause_mode = pause_mode
+        self.shard_direct = shard_direct or transport == "nccl_m2n"
         self.rank = 0
+        self.trainers = 1  # trainer ranks in the transfer group
         self.world_size = 0
+        self._control: Any = None  # shard-direct: the trainer ranks' gloo group for rank 0's decisions
+        self._plan_digest = ""  # nccl_m2n: the source's metadata the engine was built for
         self.client: FanOutClient | None = None
         self.engine: Any = None
         self.source: Any = None  # one FSDP2WeightSource for the engine's lifetime, repointed each sync
@@ -134,17 +147,26 @@ class NativeTransfer:
 
     # -- setup and teardown ------------------------------------------------------------------------
 
-    def setup(self, rank: int) -> None:
+    def setup(self, rank: int, world_size: int = 1) -> None:
         """Every rank: build the trainer engine; on rank 0 that is the rendezvous with every server (if one
-        does not answer, a warning, and the first sync tries again inside the ranks' agreement)."""
+        does not answer, a warning, and the first sync tries again inside the ranks' agreement).
+        Shard-direct: build the trainer ranks' control group (collective); the rendezvous is at the first push."""
         self.rank = rank
         if self.transport == "gloo":
             from lightning_fsdp_export.targets.gloo import register
 
             register()
-        from lightning_fsdp_export.targets.vllm_source import FSDP2WeightSource
+        from lightning_fsdp_export.targets.vllm_source import FSDP2M2NSource, FSDP2WeightSource
 
-        self.source = FSDP2WeightSource(None)
+        self.source = FSDP2M2NSource(None) if self.transport == "nccl_m2n" else FSDP2WeightSource(None)
+        if self.shard_direct:
+            self.trainers = world_size
+            if world_size > 1:
+                import torch.distributed as dist
+
+                self._control = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+            self.broken = True
+            return
         try:
             self.connect()
         except ServerError as err:  # only rank 0 knows: the first sync retries, and fails on every rank
@@ -169,14 +191,19 @@ class NativeTransfer:
         self.engine = WeightTransferTrainerFactory.trainer_init(self._init_info(), client=self.client, source=self.source)
         self.broken = False
 
-    def _init_info(self) -> Any:
+    def _init_info(self, port: int = 0, group: str = "") -> Any:
         extra = {} if self.buffer_bytes is None else {"packed_buffer_size_bytes": self.buffer_bytes}
         if self.transport == "ipc":
             from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
             return IPCTrainerInitInfo(rank=self.rank, packed=self.packed, **extra)
         address = self.master_address or _default_address(self.servers)
-        port = self.master_port or (_free_port(address) if self.rank == 0 else 0)
+        port = port or self.master_port or (_free_port(address) if self.rank == 0 else 0)
+        if self.transport == "nccl_m2n":
+            from vllm.distributed.weight_transfer.m2n_trainer import M2NTrainerInitInfo
+
+            return M2NTrainerInitInfo(rank=self.rank, master_address=address, master_port=port,
+                                      world_size=self.world_size, num_trainer_ranks=self.trainers)
         if self.transport == "nccl":
             from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
@@ -185,7 +212,8 @@ class NativeTransfer:
         from lightning_fsdp_export.targets.gloo import GlooTrainerInitInfo
 
         return GlooTrainerInitInfo(rank=self.rank, master_address=address, master_port=port,
-                                   world_size=self.world_size, timeout_s=self.timeout, **extra)
+                                   world_size=self.world_size, timeout_s=self.timeout, num_trainer_ranks=self.trainers,
+                                   group=group, **extra)
 
     def disconnect(self) -> None:
         """Rank 0: shut the transfer engine down on every server that answers; drop ours."""
@@ -205,6 +233,9 @@ class NativeTransfer:
     def push(self, source: ExportSource, *, version: int) -> None:
         """Send ``source`` as ``version`` to every server; every rank calls it (rank 0 drives the servers)."""
         self.source.export = source  # the engine was built with this WeightSource once, at setup
+        if self.shard_direct:
+            self._push_shards(source, version)
+            return
         if self.rank != 0:
             self.engine.send_weights()  # iterates the source: this rank's part of the gathers
             return
@@ -219,19 +250,112 @@ class NativeTransfer:
             on_all(self.servers, lambda s: s.request("POST", route))
             paused = True
             self.engine.send_weights()
-            reset = "/reset_prefix_cache?reset_running_requests=true" if keep else "/reset_prefix_cache"
-            answers = on_all(self.servers, lambda s: (s, s.request("POST", reset)))
-            refused = [s.url for s, answer in answers if not (isinstance(answer, dict) and answer.get("success"))]
-            if refused:
-                raise ServerError(f"vLLM server(s) {refused} refused to reset the prefix cache after the update"
-                                  " ({'success': false}: blocks still held); their cached prompts would use the old"
-                                  " weights.", refused[0])
+            self._reset_prefix_caches()
         except BaseException:
             self.broken = True
             if paused:
                 self._close_round()
             raise
         on_all(self.servers, lambda s: s.request("POST", "/resume"))
+
+    def _push_shards(self, source: ExportSource, version: int) -> None:
+        """One shard-direct round, every rank in the group: agree (rebuild the group if any rank's last round
+        broke; rank 0 pauses the servers and tells the others if it could not), send, then rank 0 finishes."""
+        from lightning_fsdp_export.shards import ShardSource
+
+        if self.transport == "nccl_m2n" and not isinstance(source, ShardSource):
+            raise TypeError("RemoteVLLM(transport='nccl_m2n') sends every rank's own shards: give it a ShardSource"
+                            " (strategy.export_source(layout='m2n')), as VLLMWeightSync does.")
+        digest = repr(self.source.metadata()) if self.transport == "nccl_m2n" else ""
+        rebuild = any(self._gather(self.broken or digest != self._plan_digest))
+        decision: dict[str, Any] = {"error": None, "connect": None}
+        paused = False
+        if self.rank == 0:
+            try:
+                if rebuild:
+                    decision["connect"] = self._rendezvous_plan()
+                keep = self.pause_mode == "keep"
+                route = "/pause?mode=keep&clear_cache=false" if keep else "/pause?mode=wait"
+                on_all(self.servers, lambda s: s.request("POST", route))
+                paused = True
+            except Exception as err:  # noqa: BLE001 - every rank learns of it just below
+                decision = {"error": f"{type(err).__name__}: {err}", "connect": None}
+                failure: BaseException = err
+        decision = self._broadcast(decision)
+        if decision["error"] is not None:
+            self.broken = True
+            if self.rank == 0:
+                if paused:
+                    self._close_round()
+                raise failure
+            raise ServerError(f"trainer rank 0 could not start the round: {decision['error']}", self.servers[0].url)
+        try:
+            if decision["connect"] is not None:
+                self._connect_every_rank(decision["connect"])
+                self._plan_digest = digest
+            if self.rank == 0:
+                self.client.version = str(version)  # type: ignore[union-attr]
+            self.engine.send_weights()
+            if self.rank == 0:
+                self._reset_prefix_caches()
+        except BaseException:
+            self.broken = True
+            if self.rank == 0 and paused:
+                self._close_round()
+            raise
+        if self.rank == 0:
+            on_all(self.servers, lambda s: s.request("POST", "/resume"))
+
+    def _rendezvous_plan(self) -> dict[str, Any]:
+        """Rank 0, before a shard-direct rebuild: shut the old engines down, ask each server's world size, pick
+        the store's port and a fresh group name; what every rank needs to join."""
+        import uuid
+
+        self.disconnect()
+        sizes = on_all(self.servers, lambda s: int(s.request("GET", "/get_world_size")["world_size"]))
+        address = self.master_address or _default_address(self.servers)
+        return {"sizes": sizes, "port": self.master_port or _free_port(address), "group": uuid.uuid4().hex}
+
+    def _connect_every_rank(self, plan: dict[str, Any]) -> None:
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        if self.engine is not None:
+            self.engine.shutdown()
+        sizes = plan["sizes"]
+        offsets = [self.trainers + sum(sizes[:i]) for i in range(len(sizes))]
+        self.world_size = self.trainers + sum(sizes)
+        self.client = FanOutClient(self.servers if self.rank == 0 else [], offsets if self.rank == 0 else [])
+        self.engine = WeightTransferTrainerFactory.trainer_init(self._init_info(plan["port"], plan["group"]),
+                                                                client=self.client, source=self.source)
+        self.broken = False
+
+    def _gather(self, value: Any) -> list[Any]:
+        if self._control is None:
+            return [value]
+        import torch.distributed as dist
+
+        everyone: list[Any] = [None] * self.trainers
+        dist.all_gather_object(everyone, value, group=self._control)
+        return everyone
+
+    def _broadcast(self, value: Any) -> Any:
+        if self._control is None:
+            return value
+        import torch.distributed as dist
+
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._control)
+        return box[0]
+
+    def _reset_prefix_caches(self) -> None:
+        keep = self.pause_mode == "keep"
+        reset = "/reset_prefix_cache?reset_running_requests=true" if keep else "/reset_prefix_cache"
+        answers = on_all(self.servers, lambda s: (s, s.request("POST", reset)))
+        refused = [s.url for s, answer in answers if not (isinstance(answer, dict) and answer.get("success"))]
+        if refused:
+            raise ServerError(f"vLLM server(s) {refused} refused to reset the prefix cache after the update"
+                              " ({'success': false}: blocks still held); their cached prompts would use the old"
+                              " weights.", refused[0])
 
     def _close_round(self) -> None:
         """After a failed round: end it on every server that answers, so the next one can start. The

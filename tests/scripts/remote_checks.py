@@ -11,7 +11,12 @@ Run by ``tests/test_remote_transfer.py``: ``torchrun --nproc-per-node 2 remote_c
 * ``source``: ``strategy.weight_source()`` of a tied Qwen2, an untied Llama and a LoRA Qwen2 (merged),
   checked the way vLLM's NCCL trainer checks a source (``_checked_iter``) and with ``iter_groups()``;
 * ``refused``: at the target level, a round where one tensor is unknown to vLLM fails mid-way on both
-  servers; they stay paused on the previous version; the next round recovers; the pre-check names it.
+  servers; they stay paused on the previous version; the next round recovers; the pre-check names it;
+* ``fit_shards``, ``replica_down_shards``, ``refused_shards``: the same with ``shard_direct=True`` (every
+  trainer rank sends its own rows; the refused rounds from row-sharded sources over plain tensors);
+* ``shards_source``: ``export_source(layout="shards")`` and ``m2n_source()`` of a tied Qwen2 with uneven
+  shards (vocab 513), offloaded, and of a Qwen3-MoE (fused experts): each rank's rows against the full
+  export, what is gathered, and vLLM's own m2n layout checks.
 
 Rank 0 writes JSON to ``--out``.
 """
@@ -24,6 +29,7 @@ import os
 import sys
 import time
 import warnings
+from functools import partial
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -35,6 +41,7 @@ from lightning.pytorch import Trainer, seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
+from lightning_fsdp_export.shards import ShardSource  # noqa: E402
 from lightning_fsdp_export.source import ExportSource  # noqa: E402
 from lightning_fsdp_export.testing import VOCAB, tiny_llama, tiny_lora_qwen2, tiny_qwen2  # noqa: E402
 from tests.scripts.common import CausalLM, run_scenarios, start_server, stop_server, token_loader, wait_for_server  # noqa: E402
@@ -118,22 +125,50 @@ def trainer_for(callbacks: list[pl.Callback], steps: int, root: Path) -> Trainer
                    callbacks=callbacks, default_root_dir=str(root))
 
 
-def scenario_fit(root: Path, urls: list[str]) -> dict[str, Any]:
+class SentBytes(pl.Callback):
+    """After each sync: what this rank's transfer engine sent, and what the export gathered (every rank)."""
+
+    def __init__(self, sync: VLLMWeightSync) -> None:
+        self.sync = sync
+        self.seen = 0
+        self.records: list[dict[str, Any]] = []
+
+    def record(self, trainer: pl.Trainer) -> None:
+        if self.sync.version == self.seen:
+            return
+        self.seen = self.sync.version
+        engine = self.sync.target._native.engine  # type: ignore[attr-defined]
+        mine = {"sent_bytes": getattr(engine, "sent_bytes", None),
+                "gathered_bytes": trainer.strategy.last_export.gathered_bytes,
+                "path": trainer.strategy.last_export.path, "bytes": trainer.strategy.last_export.bytes}
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, mine)
+        self.records.append({"version": self.sync.version, "ranks": everyone})
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.record(trainer)
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.record(trainer)
+
+
+def scenario_fit(root: Path, urls: list[str], *, shards: bool = False) -> dict[str, Any]:
     seed_everything(0)
-    sync = VLLMWeightSync(RemoteVLLM(urls, transport="gloo", timeout=TIMEOUT), every_n_train_steps=2,
-                          verify="logprobs", verify_tolerance=0.1)
+    sync = VLLMWeightSync(RemoteVLLM(urls, transport="gloo", timeout=TIMEOUT, shard_direct=shards),
+                          every_n_train_steps=2, verify="logprobs", verify_tolerance=0.1)
+    sent = SentBytes(sync)
     after = AfterSync(sync)
-    trainer = trainer_for([sync, after], steps=4, root=root)
+    trainer = trainer_for([sync, sent, after], steps=4, root=root)
     trainer.fit(CausalLM(lr=3e-2), token_loader(16))
-    return {"records": after.records, "version": sync.version}
+    return {"records": after.records, "version": sync.version, "sent": sent.records}
 
 
-def scenario_replica_down(root: Path, urls: list[str], model_dir: Path) -> dict[str, Any]:
+def scenario_replica_down(root: Path, urls: list[str], model_dir: Path, *, shards: bool = False) -> dict[str, Any]:
     seed_everything(1)
     port = int(urls[1].rsplit(":", 1)[1])
     events: dict[str, Any] = {}
-    sync = VLLMWeightSync(RemoteVLLM(urls, transport="gloo", timeout=TIMEOUT), every_n_train_steps=1,
-                          on_error="warn")
+    sync = VLLMWeightSync(RemoteVLLM(urls, transport="gloo", timeout=TIMEOUT, shard_direct=shards),
+                          every_n_train_steps=1, on_error="warn")
 
     def on_step(trainer: pl.Trainer) -> None:
         if trainer.global_step == 1 and trainer.global_rank == 0:
@@ -201,20 +236,36 @@ def scenario_source(root: Path) -> dict[str, Any]:
     return out
 
 
-def plain_source(weights: dict[str, torch.Tensor], *, extra: tuple[str, torch.Tensor] | None = None) -> ExportSource:
-    """A source over plain tensors (no gathers), optionally with one tensor vLLM does not know inserted mid-way."""
+def _plain_source(weights: dict[str, torch.Tensor], *, extra: tuple[str, torch.Tensor] | None = None,
+                 shards: bool = False) -> ExportSource:
+    """A source over plain tensors (no gathers), optionally with one tensor vLLM does not know inserted mid-way;
+    ``shards``: each rank yields torch.chunk rows of every 2-D tensor (as FSDP2 shards them), the rest whole."""
     items = list(weights.items())
     if extra is not None:
         at = next(i for i, (n, _) in enumerate(items) if n.startswith("model.layers.1."))
         items.insert(at, extra)
     entries = [([n], t) for n, t in items]
-    return ExportSource(lambda: entries, lambda: ((n, t) for n, t in items), dtype=torch.bfloat16)
+    if not shards:
+        return ExportSource(lambda: entries, lambda: ((n, t) for n, t in items), dtype=torch.bfloat16)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def layout(names: list[str], tensor: torch.Tensor) -> tuple[int, ...] | None:
+        chunk = -(-tensor.shape[0] // world) if tensor.dim() == 2 else 0
+        return tuple(min(r * chunk, tensor.shape[0]) for r in range(world + 1)) if chunk else None
+
+    def rows() -> Any:
+        for names, tensor in entries:
+            bounds = layout(names, tensor)
+            yield names[0], tensor if bounds is None else tensor[bounds[rank]:bounds[rank + 1]]
+
+    return ShardSource(lambda: entries, rows, layout=layout, world=world, dtype=torch.bfloat16)
 
 
-def scenario_refused(urls: list[str]) -> dict[str, Any]:
+def scenario_refused(urls: list[str], *, shards: bool = False) -> dict[str, Any]:
     rank = dist.get_rank()
-    target = RemoteVLLM(urls, transport="gloo", timeout=TIMEOUT)
-    target.setup(SimpleNamespace(global_rank=rank))  # type: ignore[arg-type]
+    target = RemoteVLLM(urls, transport="gloo", timeout=TIMEOUT, shard_direct=shards)
+    target.setup(SimpleNamespace(global_rank=rank, world_size=dist.get_world_size()))  # type: ignore[arg-type]
+    plain_source = partial(_plain_source, shards=shards)
     first = {k: v.to(torch.bfloat16) for k, v in tiny_qwen2(seed=7).state_dict().items()}
     second = {k: v.to(torch.bfloat16) for k, v in tiny_qwen2(seed=8).state_dict().items()}
     out: dict[str, Any] = {}
@@ -243,10 +294,84 @@ def scenario_refused(urls: list[str]) -> dict[str, Any]:
     return out
 
 
+class CheckShards(pl.Callback):
+    """After the first step, on every rank: the shard sources against the full export and vLLM's m2n checks."""
+
+    def __init__(self) -> None:
+        self.result: dict[str, Any] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        from vllm.distributed.weight_transfer.m2n_common import check_transferable, resolve_layout, validate_layout
+        from vllm.distributed.weight_transfer.m2n_source import DTensorModuleSource
+
+        strategy = trainer.strategy
+        rank, world = trainer.global_rank, trainer.world_size
+        full = dict(strategy.export_weights(dtype=torch.bfloat16))
+        source = strategy.export_source(dtype=torch.bfloat16, layout="shards")
+        meta = source.metadata()
+        pairs = list(source)
+        report = strategy.last_export
+
+        def rows_right(meta: list[Any], pairs: list[tuple[str, torch.Tensor]]) -> bool:
+            def bounds_of(m: Any) -> Any:
+                if hasattr(m, "bounds"):
+                    return m.bounds
+                return None if m.placements is None else [m.shape[0] * r // world for r in range(world + 1)]
+
+            return [m.name for m in meta] == [n for n, _ in pairs] and all(
+                torch.equal(t, full[n] if bounds_of(m) is None else full[n][bounds_of(m)[rank]:bounds_of(m)[rank + 1]])
+                for m, (n, t) in zip(meta, pairs))
+
+        m2n = strategy.m2n_source(dtype=torch.bfloat16)
+        m2n_meta = m2n.metadata()
+        problems = []
+        for m in m2n_meta:  # what vLLM's M2NTrainerWeightTransferEngine.trainer_init checks before any rendezvous
+            try:
+                check_transferable(m.name, m.dtype, m.shape)
+                validate_layout(*resolve_layout(m2n.mesh(), m.placements), m.shape, "source")
+            except ValueError as err:
+                problems.append(str(err))
+        own = []  # vLLM's own DTensor source over the same module: its layouts, validated the same way
+        for m in DTensorModuleSource(strategy.export_module, world).metadata():
+            try:
+                validate_layout(*resolve_layout(m2n.mesh(), m.placements), m.shape, "source")
+            except ValueError as err:
+                own.append(f"{m.name}: {err}")
+        self.result = {
+            "rows_right": rows_right(meta, pairs), "tensors": len(meta),
+            "full_tensors": source.full_tensors(), "gathered_bytes": report.gathered_bytes, "path": report.path,
+            "yielded_bytes": report.bytes, "full_bytes": sum(t.numel() * t.element_size() for t in full.values()),
+            "uneven": [m.name for m in meta if m.bounds is not None and m.shape[0] % world],
+            "lm_head": next((list(m.bounds or []) for m in meta if m.name == "lm_head.weight"), None),
+            "m2n_mesh": list(m2n.mesh().dims), "m2n_problems": problems, "m2n_rows_right": rows_right(m2n_meta, list(m2n)),
+            "m2n_replicated": [m.name for m in m2n_meta if m.placements is None],
+            "vllm_own_source_problems": own,
+        }
+
+
+def scenario_shards_source(root: Path) -> dict[str, Any]:
+    from lightning_fsdp_export.testing import tiny_family
+
+    out = {}
+    for name, build, offload in (("qwen2_uneven_tied_offloaded", lambda: tiny_qwen2(vocab_size=513), "params"),
+                                 ("qwen3_moe", lambda: tiny_family("qwen3_moe"), None)):
+        seed_everything(0)
+        check = CheckShards()
+        trainer = Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(offload=offload), max_steps=1,
+                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, callbacks=[check], default_root_dir=str(root / name))
+        trainer.fit(CausalLM(build), token_loader(4))
+        everyone: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(everyone, check.result)
+        out[name] = everyone
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
-    parser.add_argument("--only", default="source,fit,refused,replica_down")
+    parser.add_argument("--only", default="source,fit,refused,replica_down,shards_source,fit_shards,refused_shards,"
+                                          "replica_down_shards")
     parser.add_argument("--server", required=True)
     parser.add_argument("--model-dir", required=True)
     args = parser.parse_args()
@@ -257,7 +382,12 @@ def main() -> None:
     runs = {"source": lambda: scenario_source(root / "source"),
             "fit": lambda: scenario_fit(root / "fit", urls),
             "refused": lambda: scenario_refused(urls),
-            "replica_down": lambda: scenario_replica_down(root / "down", urls, Path(args.model_dir))}
+            "replica_down": lambda: scenario_replica_down(root / "down", urls, Path(args.model_dir)),
+            "shards_source": lambda: scenario_shards_source(root / "shards_source"),
+            "fit_shards": lambda: scenario_fit(root / "fit_shards", urls, shards=True),
+            "refused_shards": lambda: scenario_refused(urls, shards=True),
+            "replica_down_shards": lambda: scenario_replica_down(root / "down_shards", urls, Path(args.model_dir),
+                                                                 shards=True)}
     results = run_scenarios(runs, args.only.split(","))
     suffix = "" if dist.get_rank() == 0 else ".rank1"
     Path(args.out + suffix).write_text(json.dumps(results, indent=1, default=str))
