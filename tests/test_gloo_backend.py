@@ -18,7 +18,7 @@ import torch
 pytest.importorskip("vllm")
 
 from lightning_fsdp_export.source import ExportSource  # noqa: E402
-from lightning_fsdp_export.targets import gloo  # noqa: E402
+from lightning_fsdp_export.targets import gloo, gloo_protocol  # noqa: E402
 from lightning_fsdp_export.targets.vllm_source import FSDP2WeightSource  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
@@ -303,7 +303,7 @@ def test_shard_direct_init_info_is_validated() -> None:
     assert not gloo.GlooTrainerInitInfo(rank=1, master_address="h", master_port=0, world_size=0).is_sender
     info = gloo.GlooWeightTransferUpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[4, 2]], bounds=[[0, 3, 2]])
     with pytest.raises(ValueError, match=r"bounds \[0, 3, 2\] of 'a' \[4, 2\] are not row offsets over 2"):
-        gloo._Plan.of(info, 2, 100)
+        gloo_protocol.Plan.of(info, 2, 100)
 
 
 def test_register_tolerates_repeats_and_the_plugin() -> None:

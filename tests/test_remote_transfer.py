@@ -150,6 +150,10 @@ def test_shard_sources_rows_uneven_shards_tied_heads_and_what_goes_whole(results
         # Fused MoE experts are split by the checkpoint format: gathered and sent whole, 2 layers x 3 x 4 experts.
         assert len(moe["full_tensors"]) == 24 and all(".mlp.experts." in n for n in moe["full_tensors"])
         assert moe["m2n_replicated"] == moe["full_tensors"] and moe["gathered_bytes"] > 0
+        # A peft model merged with its adapters goes through the staged merge: every tensor whole, equal to the export.
+        lora = got["lora_merged"][rank]
+        assert lora["rows_right"] and lora["m2n_rows_right"] and len(lora["full_tensors"]) == lora["tensors"]
+        assert not any("lora" in n for n in lora["full_tensors"]) and lora["path"] == "staged"
 
 
 _DYING_TRAINER = textwrap.dedent("""

@@ -32,7 +32,6 @@ worker that fails finalizes the layerwise reload before it re-raises, so the nex
 
 from __future__ import annotations
 
-import math
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -50,6 +49,19 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferEngine,
     WeightTransferInitInfo,
     WeightTransferUpdateInfo,
+)
+
+from lightning_fsdp_export.targets.gloo_protocol import (
+    ABORT,
+    END,
+    Plan,
+    PlannedTensor,
+    abort_message,
+    aligned,
+    exchange_header,
+    join_group,
+    exchange_status,
+    unpack_chunk,
 )
 
 if TYPE_CHECKING:
@@ -71,9 +83,6 @@ BACKEND = "gloo"
 # a push, 8-16 MiB 1.15-1.33 s, 32 MiB 1.36-1.41 s, 64 MiB 1.56-1.74 s, 256 MiB 1.75-1.92 s.
 DEFAULT_BUFFER_BYTES = 16 * 1024 * 1024
 DEFAULT_TIMEOUT_S = 300.0
-_DATA, _END, _ABORT = 1, 0, -1
-_NOBODY = 1 << 62  # the origin a member that did not abort reports (the all-reduce keeps the smallest)
-_ALIGN = 16  # every part starts at a multiple of this many bytes, so each unpacks as a view of its dtype
 
 
 @dataclass(kw_only=True)
@@ -154,92 +163,6 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                              " 'bfloat16'.")
 
 
-@dataclass(frozen=True)
-class _Tensor:
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    bounds: tuple[int, ...] | None
-
-    def part(self, rank: int) -> int:
-        """Bytes trainer ``rank`` sends of this tensor."""
-        if self.bounds is None:
-            return math.prod(self.shape) * self.dtype.itemsize if rank == 0 else 0
-        row = math.prod(self.shape[1:]) * self.dtype.itemsize
-        return (self.bounds[rank + 1] - self.bounds[rank]) * row
-
-
-class _Plan:
-    """The round's cut into chunks (consecutive tensors until their full size passes ``buffer_bytes``) and each
-    trainer rank's share of each chunk: computed alike by the trainer ranks and the workers from the update info."""
-
-    def __init__(self, tensors: list[_Tensor], trainers: int, buffer_bytes: int) -> None:
-        self.tensors = tensors
-        self.trainers = trainers
-        self.chunks: list[list[_Tensor]] = []
-        total = 0
-        for tensor in tensors:
-            if not self.chunks or total > buffer_bytes:
-                self.chunks.append([])
-                total = 0
-            self.chunks[-1].append(tensor)
-            total += tensor.part(0) if tensor.bounds is None else sum(tensor.part(r) for r in range(trainers))
-
-    def segment(self, chunk: list[_Tensor], rank: int) -> int:
-        """Bytes trainer ``rank`` sends of ``chunk`` (each part padded to ``_ALIGN``)."""
-        return sum(_aligned(t.part(rank)) for t in chunk)
-
-    @classmethod
-    def of(cls, info: GlooWeightTransferUpdateInfo, trainers: int, buffer_bytes: int) -> _Plan:
-        bounds = info.bounds or [None] * len(info.names)
-        tensors = []
-        for name, dtype_name, shape, rows in zip(info.names, info.dtype_names, info.shapes, bounds):
-            if rows is not None and (len(rows) != trainers + 1 or not shape or rows[0] != 0 or rows[-1] != shape[0]
-                                     or any(a > b for a, b in zip(rows, rows[1:]))):
-                raise ValueError(f"gloo update_info: bounds {rows} of {name!r} {list(shape)} are not row offsets over"
-                                 f" {trainers} trainer ranks.")
-            tensors.append(_Tensor(name, getattr(torch, dtype_name), tuple(shape), None if rows is None else tuple(rows)))
-        return cls(tensors, trainers, buffer_bytes)
-
-
-def _aligned(nbytes: int) -> int:
-    return -(-nbytes // _ALIGN) * _ALIGN
-
-
-def _join(address: str, port: int, rank: int, world_size: int, group: str, timeout_s: float,
-          *, host: bool) -> tuple[dist.ProcessGroup, dist.TCPStore]:
-    """The transfer group, straight from a TCPStore (not vLLM's ``init_gloo_process_group``, which swaps
-    fd 1 while it runs, and not torch's default group, which belongs to the trainer)."""
-    timeout = timedelta(seconds=timeout_s)
-    store = dist.TCPStore(address, port, world_size if host else None, is_master=host, timeout=timeout,
-                          wait_for_workers=False)
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"lfe-gloo/{group}", store), rank, world_size, timeout), store
-
-
-def _header(pg: dist.ProcessGroup, code: int = _DATA, origin: int = _NOBODY) -> tuple[int, int]:
-    """Every member's ``(code, origin)``, reduced to the smallest: an abort by any trainer rank (and the first
-    rank that aborted) wins over an end, an end over more data."""
-    header = torch.tensor([code, origin], dtype=torch.int64)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MIN
-    pg.allreduce([header], opts).wait()
-    return int(header[0]), int(header[1])
-
-
-def _status(pg: dist.ProcessGroup, failed: bool) -> bool:
-    """Whether any member of the group failed this round (an all-reduce of everyone's flag)."""
-    flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
-    opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MAX
-    pg.allreduce([flag], opts).wait()
-    return bool(flag.item())
-
-
-def _aborted(origin: int) -> str:
-    return (f"trainer rank {origin} aborted this weight update round (it failed while exporting); the model is"
-            " incomplete until the next full round")
-
-
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
     """Worker side: receives every trainer rank's parts of each chunk over gloo, assembles each tensor in a
     fresh buffer, and loads them with the layerwise reload."""
@@ -268,7 +191,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.buffer_bytes = init_info.packed_buffer_size_bytes
         self.trainers = init_info.num_trainer_ranks
         self.timeout = timedelta(seconds=init_info.timeout_s)
-        self.group, self._store = _join(init_info.master_address, init_info.master_port, rank, init_info.world_size,
+        self.group, self._store = join_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
                                         init_info.group, init_info.timeout_s, host=False)
 
     def start_weight_update(self) -> None:
@@ -299,14 +222,14 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             raise RuntimeError("gloo weight transfer is not initialized: call init_weight_transfer_engine first.")
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
-        plan = _Plan.of(update_info, self.trainers, self.buffer_bytes)
+        plan = Plan.of(update_info, self.trainers, self.buffer_bytes)
         error: BaseException | None = None
         with disable_mtp_completeness_check():
             for index, chunk in enumerate(plan.chunks):
-                code, origin = _header(self.group)
-                if code == _ABORT:
-                    raise RuntimeError(_aborted(origin))
-                if code == _END:
+                code, origin = exchange_header(self.group)
+                if code == ABORT:
+                    raise RuntimeError(abort_message(origin))
+                if code == END:
                     left = sum(len(c) for c in plan.chunks[index:])
                     error = error or RuntimeError(f"the trainer ended the round with {left} announced tensors unsent")
                     break
@@ -314,17 +237,17 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                 if error is not None:
                     continue  # keep receiving so the trainer ranks' sends complete; report at the end
                 try:
-                    self.model.load_weights(_unpack(chunk, parts, plan.trainers))
+                    self.model.load_weights(unpack_chunk(chunk, parts, plan.trainers))
                 except Exception as err:  # noqa: BLE001 - the whole group learns of it below
                     error = err
             else:
-                code, origin = _header(self.group)
-                if code == _ABORT:
-                    raise RuntimeError(_aborted(origin))
-        if _status(self.group, error is not None):
+                code, origin = exchange_header(self.group)
+                if code == ABORT:
+                    raise RuntimeError(abort_message(origin))
+        if exchange_status(self.group, error is not None):
             raise error or RuntimeError("another member of the weight-transfer group failed this round")
 
-    def _receive(self, plan: _Plan, chunk: list[_Tensor], index: int) -> list[torch.Tensor | None]:
+    def _receive(self, plan: Plan, chunk: list[PlannedTensor], index: int) -> list[torch.Tensor | None]:
         """Each trainer rank's part of ``chunk`` (``None`` where it sends nothing), all received at once."""
         assert self.group is not None
         parts: list[torch.Tensor | None] = []
@@ -340,31 +263,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def shutdown(self) -> None:
         self.group = self._store = None
-
-
-def _unpack(chunk: list[_Tensor], parts: list[torch.Tensor | None], trainers: int) -> Iterator[tuple[str, torch.Tensor]]:
-    """The chunk's tensors: a whole one is a view of rank 0's part; a row-sharded one a fresh tensor of every
-    rank's rows."""
-    offsets = [0] * trainers
-    for tensor in chunk:
-        if tensor.bounds is None:
-            yield tensor.name, _view(parts[0], offsets, 0, tensor, tensor.shape)
-            continue
-        full = torch.empty(tensor.shape, dtype=tensor.dtype)
-        for rank in range(trainers):
-            lo, hi = tensor.bounds[rank], tensor.bounds[rank + 1]
-            if hi > lo:
-                full[lo:hi] = _view(parts[rank], offsets, rank, tensor, (hi - lo, *tensor.shape[1:]))
-        yield tensor.name, full
-
-
-def _view(part: torch.Tensor | None, offsets: list[int], rank: int, tensor: _Tensor,
-          shape: tuple[int, ...]) -> torch.Tensor:
-    nbytes = tensor.part(rank)
-    assert part is not None
-    start = offsets[rank]
-    offsets[rank] += _aligned(nbytes)
-    return part[start:start + nbytes].view(tensor.dtype).view(shape)
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
@@ -401,12 +299,12 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         engine.workers = list(range(trainers, init_info.world_size))
         group = init_info.group or uuid.uuid4().hex  # a fresh namespace per rendezvous: a re-init never meets stale keys
 
-        def join() -> None:
-            engine.group, engine._store = _join(init_info.master_address, init_info.master_port, init_info.rank,
+        def connect() -> None:
+            engine.group, engine._store = join_group(init_info.master_address, init_info.master_port, init_info.rank,
                                                 init_info.world_size, group, init_info.timeout_s, host=engine.rank == 0)
 
         if engine.rank != 0:
-            join()
+            connect()
             return engine
         payload = asdict(GlooWeightTransferInitInfo(
             master_address=init_info.master_address, master_port=init_info.master_port, rank_offset=trainers,
@@ -416,7 +314,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             # The workers block in the rendezvous until rank 0 joins: run the request beside it.
             answer = pool.submit(client.init_weight_transfer_engine, payload)
             try:
-                join()
+                connect()
             finally:
                 answer.result()
         return engine
@@ -435,7 +333,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                                             dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
                                             shapes=[list(m.shape) for m in meta],
                                             bounds=None if all(b is None for b in bounds) else bounds)
-        plan = _Plan.of(info, self.trainers, self.buffer_bytes)
+        plan = Plan.of(info, self.trainers, self.buffer_bytes)
         if self.rank != 0:
             self._stream(plan, self._checked(source, meta), None)
             return
@@ -449,7 +347,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             pool.shutdown(wait=False)  # a worker stuck in a collective must not turn an error into a hang
         self.client.finish_weight_update()
 
-    def _stream(self, plan: _Plan, pairs: Iterator[tuple[str, torch.Tensor]], answer: Any) -> None:
+    def _stream(self, plan: Plan, pairs: Iterator[tuple[str, torch.Tensor]], answer: Any) -> None:
         assert self.group is not None
         self.sent_bytes = 0
         for index, chunk in enumerate(plan.chunks):
@@ -461,10 +359,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 if answer is None or not answer.done():
                     self._abort()
                 raise
-            code, origin = _header(self.group)
-            if code == _ABORT:
-                raise RuntimeError(_aborted(origin))
-            if code == _END:
+            code, origin = exchange_header(self.group)
+            if code == ABORT:
+                raise RuntimeError(abort_message(origin))
+            if code == END:
                 raise RuntimeError("another trainer rank ended the round early: the ranks' sources disagree")
             if part is not None:
                 works = [self.group.send([part], worker, index) for worker in self.workers]
@@ -477,15 +375,15 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         except BaseException:
             self._abort()
             raise
-        code, origin = _header(self.group, _END)
-        if code == _ABORT:
-            raise RuntimeError(_aborted(origin))
-        if _status(self.group, False):
+        code, origin = exchange_header(self.group, END)
+        if code == ABORT:
+            raise RuntimeError(abort_message(origin))
+        if exchange_status(self.group, False):
             if answer is not None:
                 answer.result()  # the worker's own error, through its server
             raise RuntimeError("a worker refused this weight update round")
 
-    def _pack(self, plan: _Plan, chunk: list[_Tensor], pairs: Iterator[tuple[str, torch.Tensor]]) -> torch.Tensor | None:
+    def _pack(self, plan: Plan, chunk: list[PlannedTensor], pairs: Iterator[tuple[str, torch.Tensor]]) -> torch.Tensor | None:
         """This rank's part of ``chunk``, from the next tensors of the source (``None``: it sends nothing)."""
         size = plan.segment(chunk, self.rank)
         part = torch.empty(size, dtype=torch.uint8) if size else None
@@ -496,13 +394,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             if nbytes:
                 assert part is not None
                 part[offset:offset + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
-                offset += _aligned(nbytes)
+                offset += aligned(nbytes)
         return part
 
     def _abort(self) -> None:
         """Tell every member this round is over (they raise), best effort: a dead peer must not hide the error."""
         try:
-            _header(self.group, _ABORT, self.rank)
+            exchange_header(self.group, ABORT, self.rank)
         except Exception:  # noqa: BLE001, S110 - the caller raises the original error
             pass
 

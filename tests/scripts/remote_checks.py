@@ -15,8 +15,8 @@ Run by ``tests/test_remote_transfer.py``: ``torchrun --nproc-per-node 2 remote_c
 * ``fit_shards``, ``replica_down_shards``, ``refused_shards``: the same with ``shard_direct=True`` (every
   trainer rank sends its own rows; the refused rounds from row-sharded sources over plain tensors);
 * ``shards_source``: ``export_source(layout="shards")`` and ``m2n_source()`` of a tied Qwen2 with uneven
-  shards (vocab 513), offloaded, and of a Qwen3-MoE (fused experts): each rank's rows against the full
-  export, what is gathered, and vLLM's own m2n layout checks.
+  shards (vocab 513), offloaded, of a Qwen3-MoE (fused experts) and of a LoRA Qwen2 (merged: all whole):
+  each rank's rows against the full export, what is gathered, and vLLM's own m2n layout checks.
 
 Rank 0 writes JSON to ``--out``.
 """
@@ -354,7 +354,8 @@ def scenario_shards_source(root: Path) -> dict[str, Any]:
 
     out = {}
     for name, build, offload in (("qwen2_uneven_tied_offloaded", lambda: tiny_qwen2(vocab_size=513), "params"),
-                                 ("qwen3_moe", lambda: tiny_family("qwen3_moe"), None)):
+                                 ("qwen3_moe", lambda: tiny_family("qwen3_moe"), None),
+                                 ("lora_merged", tiny_lora_qwen2, None)):
         seed_everything(0)
         check = CheckShards()
         trainer = Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(offload=offload), max_steps=1,

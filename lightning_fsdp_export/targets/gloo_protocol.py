@@ -1,0 +1,136 @@
+"""The wire protocol of the ``gloo`` weight-transfer backend (:mod:`lightning_fsdp_export.targets.gloo`): the
+round's plan, shared by the trainer ranks and the workers, and the group's control messages; torch only.
+
+A round is the tensors of one update info, cut into chunks (consecutive tensors until their full size
+passes the buffer); per chunk every trainer rank sends its part (its rows of row-sharded tensors, rank 0
+also the whole ones), each tensor's bytes padded to ``ALIGN``. Before each chunk and after the last one,
+every member all-reduces a header ``(code, origin)`` (MIN: an abort beats an end, an end beats more data;
+``origin`` is the first trainer rank that aborted); after the end, a status (MAX: anyone failed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DATA, END, ABORT = 1, 0, -1
+NOBODY = 1 << 62  # the origin a member that did not abort reports (the all-reduce keeps the smallest)
+ALIGN = 16  # every part starts at a multiple of this many bytes, so each unpacks as a view of its dtype
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+    bounds: tuple[int, ...] | None
+
+    def part(self, rank: int) -> int:
+        """Bytes trainer ``rank`` sends of this tensor."""
+        if self.bounds is None:
+            return math.prod(self.shape) * self.dtype.itemsize if rank == 0 else 0
+        row = math.prod(self.shape[1:]) * self.dtype.itemsize
+        return (self.bounds[rank + 1] - self.bounds[rank]) * row
+
+
+class Plan:
+    """The round's cut into chunks (consecutive tensors until their full size passes ``buffer_bytes``) and each
+    trainer rank's share of each chunk: computed alike by the trainer ranks and the workers from the update info."""
+
+    def __init__(self, tensors: list[PlannedTensor], trainers: int, buffer_bytes: int) -> None:
+        self.tensors = tensors
+        self.trainers = trainers
+        self.chunks: list[list[PlannedTensor]] = []
+        total = 0
+        for tensor in tensors:
+            if not self.chunks or total > buffer_bytes:
+                self.chunks.append([])
+                total = 0
+            self.chunks[-1].append(tensor)
+            total += tensor.part(0) if tensor.bounds is None else sum(tensor.part(r) for r in range(trainers))
+
+    def segment(self, chunk: list[PlannedTensor], rank: int) -> int:
+        """Bytes trainer ``rank`` sends of ``chunk`` (each part padded to ``ALIGN``)."""
+        return sum(aligned(t.part(rank)) for t in chunk)
+
+    @classmethod
+    def of(cls, info: Any, trainers: int, buffer_bytes: int) -> Plan:
+        """From a ``GlooWeightTransferUpdateInfo`` (names, dtype names, shapes, bounds)."""
+        bounds = info.bounds or [None] * len(info.names)
+        tensors = []
+        for name, dtype_name, shape, rows in zip(info.names, info.dtype_names, info.shapes, bounds):
+            if rows is not None and (len(rows) != trainers + 1 or not shape or rows[0] != 0 or rows[-1] != shape[0]
+                                     or any(a > b for a, b in zip(rows, rows[1:]))):
+                raise ValueError(f"gloo update_info: bounds {rows} of {name!r} {list(shape)} are not row offsets over"
+                                 f" {trainers} trainer ranks.")
+            tensors.append(PlannedTensor(name, getattr(torch, dtype_name), tuple(shape), None if rows is None else tuple(rows)))
+        return cls(tensors, trainers, buffer_bytes)
+
+
+def aligned(nbytes: int) -> int:
+    return -(-nbytes // ALIGN) * ALIGN
+
+
+def join_group(address: str, port: int, rank: int, world_size: int, group: str, timeout_s: float,
+          *, host: bool) -> tuple[dist.ProcessGroup, dist.TCPStore]:
+    """The transfer group, straight from a TCPStore (not vLLM's ``init_gloo_process_group``, which swaps
+    fd 1 while it runs, and not torch's default group, which belongs to the trainer)."""
+    timeout = timedelta(seconds=timeout_s)
+    store = dist.TCPStore(address, port, world_size if host else None, is_master=host, timeout=timeout,
+                          wait_for_workers=False)
+    return dist.ProcessGroupGloo(dist.PrefixStore(f"lfe-gloo/{group}", store), rank, world_size, timeout), store
+
+
+def exchange_header(pg: dist.ProcessGroup, code: int = DATA, origin: int = NOBODY) -> tuple[int, int]:
+    """Every member's ``(code, origin)``, reduced to the smallest: an abort by any trainer rank (and the first
+    rank that aborted) wins over an end, an end over more data."""
+    message = torch.tensor([code, origin], dtype=torch.int64)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MIN
+    pg.allreduce([message], opts).wait()
+    return int(message[0]), int(message[1])
+
+
+def exchange_status(pg: dist.ProcessGroup, failed: bool) -> bool:
+    """Whether any member of the group failed this round (an all-reduce of everyone's flag)."""
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
+    opts = dist.AllreduceOptions()
+    opts.reduceOp = dist.ReduceOp.MAX
+    pg.allreduce([flag], opts).wait()
+    return bool(flag.item())
+
+
+def abort_message(origin: int) -> str:
+    return (f"trainer rank {origin} aborted this weight update round (it failed while exporting); the model is"
+            " incomplete until the next full round")
+
+
+def unpack_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], trainers: int) -> Iterator[tuple[str, torch.Tensor]]:
+    """The chunk's tensors: a whole one is a view of rank 0's part; a row-sharded one a fresh tensor of every
+    rank's rows."""
+    offsets = [0] * trainers
+    for tensor in chunk:
+        if tensor.bounds is None:
+            yield tensor.name, part_view(parts[0], offsets, 0, tensor, tensor.shape)
+            continue
+        full = torch.empty(tensor.shape, dtype=tensor.dtype)
+        for rank in range(trainers):
+            lo, hi = tensor.bounds[rank], tensor.bounds[rank + 1]
+            if hi > lo:
+                full[lo:hi] = part_view(parts[rank], offsets, rank, tensor, (hi - lo, *tensor.shape[1:]))
+        yield tensor.name, full
+
+
+def part_view(part: torch.Tensor | None, offsets: list[int], rank: int, tensor: PlannedTensor,
+          shape: tuple[int, ...]) -> torch.Tensor:
+    nbytes = tensor.part(rank)
+    assert part is not None
+    start = offsets[rank]
+    offsets[rank] += aligned(nbytes)
+    return part[start:start + nbytes].view(tensor.dtype).view(shape)
