@@ -1,6 +1,7 @@
 """The large-model recipe, end to end on 2 CPU ranks: meta-device init, ``pretrained=``, the same checkpoint in vLLM.
 
     python examples/pretrained_policy.py [--steps 4] [--workdir runs/pretrained_policy] [--arch qwen3_moe]
+                                         [--target shard-direct]
 
 A "pretrained" tiny Qwen2 checkpoint (or, with ``--arch``, any family of ``testing.tiny_family``: an MoE
 model's experts are fused in memory and per expert on disk) is written locally (nothing downloaded).
@@ -18,6 +19,10 @@ Then, as for a model too big for one rank:
 
 The loss is a sequence likelihood on engine rollouts plus a KL term to the reference; the KL
 printed at the first step is 0 exactly because both models came from the same checkpoint.
+
+``--target shard-direct`` replaces the colocated engines with one vLLM server (started here from the same
+checkpoint, ``gloo`` backend) fed by ``RemoteVLLM(transport="gloo", shard_direct=True)``: every rank sends
+its own shards; rollouts come from the server's ``/v1/completions``.
 """
 
 from __future__ import annotations
@@ -33,8 +38,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.testing import VOCAB, tiny_family, tiny_qwen2  # noqa: E402
+from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
+from lightning_fsdp_export.testing import VOCAB, save_word_tokenizer, tiny_family, tiny_qwen2  # noqa: E402
+from tests.scripts.common import start_server, stop_server, wait_for_server  # noqa: E402
 
 
 class PolicyWithReference(pl.LightningModule):
@@ -52,6 +58,13 @@ class PolicyWithReference(pl.LightningModule):
 
         g = torch.Generator().manual_seed(1000 * self.global_step + self.global_rank)
         prompts = [torch.randint(0, VOCAB, (8,), generator=g).tolist() for _ in range(4)]
+        if isinstance(self.sync.target, RemoteVLLM):  # a server: its OpenAI route, token ids in and out
+            model = self.sync.target.request("GET", "/v1/models")["data"][0]["id"]
+            body = {"model": model, "prompt": prompts, "max_tokens": 8, "temperature": 1.0, "ignore_eos": True,
+                    "return_token_ids": True, "seed": self.global_step}
+            choices = sorted(self.sync.target.request("POST", "/v1/completions", body)["choices"],
+                             key=lambda c: c["index"])
+            return torch.tensor([p + c["token_ids"] for p, c in zip(prompts, choices)])
         params = SamplingParams(temperature=1.0, max_tokens=8, detokenize=False, ignore_eos=True,
                                 seed=self.global_step)
         outs = self.sync.target.llm.generate([{"prompt_token_ids": p} for p in prompts], params, use_tqdm=False)
@@ -76,8 +89,10 @@ class PolicyWithReference(pl.LightningModule):
         return torch.optim.AdamW(self.policy.parameters(), lr=1e-3)
 
 
-def fit(ckpt: Path, workdir: Path, steps: int, resume: str | None) -> tuple[pl.Trainer, VLLMWeightSync]:
-    engine = ColocatedVLLM(model=ckpt, dtype="bfloat16", max_model_len=128, enforce_eager=True)
+def fit(ckpt: Path, workdir: Path, steps: int, resume: str | None, url: str | None = None
+        ) -> tuple[pl.Trainer, VLLMWeightSync]:
+    engine: Any = (RemoteVLLM(url, transport="gloo", shard_direct=True) if url else
+                   ColocatedVLLM(model=ckpt, dtype="bfloat16", max_model_len=128, enforce_eager=True))
     sync = VLLMWeightSync(engine, every_n_train_steps=1, sync_on_train_start=True, verify="logprobs",
                           exact_first_sync=True)
     strategy = LazyExportFSDP2(export_module="policy", pretrained={"policy": ckpt, "reference": ckpt},
@@ -104,21 +119,38 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--workdir", default="runs/pretrained_policy")
     parser.add_argument("--arch", default="qwen2", help="qwen2, or a family of testing.tiny_family (qwen3_moe, ...)")
+    parser.add_argument("--target", default="colocated", choices=["colocated", "shard-direct"])
+    parser.add_argument("--port", type=int, default=8431)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     workdir = Path(args.workdir)
-    ckpt = workdir / "pretrained"
-    if os.environ.get("LOCAL_RANK", "0") == "0" and not (ckpt / "config.json").exists():
+    ckpt = (workdir / "pretrained").resolve()
+    rank0 = os.environ.get("LOCAL_RANK", "0") == "0"
+    if rank0 and not (ckpt / "config.json").exists():
         model = tiny_qwen2(seed=42) if args.arch == "qwen2" else tiny_family(args.arch, seed=42)
         model.to(torch.bfloat16).save_pretrained(ckpt)  # stands in for a hub checkpoint
-    pl.seed_everything(0)
-    trainer, sync = fit(ckpt, workdir, args.steps, resume=None)
-    if trainer.global_rank == 0:
-        print(f"first fit: {trainer.global_step} optimizer steps, sync version {sync.version}", flush=True)
-    last = str(workdir / "checkpoints" / "last.ckpt")
-    trainer, sync = fit(ckpt, workdir, args.steps + 2, resume=last)
-    if trainer.global_rank == 0:
-        print(f"resumed fit: {trainer.global_step} optimizer steps, sync version {sync.version}", flush=True)
+        save_word_tokenizer(str(ckpt))  # a server returns logprobs (verify) only with a tokenizer
+    url = None
+    if args.target == "shard-direct":
+        url = f"http://127.0.0.1:{args.port}"
+        if rank0:  # before Lightning starts rank 1
+            start_server(ckpt, args.port)
+            wait_for_server(url, ckpt / f"server{args.port}.log")
+    try:
+        pl.seed_everything(0)
+        trainer, sync = fit(ckpt, workdir, args.steps, resume=None, url=url)
+        if trainer.global_rank == 0:
+            print(f"first fit: {trainer.global_step} optimizer steps, sync version {sync.version}", flush=True)
+        last = str(workdir / "checkpoints" / "last.ckpt")
+        trainer, sync = fit(ckpt, workdir, args.steps + 2, resume=last, url=url)
+        if trainer.global_rank == 0:
+            print(f"resumed fit: {trainer.global_step} optimizer steps, sync version {sync.version}", flush=True)
+            if url:
+                print(f"shard-direct: last export {trainer.strategy.last_export.path}, gathered"
+                      f" {trainer.strategy.last_export.gathered_bytes} bytes on rank 0", flush=True)
+    finally:
+        if url and rank0:
+            stop_server(ckpt, args.port)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,14 @@ class SyncGroup:
         dist.all_gather_object(everyone, value, group=self._group)
         return everyone
 
+    def broadcast(self, value: Any) -> Any:
+        """Rank 0's ``value`` (picklable) on every rank."""
+        if self._group is None:
+            return value
+        box = [value]
+        dist.broadcast_object_list(box, src=0, group=self._group)
+        return box[0]
+
 
 def plan_digest(plans: list[list[tuple[str, tuple[int, ...]]]]) -> str:
     """A short hash of the names and shapes a sync will export, in order."""

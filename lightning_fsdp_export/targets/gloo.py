@@ -163,9 +163,19 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                              " 'bfloat16'.")
 
 
+@dataclass
+class _Received:
+    """One chunk on its way to a worker: its tensors, each trainer rank's part, the receives in flight."""
+
+    chunk: list[PlannedTensor]
+    parts: list[torch.Tensor | None]
+    works: list[Any]
+    trainers: int
+
+
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
     """Worker side: receives every trainer rank's parts of each chunk over gloo, assembles each tensor in a
-    fresh buffer, and loads them with the layerwise reload."""
+    fresh buffer, and loads them with the layerwise reload; a chunk is loaded while the next one arrives."""
 
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
@@ -224,6 +234,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
         plan = Plan.of(update_info, self.trainers, self.buffer_bytes)
         error: BaseException | None = None
+        held: _Received | None = None  # the last chunk received: loaded while the next one arrives
         with disable_mtp_completeness_check():
             for index, chunk in enumerate(plan.chunks):
                 code, origin = exchange_header(self.group)
@@ -233,22 +244,22 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                     left = sum(len(c) for c in plan.chunks[index:])
                     error = error or RuntimeError(f"the trainer ended the round with {left} announced tensors unsent")
                     break
-                parts = self._receive(plan, chunk, index)
-                if error is not None:
-                    continue  # keep receiving so the trainer ranks' sends complete; report at the end
-                try:
-                    self.model.load_weights(unpack_chunk(chunk, parts, plan.trainers))
-                except Exception as err:  # noqa: BLE001 - the whole group learns of it below
-                    error = err
+                posted = self._post(plan, chunk, index)
+                error = self._load(held, error)
+                held = posted
             else:
+                error = self._load(held, error)
+                held = None
                 code, origin = exchange_header(self.group)
                 if code == ABORT:
                     raise RuntimeError(abort_message(origin))
+            if held is not None:
+                self._load(held, error or RuntimeError("the round ended early"))  # its sends complete
         if exchange_status(self.group, error is not None):
             raise error or RuntimeError("another member of the weight-transfer group failed this round")
 
-    def _receive(self, plan: Plan, chunk: list[PlannedTensor], index: int) -> list[torch.Tensor | None]:
-        """Each trainer rank's part of ``chunk`` (``None`` where it sends nothing), all received at once."""
+    def _post(self, plan: Plan, chunk: list[PlannedTensor], index: int) -> _Received:
+        """Start receiving each trainer rank's part of ``chunk`` (``None`` where it sends nothing)."""
         assert self.group is not None
         parts: list[torch.Tensor | None] = []
         works = []
@@ -257,9 +268,21 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             parts.append(torch.empty(size, dtype=torch.uint8) if size else None)
             if size:
                 works.append(self.group.recv([parts[-1]], rank, index))
-        for work in works:
+        return _Received(chunk, parts, works, plan.trainers)
+
+    def _load(self, held: _Received | None, error: BaseException | None) -> BaseException | None:
+        """Wait for ``held`` to arrive and load it, unless the round already failed; the round's error, if any."""
+        if held is None:
+            return error
+        for work in held.works:
             work.wait(self.timeout)
-        return parts
+        if error is not None:
+            return error  # kept receiving so the trainer ranks' sends complete; reported at the end
+        try:
+            self.model.load_weights(unpack_chunk(held.chunk, held.parts, held.trainers))
+        except Exception as err:  # noqa: BLE001 - the whole group learns of it in the status
+            return err
+        return None
 
     def shutdown(self) -> None:
         self.group = self._store = None
@@ -350,6 +373,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def _stream(self, plan: Plan, pairs: Iterator[tuple[str, torch.Tensor]], answer: Any) -> None:
         assert self.group is not None
         self.sent_bytes = 0
+        inflight: list[Any] = [None]  # the last chunk's buffer and sends: the next chunk is packed while they run
         for index, chunk in enumerate(plan.chunks):
             try:
                 if answer is not None and answer.done():
@@ -364,11 +388,12 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 raise RuntimeError(abort_message(origin))
             if code == END:
                 raise RuntimeError("another trainer rank ended the round early: the ranks' sources disagree")
-            if part is not None:
-                works = [self.group.send([part], worker, index) for worker in self.workers]
-                for work in works:
-                    work.wait(self.timeout)
-                self.sent_bytes += part.numel() * len(self.workers)
+            for work in inflight[1:]:
+                work.wait(self.timeout)
+            inflight = [part] + ([] if part is None else [self.group.send([part], w, index) for w in self.workers])
+            self.sent_bytes += 0 if part is None else part.numel() * len(self.workers)
+        for work in inflight[1:]:
+            work.wait(self.timeout)
         try:
             if next(pairs, None) is not None:
                 raise ValueError("WeightSource yielded more tensors than metadata() declared.")

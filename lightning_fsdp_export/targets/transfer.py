@@ -138,7 +138,7 @@ class NativeTransfer:
         self.rank = 0
         self.trainers = 1  # trainer ranks in the transfer group
         self.world_size = 0
-        self._control: Any = None  # shard-direct: the trainer ranks' gloo group for rank 0's decisions
+        self._control: Any = None  # shard-direct: the trainer ranks' SyncGroup, for rank 0's decisions
         self._plan_digest = ""  # nccl_m2n: the source's metadata the engine was built for
         self.client: FanOutClient | None = None
         self.engine: Any = None
@@ -160,11 +160,10 @@ class NativeTransfer:
 
         self.source = FSDP2M2NSource(None) if self.transport == "nccl_m2n" else FSDP2WeightSource(None)
         if self.shard_direct:
-            self.trainers = world_size
-            if world_size > 1:
-                import torch.distributed as dist
+            from lightning_fsdp_export.agreement import SyncGroup
 
-                self._control = dist.new_group(backend="gloo", timeout=timedelta(seconds=self.timeout))
+            self.trainers = world_size
+            self._control = SyncGroup(timedelta(seconds=self.timeout))  # collective: a gloo group of every rank
             self.broken = True
             return
         try:
@@ -267,7 +266,7 @@ class NativeTransfer:
             raise TypeError("RemoteVLLM(transport='nccl_m2n') sends every rank's own shards: give it a ShardSource"
                             " (strategy.export_source(layout='m2n')), as VLLMWeightSync does.")
         digest = repr(self.source.metadata()) if self.transport == "nccl_m2n" else ""
-        rebuild = any(self._gather(self.broken or digest != self._plan_digest))
+        rebuild = any(self._control.gather(self.broken or digest != self._plan_digest))
         decision: dict[str, Any] = {"error": None, "connect": None}
         paused = False
         if self.rank == 0:
@@ -281,7 +280,7 @@ class NativeTransfer:
             except Exception as err:  # noqa: BLE001 - every rank learns of it just below
                 decision = {"error": f"{type(err).__name__}: {err}", "connect": None}
                 failure: BaseException = err
-        decision = self._broadcast(decision)
+        decision = self._control.broadcast(decision)
         if decision["error"] is not None:
             self.broken = True
             if self.rank == 0:
@@ -328,24 +327,6 @@ class NativeTransfer:
         self.engine = WeightTransferTrainerFactory.trainer_init(self._init_info(plan["port"], plan["group"]),
                                                                 client=self.client, source=self.source)
         self.broken = False
-
-    def _gather(self, value: Any) -> list[Any]:
-        if self._control is None:
-            return [value]
-        import torch.distributed as dist
-
-        everyone: list[Any] = [None] * self.trainers
-        dist.all_gather_object(everyone, value, group=self._control)
-        return everyone
-
-    def _broadcast(self, value: Any) -> Any:
-        if self._control is None:
-            return value
-        import torch.distributed as dist
-
-        box = [value]
-        dist.broadcast_object_list(box, src=0, group=self._control)
-        return box[0]
 
     def _reset_prefix_caches(self) -> None:
         keep = self.pause_mode == "keep"
