@@ -32,6 +32,7 @@ worker that fails finalizes the layerwise reload before it re-raises, so the nex
 
 from __future__ import annotations
 
+import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -163,6 +164,13 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                              " 'bfloat16'.")
 
 
+def _logger() -> Any:
+    """A child of vLLM's logger, so a server prints it with its own lines."""
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.lightning_fsdp_export.gloo")
+
+
 @dataclass
 class _Received:
     """One chunk on its way to a worker: its tensors, each trainer rank's part, the receives in flight."""
@@ -189,6 +197,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.trainers = 1
         self.timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
         self._reloading = False
+        self.times = {"round": 0.0, "waiting": 0.0, "loading": 0.0}  # the last round's, in seconds
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()
@@ -216,7 +225,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
         self._reloading = False
+        start = time.perf_counter()
         finalize_layerwise_reload(self.model, self.model_config)
+        _logger().info("gloo weight update: finalized in %.3f s", time.perf_counter() - start)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU-only torch;
@@ -235,9 +246,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         plan = Plan.of(update_info, self.trainers, self.buffer_bytes)
         error: BaseException | None = None
         held: _Received | None = None  # the last chunk received: loaded while the next one arrives
+        self.times = {"round": time.perf_counter(), "waiting": 0.0, "loading": 0.0}
         with disable_mtp_completeness_check():
             for index, chunk in enumerate(plan.chunks):
-                code, origin = exchange_header(self.group)
+                code, origin = self._header()
                 if code == ABORT:
                     raise RuntimeError(abort_message(origin))
                 if code == END:
@@ -250,13 +262,27 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             else:
                 error = self._load(held, error)
                 held = None
-                code, origin = exchange_header(self.group)
+                code, origin = self._header()
                 if code == ABORT:
                     raise RuntimeError(abort_message(origin))
             if held is not None:
                 self._load(held, error or RuntimeError("the round ended early"))  # its sends complete
-        if exchange_status(self.group, error is not None):
+        failed = exchange_status(self.group, error is not None)
+        times = self.times
+        _logger().info("gloo weight update: %d tensors, %.1f MB from %d trainer rank(s) in %.3f s (waiting for the"
+                       " trainers and data %.3f s, loading %.3f s)%s", len(plan.tensors), plan.nbytes / 1e6, plan.trainers,
+                       time.perf_counter() - times["round"], times["waiting"], times["loading"],
+                       ", failed" if failed else "")
+        if failed:
             raise error or RuntimeError("another member of the weight-transfer group failed this round")
+
+    def _header(self) -> tuple[int, int]:
+        assert self.group is not None
+        start = time.perf_counter()
+        try:
+            return exchange_header(self.group)
+        finally:
+            self.times["waiting"] += time.perf_counter() - start
 
     def _post(self, plan: Plan, chunk: list[PlannedTensor], index: int) -> _Received:
         """Start receiving each trainer rank's part of ``chunk`` (``None`` where it sends nothing)."""
@@ -274,14 +300,19 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         """Wait for ``held`` to arrive and load it, unless the round already failed; the round's error, if any."""
         if held is None:
             return error
+        start = time.perf_counter()
         for work in held.works:
             work.wait(self.timeout)
+        loading = time.perf_counter()
+        self.times["waiting"] += loading - start
         if error is not None:
             return error  # kept receiving so the trainer ranks' sends complete; reported at the end
         try:
             self.model.load_weights(unpack_chunk(held.chunk, held.parts, held.trainers))
         except Exception as err:  # noqa: BLE001 - the whole group learns of it in the status
             return err
+        finally:
+            self.times["loading"] += time.perf_counter() - loading
         return None
 
     def shutdown(self) -> None:

@@ -55,6 +55,11 @@ class Plan:
             self.chunks[-1].append(tensor)
             total += tensor.part(0) if tensor.bounds is None else sum(tensor.part(r) for r in range(trainers))
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the round's tensors at full size."""
+        return sum(math.prod(t.shape) * t.dtype.itemsize for t in self.tensors)
+
     def segment(self, chunk: list[PlannedTensor], rank: int) -> int:
         """Bytes trainer ``rank`` sends of ``chunk`` (each part padded to ``ALIGN``)."""
         return sum(aligned(t.part(rank)) for t in chunk)
