@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import ROOT
+from tests.conftest import ROOT, free_port
 
 
 @pytest.mark.vllm
@@ -30,9 +30,12 @@ def test_export_demo_runs() -> None:
 
 
 @pytest.mark.vllm
-def test_pretrained_policy_recipe(tmp_path: Path) -> None:
-    """Meta init + pretrained= + ColocatedVLLM(model=same dir), bf16-mixed, accumulation, validation, resume."""
-    proc = subprocess.run([sys.executable, "examples/pretrained_policy.py", "--steps", "2", "--workdir", str(tmp_path)],
+@pytest.mark.parametrize("target", ["colocated", "shard-direct"])
+def test_pretrained_policy_recipe(tmp_path: Path, target: str) -> None:
+    """Meta init + pretrained= + ColocatedVLLM(model=same dir) or a server fed shard-direct
+    (RemoteVLLM(transport="gloo", shard_direct=True)), bf16-mixed, accumulation, validation, resume."""
+    proc = subprocess.run([sys.executable, "examples/pretrained_policy.py", "--steps", "2", "--workdir", str(tmp_path),
+                           "--target", target, "--port", str(free_port())],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     kls = [float(k) for k in re.findall(r"kl ([0-9.]+)", proc.stdout)]
@@ -45,3 +48,5 @@ def test_pretrained_policy_recipe(tmp_path: Path) -> None:
     # exact_first_sync: the engine zeroed and pushed the trainer's weights came back bit for bit (first fit only)
     assert re.search(r"exact first sync: \d+ engine parameters restored bit for bit", proc.stdout), proc.stdout[-2000:]
     assert "skipped in a resumed run" in proc.stdout + proc.stderr
+    if target == "shard-direct":  # every rank sent its own shards: nothing gathered on rank 0 for this dense model
+        assert "shard-direct: last export shards, gathered 0 bytes on rank 0" in proc.stdout, proc.stdout[-2000:]
