@@ -281,11 +281,9 @@ class NativeTransfer:
                 decision = {"error": f"{type(err).__name__}: {err}", "connect": None}
                 failure: BaseException = err
         decision = self._control.broadcast(decision)
-        if decision["error"] is not None:
+        if decision["error"] is not None:  # nothing was paused by this round (pausing is the last step above)
             self.broken = True
             if self.rank == 0:
-                if paused:
-                    self._close_round()
                 raise failure
             raise ServerError(f"trainer rank 0 could not start the round: {decision['error']}", self.servers[0].url)
         try:
