@@ -74,6 +74,7 @@ class CheckpointFormat:
         self._block_elements = block_elements
         self._pieces: dict[tuple[str, tuple[int, ...]], list[Piece]] = {}
         self._blocks: dict[tuple[str, tuple[int, ...]], list[tuple[int, int, list[tuple[str, Piece]]]]] = {}
+        self._owners: dict[tuple[str, tuple[int, ...], int], dict[str, int] | None] = {}
         self._checked = False
 
     @classmethod
@@ -153,6 +154,52 @@ class CheckpointFormat:
                                        f" {sorted(out)} where its shape alone planned {local!r} {list(piece.shape)}.")
                 yield piece.name, got
             del out
+
+    def owners(self, name: str, tensor: Tensor, world: int) -> dict[str, int] | None:
+        """For a split entry sharded by rows over ``world`` ranks (``torch.chunk`` rows, as FSDP2 shards): the
+        rank whose rows alone make each checkpoint piece (a fused tensor's experts), or ``None`` when some
+        piece needs rows of several ranks (or the rules do not split by rows); no collective, cached."""
+        key = (name, tuple(tensor.shape), world)
+        if key not in self._owners:
+            self._owners[key] = self._find_owners(name, tensor, world)
+        return self._owners[key]
+
+    def _find_owners(self, name: str, tensor: Tensor, world: int) -> dict[str, int] | None:
+        shape = tuple(tensor.shape)
+        pieces = self.pieces(name, tensor)
+        if len(pieces) < 2 or not shape:
+            return None
+        chunk = -(-shape[0] // world)
+        owners: dict[str, int] = {}
+        for rank in range(world):
+            lo, hi = min(rank * chunk, shape[0]), min((rank + 1) * chunk, shape[0])
+            if lo >= hi:
+                continue
+            pairs = self._block_pairs(name, shape, tensor.dtype, lo, hi)
+            if pairs is None:
+                return None
+            for _, piece in pairs:
+                if owners.setdefault(piece.name, rank) != rank:
+                    return None
+        return owners if sorted(owners) == sorted(p.name for p in pieces) else None
+
+    def convert_local(self, name: str, tensor: Tensor, local: Tensor, lo: int) -> Iterator[tuple[str, Tensor | None]]:
+        """Entry ``name`` (full shape ``tensor.shape``) in :meth:`pieces` order, from this rank's rows ``local``
+        (rows ``[lo, lo + len(local))``): each piece those rows make, converted, and ``None`` for the others.
+        Converted block by block (as :meth:`blocks` plans them, clipped to the rows): one block's pieces at once."""
+        shape = tuple(tensor.shape)
+        hi = lo + local.shape[0]
+        for a, b, pairs in self.blocks(name, tensor):
+            x, y = max(a, lo), min(b, hi)
+            mine: dict[str, Tensor] = {}
+            if x < y:
+                converted = dict(self._revert(name, local[x - lo:y - lo]))
+                found = self._block_pairs(name, shape, tensor.dtype, x, y)
+                assert found is not None, "owners() checked that these rows convert alone"
+                mine = {piece.name: converted[local_name] for local_name, piece in found}
+            for _, piece in pairs:
+                yield piece.name, mine.pop(piece.name, None)
+            del mine
 
     def read_local(self, name: str, tensor: Tensor, rows: tuple[int, int], read: Callable[[str], Tensor]) -> Tensor:
         """This rank's rows ``[lo, hi)`` (dim 0) of entry ``name``, assembled from checkpoint tensors.

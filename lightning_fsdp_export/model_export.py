@@ -31,7 +31,7 @@ from lightning_fsdp_export.lora import (
     parse_lora_mode,
     staged_merged_export,
 )
-from lightning_fsdp_export.shards import ShardSource, row_bounds, shard_export, trainer_world
+from lightning_fsdp_export.shards import Layout, ShardSource, row_bounds, shard_export, trainer_world
 from lightning_fsdp_export.source import Entries, ExportSource, layerwise_entries
 
 __all__ = ["ModelExport"]
@@ -128,7 +128,7 @@ class ModelExport:
         _, world = trainer_world()
         merged_peft = mode == "merged" and is_peft_model(module)
 
-        def layout(names: list[str], tensor: Tensor) -> tuple[int, ...] | None:
+        def layout(names: list[str], tensor: Tensor) -> Layout:
             return None if merged_peft else row_bounds(names, tensor, fmt, world, even=even)
 
         def export() -> Iterator[tuple[str, Tensor]]:

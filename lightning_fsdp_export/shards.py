@@ -9,9 +9,13 @@ each state-dict entry, :func:`row_bounds` decides how it goes:
   checkpoint tensor is itself, or itself under another name (a VLM prefix): every rank yields its local
   rows, cast to the wire dtype on the rank; ``bounds[r]:bounds[r + 1]`` are rank ``r``'s rows of the full
   tensor (``torch.chunk`` rows, as FSDP2 shards: uneven shards leave the last ranks fewer or none);
-* **full**: anything else (a tensor the checkpoint format splits, such as fused MoE experts; a plain or
-  replicated tensor; another mesh; with ``even=True`` also a shard whose rows do not divide by the
-  ranks) is gathered as the full export does and yielded whole, in checkpoint format, on every rank.
+* **owned pieces**: such a shard that the checkpoint format splits by rows (fused MoE experts: FSDP2
+  shards them by experts) where every checkpoint piece comes from one rank's rows: that rank converts its
+  rows and yields its pieces whole, the others an empty ``(0, ...)`` tensor in their place (a piece's
+  ``bounds`` give its owner all its rows); not with ``even=True`` (vLLM's m2n has no such placement);
+* **full**: anything else (a plain or replicated tensor; another mesh; a split whose pieces span ranks;
+  with ``even=True`` also split tensors and shards whose rows do not divide by the ranks) is gathered as
+  the full export does and yielded whole, in checkpoint format, on every rank.
 
 A tied tensor yields its rows (or its full pieces) under every one of its names.
 """
@@ -32,7 +36,10 @@ from lightning_fsdp_export.checkpoint_format import CheckpointFormat
 from lightning_fsdp_export.export import ExportReport, _converted, gather_full
 from lightning_fsdp_export.source import Entries, ExportSource, wire_dtype
 
-__all__ = ["ShardMeta", "ShardSource", "row_bounds", "shard_export", "trainer_world"]
+__all__ = ["Layout", "ShardMeta", "ShardSource", "owner_bounds", "row_bounds", "shard_export", "trainer_world"]
+
+# How an entry goes: its rows' offsets over the ranks, each checkpoint piece's owner rank, or None (whole).
+Layout = tuple[int, ...] | dict[str, int] | None
 
 
 @dataclass(frozen=True)
@@ -58,9 +65,10 @@ def trainer_world() -> tuple[int, int]:
 
 
 def row_bounds(names: list[str], tensor: Tensor, fmt: CheckpointFormat, world: int, *,
-               even: bool = False) -> tuple[int, ...] | None:
-    """Rank ``r``'s rows of ``tensor`` are ``bounds[r]:bounds[r + 1]`` when every rank can send its own rows
-    as the checkpoint tensors of ``names``; ``None`` when the entry must go whole (see the module doc)."""
+               even: bool = False) -> Layout:
+    """How the entry goes (see the module doc): rank ``r``'s rows are ``bounds[r]:bounds[r + 1]`` when every
+    rank can send its own rows as the checkpoint tensors of ``names``; ``{piece: owner rank}`` when the
+    checkpoint format splits it into pieces each made by one rank's rows; ``None`` when it goes whole."""
     if not bucketable(tensor) or world < 1:
         return None
     assert isinstance(tensor, DTensor)
@@ -69,7 +77,9 @@ def row_bounds(names: list[str], tensor: Tensor, fmt: CheckpointFormat, world: i
     for name in names:
         pieces = fmt.pieces(name, tensor)
         if len(pieces) != 1 or pieces[0].shape != tuple(tensor.shape):
-            return None  # split or reshaped on the way to the checkpoint: only the full tensor converts
+            if even or len(names) != 1:
+                return None  # split or reshaped on the way to the checkpoint: only the full tensor converts
+            return fmt.owners(name, tensor, world)
     rows = tensor.shape[0]
     if even and rows % world:
         return None
@@ -77,8 +87,13 @@ def row_bounds(names: list[str], tensor: Tensor, fmt: CheckpointFormat, world: i
     return tuple(min(rank * chunk, rows) for rank in range(world + 1))
 
 
+def owner_bounds(owner: int, rows: int, world: int) -> tuple[int, ...]:
+    """The ``bounds`` of a piece that rank ``owner`` sends whole (``rows`` rows): every other rank has none."""
+    return tuple(0 if rank <= owner else rows for rank in range(world + 1))
+
+
 def shard_export(entries: Entries, *, fmt: CheckpointFormat, dtype: torch.dtype | None,
-                 layout: Callable[[list[str], Tensor], tuple[int, ...] | None], device: torch.device | str | None,
+                 layout: Callable[[list[str], Tensor], Layout], device: torch.device | str | None,
                  gather_device: torch.device, on_finish: Callable[[ExportReport], None] | None = None
                  ) -> Iterator[tuple[str, Tensor]]:
     """One shard-direct pass over ``entries`` (a collective generator: the full entries are gathered).
@@ -98,6 +113,8 @@ def shard_export(entries: Entries, *, fmt: CheckpointFormat, dtype: torch.dtype 
             full = gather_full(tensor, device=gather_device, dtype=dtype, stats=gathered)
             pairs: Iterator[tuple[str, Tensor]] = _converted(fmt, names, full)
             del full
+        elif isinstance(bounds, dict):
+            pairs = _owned_pieces(names[0], tensor, rank, fmt, dtype, device)
         else:
             pairs = iter(_local_rows(names, tensor, bounds, rank, fmt, dtype, device))
         for name, out in pairs:
@@ -128,6 +145,24 @@ def _local_rows(names: list[str], tensor: Tensor, bounds: tuple[int, ...], rank:
     return [(fmt.pieces(name, tensor)[0].name, out) for name in names]
 
 
+def _owned_pieces(name: str, tensor: Tensor, rank: int, fmt: CheckpointFormat, dtype: torch.dtype | None,
+                  device: torch.device | str | None) -> Iterator[tuple[str, Tensor]]:
+    """The checkpoint pieces of ``name`` in order: those this rank's rows make, converted here (cast first: the
+    rules only copy and transpose), an empty ``(0, ...)`` tensor for each of the others."""
+    assert isinstance(tensor, DTensor)
+    local = tensor.to_local().detach()
+    world = tensor.device_mesh.size()
+    chunk = -(-tensor.shape[0] // world)
+    lo = min(rank * chunk, tensor.shape[0])
+    wire = wire_dtype(tensor, dtype)
+    with torch.no_grad():
+        local = local.to(device=device if device is not None else local.device, dtype=wire)
+        shapes = {p.name: p.shape for p in fmt.pieces(name, tensor)}
+        for piece, converted in fmt.convert_local(name, tensor, local, lo):
+            yield piece, (converted if converted is not None else
+                          torch.empty((0, *shapes[piece][1:]), dtype=wire, device=local.device))
+
+
 class ShardSource(ExportSource):
     """:class:`~lightning_fsdp_export.source.ExportSource` of a shard-direct pass: ``metadata()`` also says,
     per tensor, which rows each rank yields (:class:`ShardMeta`); ``iter()`` is a :func:`shard_export` pass.
@@ -143,7 +178,7 @@ class ShardSource(ExportSource):
     """
 
     def __init__(self, entries: Callable[[], Entries], export: Callable[[], Iterator[tuple[str, Tensor]]], *,
-                 layout: Callable[[list[str], Tensor], tuple[int, ...] | None], world: int,
+                 layout: Callable[[list[str], Tensor], Layout], world: int,
                  dtype: torch.dtype | None, show_progress: bool = False,
                  checkpoint_format: CheckpointFormat | None = None, kind: str = "merged") -> None:
         super().__init__(entries, export, dtype=dtype, show_progress=show_progress,
@@ -155,9 +190,11 @@ class ShardSource(ExportSource):
         """Every tensor of a pass, in order: checkpoint name, wire dtype, full shape, and the ranks' rows."""
         out = []
         for names, tensor in self._entries():
-            bounds = self.layout(names, tensor)
+            layout = self.layout(names, tensor)
             for name in names:
                 for piece in self._format.pieces(name, tensor):
+                    bounds = (owner_bounds(layout[piece.name], piece.shape[0], self.world) if isinstance(layout, dict)
+                              else layout)
                     out.append(ShardMeta(piece.name, wire_dtype(tensor, self.dtype), piece.shape, bounds))
         return out
 

@@ -287,10 +287,10 @@ class LazyExportFSDP2(ModelParallelStrategy):
             show_progress: a progress bar on this rank for passes longer than ~2 s.
             layout: ``"full"`` (every tensor gathered whole on every rank) or ``"shards"``: each rank yields
                 its own rows of every FSDP2 shard, no gather (a
-                :class:`~lightning_fsdp_export.shards.ShardSource`, for shard-direct transports; tensors
-                the checkpoint format splits still go whole); ``"m2n"``: as ``"shards"`` with vLLM's
-                ``nccl_m2n`` limits (rows that do not divide by the ranks go whole; rows staged on the
-                strategy's device), what :meth:`m2n_source` wraps.
+                :class:`~lightning_fsdp_export.shards.ShardSource`, for shard-direct transports; fused
+                experts as each rank's own experts' checkpoint pieces); ``"m2n"``: as ``"shards"`` with
+                vLLM's ``nccl_m2n`` limits (split tensors and rows that do not divide by the ranks go
+                whole; rows staged on the strategy's device), what :meth:`m2n_source` wraps.
         """
         mode = self._export.kind(lora)
         if layout in ("shards", "m2n"):

@@ -93,6 +93,31 @@ def test_large_fused_tensors_convert_a_block_of_experts_at_a_time() -> None:
     assert torch.equal(local, state[name][1:4]) and len(read) == 6 and not any(".experts.0." in n for n in read)
 
 
+def test_each_expert_piece_has_one_owner_rank_and_a_rank_converts_only_its_own() -> None:
+    """Shard-direct: the rank whose rows (experts) make a checkpoint piece converts and sends it; a block plan
+    that cuts across a rank's rows (2 experts per block, 3 ranks holding 2, 2 and 0 of the 4) still works."""
+    model = tiny_family("qwen3_moe")
+    state = model.state_dict()
+    name = "model.layers.1.mlp.experts.gate_up_proj"
+    fmt = CheckpointFormat(model, block_elements=256 * 256)  # one expert per block
+    disk = dict(fmt.convert(name, state[name]))
+    for world, owned in ((2, {0: (0, 1), 1: (2, 3)}), (3, {0: (0, 1), 1: (2, 3), 2: ()}), (4, {3: (3,)})):
+        owners = fmt.owners(name, state[name], world)
+        assert owners is not None and sorted(owners) == sorted(disk)
+        for rank, experts in owned.items():
+            mine = sorted(n for n, r in owners.items() if r == rank)
+            assert mine == sorted(f"model.layers.1.mlp.experts.{e}.{p}.weight" for e in experts
+                                  for p in ("gate_proj", "up_proj")), (world, rank)
+            chunk = -(-4 // world)
+            lo, hi = min(rank * chunk, 4), min((rank + 1) * chunk, 4)
+            got = list(fmt.convert_local(name, state[name], state[name][lo:hi], lo))
+            assert [n for n, _ in got] == [p.name for p in fmt.pieces(name, state[name])]  # every piece, in order
+            assert sorted(n for n, t in got if t is not None) == mine
+            assert all(torch.equal(t, disk[n]) for n, t in got if t is not None)
+    plain = "model.layers.1.self_attn.q_proj.weight"
+    assert fmt.owners(plain, state[plain], 2) is None  # not split: sent as rows instead
+
+
 def test_read_local_reads_only_its_own_experts_and_equals_the_converted_rows() -> None:
     model = tiny_family("mixtral")
     fmt = CheckpointFormat.of(model)

@@ -145,7 +145,10 @@ def remote_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.vllm
 @pytest.mark.parametrize("arch", REMOTE)
 def test_remote_gloo_exact_first_sync_then_verified_after_training(remote_results: dict[str, Any], arch: str) -> None:
-    checks = scenario(remote_results, f"remote:{arch}")["checks"]
+    got = scenario(remote_results, f"remote:{arch}")
+    # shard-direct: every rank sent its own rows and its own experts' checkpoint pieces; nothing was gathered
+    assert (got["path"], got["gathered_bytes"]) == ("shards", 0), got
+    checks = got["checks"]
     assert [c["version"] for c in checks] == [1, 2, 3]
     exact = checks[0]["exact"]
     # the server's experts come back bit for bit: our plugin's MoE reload fix runs in the server's worker

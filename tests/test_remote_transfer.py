@@ -147,9 +147,12 @@ def test_shard_sources_rows_uneven_shards_tied_heads_and_what_goes_whole(results
         # vLLM's m2n needs even rows: ours sends those two whole; vLLM's own DTensorModuleSource would be refused.
         assert dense["m2n_replicated"] == ["model.embed_tokens.weight", "lm_head.weight"]
         assert any("does not divide evenly" in p for p in dense["vllm_own_source_problems"])
-        # Fused MoE experts are split by the checkpoint format: gathered and sent whole, 2 layers x 3 x 4 experts.
-        assert len(moe["full_tensors"]) == 24 and all(".mlp.experts." in n for n in moe["full_tensors"])
-        assert moe["m2n_replicated"] == moe["full_tensors"] and moe["gathered_bytes"] > 0
+        # Fused MoE experts (FSDP2 shards them by experts) are split by the checkpoint format: each rank converts
+        # its own experts and sends those pieces whole (2 layers x gate/up/down x 2 experts each); nothing gathered.
+        assert moe["full_tensors"] == [] and moe["gathered_bytes"] == 0
+        assert moe["owned"] == {"0": 12, "1": 12} and all(".mlp.experts." in n for n in moe["owned_names"])
+        # vLLM's m2n cannot place a piece on one rank: for it they go whole (gathered), 24 of them.
+        assert len(moe["m2n_replicated"]) == 24 and all(".mlp.experts." in n for n in moe["m2n_replicated"])
         # A peft model merged with its adapters goes through the staged merge: every tensor whole, equal to the export.
         lora = got["lora_merged"][rank]
         assert lora["rows_right"] and lora["m2n_rows_right"] and len(lora["full_tensors"]) == lora["tensors"]

