@@ -10,7 +10,9 @@ Builds a Qwen3-MoE (bf16, random weights) sharded with ``fully_shard`` per decod
 - ``checkpoint``: the same export in checkpoint format (``CheckpointFormat``, the default): fused experts
   split per expert, a block of whole experts (<= 32M elements) at a time;
 - ``checkpoint_whole``: the mapping with one block per tensor (the whole fused tensor split at once),
-  to show what the blocks save.
+  to show what the blocks save;
+- ``checkpoint_shards``: the shard-direct pass (``export_source(layout="shards")``'s): every rank yields
+  its own rows, and its own experts' checkpoint pieces, with no gather (what one rank holds, not the whole).
 
 Prints median seconds and rank 0's peak extra RSS per method, and their ratios to ``memory_layout``.
 """
@@ -29,7 +31,8 @@ from torch.distributed.fsdp import fully_shard
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.export_bench import drain, measure, start_two_ranks  # noqa: E402
 from lightning_fsdp_export.checkpoint_format import CheckpointFormat  # noqa: E402
-from lightning_fsdp_export.export import lazy_export  # noqa: E402
+from lightning_fsdp_export.export import lazy_export, plan_export  # noqa: E402
+from lightning_fsdp_export.shards import row_bounds, shard_export  # noqa: E402
 
 
 def qwen3_moe(experts: int, hidden: int, layers: int) -> torch.nn.Module:
@@ -66,11 +69,15 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     fused = max(p.numel() for n, p in model.named_parameters() if "experts" in n)
     device = torch.device("cpu")
+    fmt = CheckpointFormat.of(model)
     methods = {
         "memory_layout": lambda: drain(lazy_export(model, device=device, checkpoint_format=CheckpointFormat(None))),
         "checkpoint": lambda: drain(lazy_export(model, device=device)),
         "checkpoint_whole": lambda: drain(lazy_export(model, device=device, checkpoint_format=CheckpointFormat(
             model, block_elements=fused))),
+        "checkpoint_shards": lambda: drain(shard_export(
+            plan_export(model), fmt=fmt, dtype=None, device=None, gather_device=device,
+            layout=lambda names, tensor: row_bounds(names, tensor, fmt, dist.get_world_size()))),
     }
     samples: dict[str, list] = {name: [] for name in methods}
     for round_ in range(args.repeats + 1):

@@ -78,6 +78,8 @@ def test_moe_export_bench_tiny() -> None:
                            "--layers", "1", "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in proc.stdout.splitlines() if line.startswith(("memory", "check"))}
-    assert set(rows) == {"memory_layout", "checkpoint", "checkpoint_whole"}
-    # 1 layer: 2 fused expert tensors become 4 experts x 3 projections; the rest pass through
-    assert int(rows["checkpoint"][3]) == int(rows["checkpoint_whole"][3]) == int(rows["memory_layout"][3]) - 2 + 12
+    assert set(rows) == {"memory_layout", "checkpoint", "checkpoint_whole", "checkpoint_shards"}
+    # 1 layer: 2 fused expert tensors become 4 experts x 3 projections; the rest pass through (shard-direct: every
+    # piece too, the other rank's as an empty placeholder)
+    assert (int(rows["checkpoint"][3]) == int(rows["checkpoint_whole"][3]) == int(rows["checkpoint_shards"][3])
+            == int(rows["memory_layout"][3]) - 2 + 12)
