@@ -169,10 +169,12 @@ class CheckpointFormat:
         pieces = self.pieces(name, tensor)
         if len(pieces) < 2 or not shape:
             return None
-        chunk = -(-shape[0] // world)
+        from lightning_fsdp_export.sharding import chunk_bounds
+
+        bounds = chunk_bounds(shape[0], world)
         owners: dict[str, int] = {}
         for rank in range(world):
-            lo, hi = min(rank * chunk, shape[0]), min((rank + 1) * chunk, shape[0])
+            lo, hi = bounds[rank], bounds[rank + 1]
             if lo >= hi:
                 continue
             pairs = self._block_pairs(name, shape, tensor.dtype, lo, hi)

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from lightning_fsdp_export.checkpoint_format import CheckpointFormat
 from lightning_fsdp_export.export import plan_export
 from lightning_fsdp_export.names import is_lora_name
-from lightning_fsdp_export.sharding import unsharded_class
+from lightning_fsdp_export.sharding import chunk_bounds, unsharded_class
 
 __all__ = ["checkpoint_shapes", "load_hf_checkpoint"]
 
@@ -137,7 +137,5 @@ def _local_rows(name: str, tensor: Tensor) -> tuple[int, int]:
             " layout (transformers converts it); only FSDP2's Shard(0) or replicated tensors can be read that way."
         )
     world, rank = tensor.device_mesh.size(), tensor.device_mesh.get_local_rank()
-    rows = tensor.shape[0]
-    chunk = -(-rows // world)  # torch.chunk semantics, as FSDP2 shards
-    lo = min(rows, rank * chunk)
-    return lo, min(rows, lo + chunk)
+    bounds = chunk_bounds(tensor.shape[0], world)
+    return bounds[rank], bounds[rank + 1]

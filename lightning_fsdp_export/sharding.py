@@ -24,6 +24,13 @@ def outermost(root: nn.Module, match: Callable[[nn.Module], bool]) -> list[tuple
     return found
 
 
+def chunk_bounds(rows: int, world: int) -> tuple[int, ...]:
+    """Row offsets of ``torch.chunk`` shards, as FSDP2 makes them: rank ``r`` holds rows ``[b[r], b[r + 1])``
+    (uneven: the last ranks hold fewer, or none)."""
+    chunk = -(-rows // world)
+    return tuple(min(rank * chunk, rows) for rank in range(world + 1))
+
+
 def unsharded_class(module: nn.Module) -> type[nn.Module]:
     """The module's own class: ``fully_shard`` swaps it for a generated ``FSDP<name>`` subclass."""
     return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))

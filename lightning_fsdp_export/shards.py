@@ -34,6 +34,7 @@ from torch.distributed.tensor import DTensor
 from lightning_fsdp_export.buckets import bucketable
 from lightning_fsdp_export.checkpoint_format import CheckpointFormat
 from lightning_fsdp_export.export import ExportReport, _converted, gather_full
+from lightning_fsdp_export.sharding import chunk_bounds
 from lightning_fsdp_export.source import Entries, ExportSource, wire_dtype
 
 __all__ = ["Layout", "ShardMeta", "ShardSource", "owner_bounds", "row_bounds", "shard_export", "trainer_world"]
@@ -80,11 +81,9 @@ def row_bounds(names: list[str], tensor: Tensor, fmt: CheckpointFormat, world: i
             if even or len(names) != 1:
                 return None  # split or reshaped on the way to the checkpoint: only the full tensor converts
             return fmt.owners(name, tensor, world)
-    rows = tensor.shape[0]
-    if even and rows % world:
+    if even and tensor.shape[0] % world:
         return None
-    chunk = -(-rows // world)
-    return tuple(min(rank * chunk, rows) for rank in range(world + 1))
+    return chunk_bounds(tensor.shape[0], world)
 
 
 def owner_bounds(owner: int, rows: int, world: int) -> tuple[int, ...]:
@@ -132,35 +131,34 @@ def shard_export(entries: Entries, *, fmt: CheckpointFormat, dtype: torch.dtype 
 
 def _local_rows(names: list[str], tensor: Tensor, bounds: tuple[int, ...], rank: int, fmt: CheckpointFormat,
                 dtype: torch.dtype | None, device: torch.device | str | None) -> list[tuple[str, Tensor]]:
-    assert isinstance(tensor, DTensor)
-    local = tensor.to_local().detach()
+    local = _local_cast(tensor, dtype, device)
     want = bounds[rank + 1] - bounds[rank]
     if local.shape[0] != want:
         raise RuntimeError(f"{names[0]!r}: rank {rank} holds {local.shape[0]} rows of its FSDP2 shard where the"
                            f" chunk rule gives rows {bounds[rank]}:{bounds[rank + 1]} of {tensor.shape[0]}; shard-direct"
                            " transfer needs torch.chunk row shards (as fully_shard makes them).")
-    wire = wire_dtype(tensor, dtype)
-    with torch.no_grad():
-        out = local.to(device=device if device is not None else local.device, dtype=wire)
-    return [(fmt.pieces(name, tensor)[0].name, out) for name in names]
+    return [(fmt.pieces(name, tensor)[0].name, local) for name in names]
 
 
 def _owned_pieces(name: str, tensor: Tensor, rank: int, fmt: CheckpointFormat, dtype: torch.dtype | None,
                   device: torch.device | str | None) -> Iterator[tuple[str, Tensor]]:
     """The checkpoint pieces of ``name`` in order: those this rank's rows make, converted here (cast first: the
     rules only copy and transpose), an empty ``(0, ...)`` tensor for each of the others."""
-    assert isinstance(tensor, DTensor)
-    local = tensor.to_local().detach()
-    world = tensor.device_mesh.size()
-    chunk = -(-tensor.shape[0] // world)
-    lo = min(rank * chunk, tensor.shape[0])
-    wire = wire_dtype(tensor, dtype)
+    local = _local_cast(tensor, dtype, device)
+    lo = chunk_bounds(tensor.shape[0], tensor.device_mesh.size())[rank]
+    shapes = {p.name: p.shape for p in fmt.pieces(name, tensor)}
     with torch.no_grad():
-        local = local.to(device=device if device is not None else local.device, dtype=wire)
-        shapes = {p.name: p.shape for p in fmt.pieces(name, tensor)}
         for piece, converted in fmt.convert_local(name, tensor, local, lo):
             yield piece, (converted if converted is not None else
-                          torch.empty((0, *shapes[piece][1:]), dtype=wire, device=local.device))
+                          torch.empty((0, *shapes[piece][1:]), dtype=local.dtype, device=local.device))
+
+
+def _local_cast(tensor: Tensor, dtype: torch.dtype | None, device: torch.device | str | None) -> Tensor:
+    """This rank's shard of ``tensor``, cast to the wire dtype and on ``device`` (``None``: where it lives)."""
+    assert isinstance(tensor, DTensor)
+    local = tensor.to_local().detach()
+    with torch.no_grad():
+        return local.to(device=device if device is not None else local.device, dtype=wire_dtype(tensor, dtype))
 
 
 class ShardSource(ExportSource):
