@@ -56,6 +56,23 @@ def engine_dtype(llm: Any) -> Any:
     return llm.llm_engine.model_config.dtype
 
 
+def set_weight_version(llm: Any, version: str) -> None:
+    """Tag the engine's outputs with ``version`` (``CompletionOutput.weight_versions``), as servers' are by
+    ``/update_weight_version``. vLLM 0.32's ``LLM`` has no method for it; its engine has ``set_weight_version``
+    (``LLM.llm_engine``); an ``LLM.update_weight_version`` of a later vLLM is preferred where it exists."""
+    update = getattr(llm, "update_weight_version", None)
+    if callable(update):
+        update(version)
+    else:
+        llm.llm_engine.set_weight_version(version)
+
+
+def weight_version(llm: Any) -> str:
+    """The version the engine tags its outputs with (``"default"`` before any push; see :func:`set_weight_version`)."""
+    get = getattr(llm, "get_weight_version", None)
+    return str(get() if callable(get) else llm.llm_engine.get_weight_version())
+
+
 def add_lora(llm: Any, request: Any) -> None:
     """Load a LoRA adapter into the engine now, so a bad adapter fails the sync, not a rollout.
 

@@ -39,6 +39,8 @@ def test_colocated_engine_matches_trainer_after_every_sync(results: dict[str, An
         assert check["gen_max_diff"] < LOGPROB_TOLERANCE, check
         assert check["cached_tokens"] == 0, "prefix cache survived a sync"
         assert check["verify_diff"] is not None and check["verify_diff"] < LOGPROB_TOLERANCE  # verify="logprobs" ran
+        # the engine's outputs name the version pushed, as a server's do (it said "default" before)
+        assert check["engine_version"] == str(check["version"]) and check["output_versions"] == [str(check["version"])]
     for check in checks[1:]:
         assert check["stale_prompt_max_diff"] > 10 * LOGPROB_TOLERANCE  # the check can see staleness
         assert check["cached_tokens_without_sync"] > 0  # ...and the prefix cache is really on

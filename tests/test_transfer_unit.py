@@ -440,7 +440,39 @@ def test_nccl_m2n_drives_vllms_own_m2n_engine_with_our_shard_source(fake_m2n: Fa
 def test_shard_direct_options() -> None:
     assert RemoteVLLM("http://h:1", transport="gloo", shard_direct=True).source_layout == "shards"
     assert RemoteVLLM("http://h:1", transport="gloo").source_layout == "full"
-    with pytest.raises(ValueError, match=r"transport='nccl'\) does not use shard_direct=True \(a 'gloo' option\)"):
+    with pytest.raises(ValueError, match=r"transport='nccl'\) does not use shard_direct=True \(a 'gloo' / 'nccl_m2n'"):
         RemoteVLLM("http://h:1", transport="nccl", shard_direct=True)
     with pytest.raises(ValueError, match="does not use buffer_bytes=5"):
         RemoteVLLM("http://h:1", transport="nccl_m2n", buffer_bytes=5)
+
+
+# -- defects of issue 22, each fails without its fix ------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", ["wait", "keep"])
+def test_the_directory_transport_and_reset_weights_pause_in_the_chosen_mode(tmp_path: Any, mode: str) -> None:
+    stub = Stub()
+    target = RemoteVLLM(stub.url, directory=tmp_path, pause_mode=mode)  # type: ignore[arg-type]
+    trainer = Rank(0)
+    trainer.strategy = type("Strategy", (), {"export_module": None})()  # type: ignore[attr-defined]
+    target.setup(trainer)  # type: ignore[arg-type]
+    target.reset_weights()
+    target.push(iter([("model.layers.0.q.weight", torch.ones(2, 2))]), version=3)
+    pause = "/pause?mode=keep&clear_cache=false" if mode == "keep" else "/pause?mode=wait"
+    reset = "/reset_prefix_cache?reset_running_requests=true" if mode == "keep" else "/reset_prefix_cache"
+    assert stub.paths() == [pause, "/weight_checker", pause, "/collective_rpc", reset, "/update_weight_version",
+                            "/resume"]
+
+
+def test_nccl_m2n_accepts_shard_direct_as_it_always_is() -> None:
+    target = RemoteVLLM("http://127.0.0.1:8000", transport="nccl_m2n", shard_direct=True)
+    assert target.source_layout == "m2n"
+
+
+def test_the_strategys_annotations_resolve() -> None:
+    import typing
+
+    from lightning_fsdp_export import LazyExportFSDP2
+
+    hints = typing.get_type_hints(LazyExportFSDP2.optimizer_step)  # it named Callable without importing it
+    assert "closure" in hints

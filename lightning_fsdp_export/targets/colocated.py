@@ -19,6 +19,7 @@ from lightning_fsdp_export._compat import (
     import_vllm,
     install_reload_fixes,
     remove_lora,
+    set_weight_version,
 )
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
@@ -33,7 +34,8 @@ class ColocatedVLLM:
 
     Each sync is one call per rank: ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator":
     stream})`` (never one call per tensor: measured 13.7x slower), then ``llm.reset_prefix_cache()``
-    so no prompt KV computed with the old weights is reused.
+    so no prompt KV computed with the old weights is reused, then the engine's weight version is set to the
+    sync's (every output's ``CompletionOutput.weight_versions`` names it, as a server's do).
 
     Args:
         model: path of the HF checkpoint the engine starts from (the trainer's initial weights).
@@ -178,6 +180,7 @@ class ColocatedVLLM:
         self.calls.append("push")
         self._wake("kv_cache")
         self._engine.reset_prefix_cache()
+        set_weight_version(self._engine, str(version))  # outputs' weight_versions name it, as on the servers
 
     def check_weights(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
         """Where ``exported`` disagrees with the engine's checkpoint (names and shapes from its safetensors
@@ -213,6 +216,7 @@ class ColocatedVLLM:
             remove_lora(self._engine, self.lora_request.lora_int_id)
         self.lora_request = request
         self._engine.reset_prefix_cache()
+        set_weight_version(self._engine, str(version))
 
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """The engine's logprob of each token of ``token_ids`` given the ones before it (used by ``verify``).

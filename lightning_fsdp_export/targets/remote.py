@@ -19,7 +19,14 @@ from torch import Tensor
 from lightning_fsdp_export.source import ExportSource
 from lightning_fsdp_export.targets.directory import DEFAULT_SHARD_BYTES, CheckpointCheck, DirectoryTarget
 from lightning_fsdp_export.targets.http import Server, on_all
-from lightning_fsdp_export.targets.transfer import NativeTransfer, PauseMode, Transport, default_transport
+from lightning_fsdp_export.targets.transfer import (
+    NativeTransfer,
+    PauseMode,
+    Transport,
+    default_transport,
+    pause_route,
+    reset_prefix_caches,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -30,7 +37,7 @@ _TRANSPORTS = ("nccl", "ipc", "gloo", "nccl_m2n", "directory")
 # Which transports use each transport-specific option; any other transport refuses it.
 _OPTIONS = {"directory": ("directory",), "shard_bytes": ("directory",), "keep_last": ("directory",),
             "master_address": ("nccl", "gloo", "nccl_m2n"), "master_port": ("nccl", "gloo", "nccl_m2n"),
-            "buffer_bytes": ("nccl", "ipc", "gloo"), "packed": ("nccl", "ipc"), "shard_direct": ("gloo",)}
+            "buffer_bytes": ("nccl", "ipc", "gloo"), "packed": ("nccl", "ipc"), "shard_direct": ("gloo", "nccl_m2n")}
 
 
 class RemoteVLLM:
@@ -86,7 +93,8 @@ class RemoteVLLM:
         shard_bytes: (``"directory"``) the largest safetensors file written.
         keep_last: (``"directory"``) version directories kept on disk (at least 2: the servers read the
             current one).
-        shard_direct: (``"gloo"``) every trainer rank sends its own shards (see above); ``nccl_m2n`` always does.
+        shard_direct: (``"gloo"``) every trainer rank sends its own shards (see above); ``nccl_m2n`` always does
+            (``shard_direct=True`` is accepted there and changes nothing).
     """
 
     def __init__(self, base_url: str | Sequence[str], *, transport: str | None = None,
@@ -220,7 +228,7 @@ class RemoteVLLM:
         """Pause every server and zero its weights (``/weight_checker`` reset) before an exact check's push; rank 0
         only. The push resumes them; a push that fails leaves them paused, never serving the zeroed weights."""
         if self._is_rank_zero:
-            on_all(self.servers, lambda s: s.request("POST", f"/pause?mode={self._pause_mode}"))
+            on_all(self.servers, lambda s: s.request("POST", pause_route(self._pause_mode)))
             on_all(self.servers, lambda s: s.request("POST", "/weight_checker", {"action": "reset"}))
 
     def push_source(self, source: ExportSource, *, version: int) -> None:
@@ -240,10 +248,10 @@ class RemoteVLLM:
             return
         path = os.fspath(Path(self._writer.version_dir(version)).resolve())
         reload = {"method": "reload_weights", "kwargs": {"weights_path": path}}
-        on_all(self.servers, lambda s: s.request("POST", "/pause?mode=wait"))
+        on_all(self.servers, lambda s: s.request("POST", pause_route(self._pause_mode)))
         try:
             on_all(self.servers, lambda s: s.request("POST", "/collective_rpc", reload))
-            on_all(self.servers, lambda s: s.request("POST", "/reset_prefix_cache"))
+            reset_prefix_caches(self.servers, self._pause_mode)
             on_all(self.servers, lambda s: s.request("POST", "/update_weight_version", {"new_version": str(version)}))
         finally:
             on_all(self.servers, lambda s: s.request("POST", "/resume"))

@@ -33,10 +33,16 @@ from lightning_fsdp_export._compat import json_safe_update_info
 from lightning_fsdp_export.source import ExportSource
 from lightning_fsdp_export.targets.http import Server, ServerError, on_all
 
-__all__ = ["FanOutClient", "LLMClient", "NativeTransfer", "Transport", "PauseMode"]
+__all__ = ["FanOutClient", "LLMClient", "NativeTransfer", "Transport", "PauseMode", "pause_route", "reset_prefix_caches"]
 
 Transport = Literal["nccl", "ipc", "gloo", "nccl_m2n"]
 PauseMode = Literal["wait", "keep"]
+
+
+def pause_route(mode: PauseMode) -> str:
+    """The ``/pause`` request of every round: ``wait`` drains running requests; ``keep`` freezes them and keeps
+    their KV (``clear_cache=false``), to be recomputed after the prefix cache reset with the new weights."""
+    return "/pause?mode=keep&clear_cache=false" if mode == "keep" else "/pause?mode=wait"
 
 
 class FanOutClient:
@@ -244,9 +250,7 @@ class NativeTransfer:
         self.client.version = str(version)
         paused = False
         try:
-            keep = self.pause_mode == "keep"
-            route = "/pause?mode=keep&clear_cache=false" if keep else "/pause?mode=wait"
-            on_all(self.servers, lambda s: s.request("POST", route))
+            on_all(self.servers, lambda s: s.request("POST", pause_route(self.pause_mode)))
             paused = True
             self.engine.send_weights()
             self._reset_prefix_caches()
@@ -273,9 +277,7 @@ class NativeTransfer:
             try:
                 if rebuild:
                     decision["connect"] = self._rendezvous_plan()
-                keep = self.pause_mode == "keep"
-                route = "/pause?mode=keep&clear_cache=false" if keep else "/pause?mode=wait"
-                on_all(self.servers, lambda s: s.request("POST", route))
+                on_all(self.servers, lambda s: s.request("POST", pause_route(self.pause_mode)))
                 paused = True
             except Exception as err:  # noqa: BLE001 - every rank learns of it just below
                 decision = {"error": f"{type(err).__name__}: {err}", "connect": None}
@@ -327,14 +329,7 @@ class NativeTransfer:
         self.broken = False
 
     def _reset_prefix_caches(self) -> None:
-        keep = self.pause_mode == "keep"
-        reset = "/reset_prefix_cache?reset_running_requests=true" if keep else "/reset_prefix_cache"
-        answers = on_all(self.servers, lambda s: (s, s.request("POST", reset)))
-        refused = [s.url for s, answer in answers if not (isinstance(answer, dict) and answer.get("success"))]
-        if refused:
-            raise ServerError(f"vLLM server(s) {refused} refused to reset the prefix cache after the update"
-                              " ({'success': false}: blocks still held); their cached prompts would use the old"
-                              " weights.", refused[0])
+        reset_prefix_caches(self.servers, self.pause_mode)
 
     def _close_round(self) -> None:
         """After a failed round: end it on every server that answers, so the next one can start. The
@@ -351,6 +346,18 @@ class NativeTransfer:
                 server.request("POST", "/finish_weight_update", timeout=min(self.timeout, 30.0))
             except ServerError:
                 pass
+
+
+def reset_prefix_caches(servers: Sequence[Server], mode: PauseMode) -> None:
+    """After an update: drop every server's prefix cache (with ``keep``, the kept requests' blocks too, so they
+    are recomputed with the new weights); a server answering ``{"success": false}`` fails the round."""
+    reset = "/reset_prefix_cache?reset_running_requests=true" if mode == "keep" else "/reset_prefix_cache"
+    answers = on_all(servers, lambda s: (s, s.request("POST", reset)))
+    refused = [s.url for s, answer in answers if not (isinstance(answer, dict) and answer.get("success"))]
+    if refused:
+        raise ServerError(f"vLLM server(s) {refused} refused to reset the prefix cache after the update"
+                          " ({'success': false}: blocks still held); their cached prompts would use the old"
+                          " weights.", refused[0])
 
 
 def _default_address(servers: Sequence[Server]) -> str:

@@ -98,6 +98,14 @@ class CheckAfterSync(pl.Callback):
         result["version"] = self.sync.version
         result["verify_diff"] = self.sync.last_verify_diff
         result["step"] = trainer.global_step
+        from vllm import SamplingParams
+
+        from lightning_fsdp_export._compat import weight_version
+
+        result["engine_version"] = weight_version(self.sync.target.llm)
+        (out,) = self.sync.target.llm.generate([{"prompt_token_ids": PROMPTS[0]}],
+                                               SamplingParams(max_tokens=2, detokenize=False), use_tqdm=False)
+        result["output_versions"] = [span.version for span in out.outputs[0].weight_versions or []]
         if self.previous is not None:  # what a stale engine would have scored: must be clearly worse
             again = compare(self.sync.target.llm, self.previous)
             result["stale_prompt_max_diff"] = again["prompt_max_diff"]
