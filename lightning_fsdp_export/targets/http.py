@@ -49,7 +49,11 @@ class Server:
                 text = resp.read().decode() or "null"
         except urllib.error.HTTPError as err:
             detail = err.read().decode(errors="replace")[:500]
-            raise ServerError(f"vLLM server {method} {url} answered {err.code}: {detail}", self.url) from err
+            hint = ""
+            if err.code == 404 and not route.startswith(("/v1/", "/health")):
+                hint = (" (a dev-mode route: is the server started with VLLM_SERVER_DEV_MODE=1? It enables /pause,"
+                        " /collective_rpc and the weight-transfer routes)")
+            raise ServerError(f"vLLM server {method} {url} answered {err.code}: {detail}{hint}", self.url) from err
         except (urllib.error.URLError, OSError) as err:
             raise ServerError(
                 f"vLLM server {method} {url} failed: {err}. Is the server up, started with VLLM_SERVER_DEV_MODE=1,"

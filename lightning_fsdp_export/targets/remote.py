@@ -19,6 +19,7 @@ from torch import Tensor
 from lightning_fsdp_export.source import ExportSource
 from lightning_fsdp_export.targets.directory import DEFAULT_SHARD_BYTES, CheckpointCheck, DirectoryTarget
 from lightning_fsdp_export.targets.http import Server, on_all
+from lightning_fsdp_export.targets.preflight import check_servers
 from lightning_fsdp_export.targets.transfer import (
     NativeTransfer,
     PauseMode,
@@ -137,6 +138,7 @@ class RemoteVLLM:
         self._checks: list[CheckpointCheck] | None = None
         self.precheck_skipped: list[str] = []
         self._writer: DirectoryTarget | None = None
+        self._checked_servers = False
         self._native: NativeTransfer | None = None
         if transport == "directory":
             if directory is None:
@@ -248,6 +250,9 @@ class RemoteVLLM:
             return
         path = os.fspath(Path(self._writer.version_dir(version)).resolve())
         reload = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+        if not self._checked_servers:
+            check_servers(self.servers, backend=None)  # dev mode and quantization, before the first reload
+            self._checked_servers = True
         on_all(self.servers, lambda s: s.request("POST", pause_route(self._pause_mode)))
         try:
             on_all(self.servers, lambda s: s.request("POST", "/collective_rpc", reload))

@@ -32,6 +32,7 @@ import torch
 from lightning_fsdp_export._compat import json_safe_update_info
 from lightning_fsdp_export.source import ExportSource
 from lightning_fsdp_export.targets.http import Server, ServerError, on_all
+from lightning_fsdp_export.targets.preflight import check_servers
 
 __all__ = ["FanOutClient", "LLMClient", "NativeTransfer", "Transport", "PauseMode", "pause_route", "reset_prefix_caches"]
 
@@ -187,6 +188,7 @@ class NativeTransfer:
 
         if self.rank == 0:
             self.disconnect()
+            check_servers(self.servers, backend=self.transport)  # dev mode, backend, quantization, vLLM minor
             sizes = on_all(self.servers, lambda s: int(s.request("GET", "/get_world_size")["world_size"]))
             offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
             self.world_size = 1 + sum(sizes)
@@ -311,6 +313,7 @@ class NativeTransfer:
         import uuid
 
         self.disconnect()
+        check_servers(self.servers, backend=self.transport)  # every rank learns of a refusal through the broadcast
         sizes = on_all(self.servers, lambda s: int(s.request("GET", "/get_world_size")["world_size"]))
         address = self.master_address or _default_address(self.servers)
         return {"sizes": sizes, "port": self.master_port or _free_port(address), "group": uuid.uuid4().hex}
