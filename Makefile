@@ -4,7 +4,9 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: setup demo test bench clean
+VLLM033 := .vllm033/weight_transfer
+
+.PHONY: setup demo test bench clean vllm033
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -17,7 +19,18 @@ $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -m pip install -q -e '.[cpu,test]'
 	touch $(STAMP)
 
-setup: $(STAMP)
+# vLLM 0.33's weight-transfer package (pure Python), for the contract tests against 0.33 beside the installed
+# 0.32 (tests/test_vllm_contracts.py): taken from the PyPI wheel, never committed.
+$(VLLM033)/base.py: | $(VPY)
+	rm -rf .vllm033 && mkdir -p .vllm033/wheel
+	$(VPY) -m pip download -q vllm==0.33.0 --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
+		--python-version 3.11 -d .vllm033/wheel
+	$(VPY) -c "import zipfile, glob; zipfile.ZipFile(glob.glob('.vllm033/wheel/vllm-0.33.0-*.whl')[0]).extractall('.vllm033/x', [n for n in zipfile.ZipFile(glob.glob('.vllm033/wheel/vllm-0.33.0-*.whl')[0]).namelist() if n.startswith('vllm/distributed/weight_transfer/')])"
+	mv .vllm033/x/vllm/distributed/weight_transfer $(VLLM033) && rm -rf .vllm033/x .vllm033/wheel
+
+vllm033: $(VLLM033)/base.py
+
+setup: $(STAMP) $(VLLM033)/base.py
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(VPY) -c "import vllm, transformers.models.qwen2, lightning_fsdp_export; print('setup ok: vllm', vllm.__version__)"
 
@@ -37,4 +50,4 @@ bench: setup
 	$(VPY) benchmarks/moe_export_bench.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) .vllm033 .pytest_cache build *.egg-info

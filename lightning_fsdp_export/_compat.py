@@ -36,6 +36,35 @@ def json_safe_update_info(update_info: Any) -> Any:
     return _json_safe_update_payload(update_info)
 
 
+def weight_source_contract() -> str:
+    """Which ``WeightSource`` contract this vLLM has, read from its API (never its version string):
+
+    ``"0.33"`` when ``WeightSource.metadata`` is a property (vLLM 0.33: subclasses must make it a
+    ``functools.cached_property``; engines call ``iter_full()`` / ``iter_local()``; ``ParamMeta`` carries
+    ``owners`` and ``placements``), else ``"0.32"`` (``metadata()`` a method, engines iterate the source, and
+    ``nccl_m2n`` takes ``m2n_source.M2NWeightSource``). Covered by ``tests/test_vllm_contracts.py``, which runs
+    against both (0.33's pure-Python weight-transfer modules taken from its wheel by ``make vllm033``).
+    """
+    import inspect
+
+    from vllm.distributed.weight_transfer.base import WeightSource
+
+    return "0.33" if isinstance(inspect.getattr_static(WeightSource, "metadata"), property) else "0.32"
+
+
+def source_metadata(source: Any) -> list[Any]:
+    """A vLLM ``WeightSource``'s metadata under either contract (a method on 0.32, a cached property on 0.33)."""
+    metadata = source.metadata
+    return list(metadata() if callable(metadata) else metadata)
+
+
+def iter_full(source: Any) -> Any:
+    """A fresh full-tensor pass of a vLLM ``WeightSource``: ``iter_full()`` where it implements it (0.33), else
+    ``iter(source)`` (0.32)."""
+    implements = getattr(source, "implements_iter_full", None)
+    return source.iter_full() if callable(implements) and implements() else iter(source)
+
+
 def engine_runs_in_process(llm: Any) -> bool:
     """Whether the ``LLM``'s engine core runs in this process, so ``collective_rpc`` kwargs pass by reference.
 

@@ -1,6 +1,12 @@
-"""Shared helpers: launching real 2-rank jobs with torchrun."""
+"""Shared helpers: launching real 2-rank jobs with torchrun.
+
+With ``LFE_VLLM_WEIGHT_TRANSFER`` set, vLLM 0.33's weight-transfer package replaces the installed one before
+any test imports it (``tests/vllm033.py``; ``tests/test_vllm_contracts.py`` runs that job).
+"""
 
 from __future__ import annotations
+
+import tests.vllm033  # noqa: F401 - first: the 0.33 contract job swaps vLLM's weight_transfer package here
 
 import json
 import os

@@ -52,6 +52,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
+from lightning_fsdp_export._compat import iter_full, source_metadata
 from lightning_fsdp_export.targets.gloo_protocol import (
     ABORT,
     END,
@@ -383,9 +384,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def send_weights(self) -> None:
         assert self.source is not None
         source = self.source
-        meta = source.metadata()
+        meta = source_metadata(source)
         if not self.is_sender:
-            for _ in source:
+            for _ in iter_full(source):
                 pass
             return
         assert self.group is not None, "trainer_init() must run before send_weights()"
@@ -470,7 +471,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def _checked(self, source: WeightSource, meta: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
         """The source's pairs, each checked against what the workers were told to expect (rows on shard ranks)."""
         sent = 0
-        for name, tensor in source:
+        for name, tensor in iter_full(source):
             want = meta[sent] if sent < len(meta) else None
             bounds = _bounds(want, self.trainers) if want is not None else None
             shape = want.shape if bounds is None or want is None else (

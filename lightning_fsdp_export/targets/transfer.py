@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import torch
 
-from lightning_fsdp_export._compat import json_safe_update_info
+from lightning_fsdp_export._compat import json_safe_update_info, source_metadata
 from lightning_fsdp_export.source import ExportSource
 from lightning_fsdp_export.targets.http import Server, ServerError, on_all
 from lightning_fsdp_export.targets.preflight import check_servers
@@ -271,7 +271,7 @@ class NativeTransfer:
         if self.transport == "nccl_m2n" and not isinstance(source, ShardSource):
             raise TypeError("RemoteVLLM(transport='nccl_m2n') sends every rank's own shards: give it a ShardSource"
                             " (strategy.export_source(layout='m2n')), as VLLMWeightSync does.")
-        digest = repr(self.source.metadata()) if self.transport == "nccl_m2n" else ""
+        digest = repr(source_metadata(self.source)) if self.transport == "nccl_m2n" else ""
         rebuild = any(self._control.gather(self.broken or digest != self._plan_digest))
         decision: dict[str, Any] = {"error": None, "connect": None}
         paused = False
