@@ -536,6 +536,10 @@ def test_a_server_without_dev_mode_is_named_with_the_variable() -> None:
     stub.fail["/get_world_size"] = (404, {"detail": "Not Found"})
     with pytest.raises(ServerError, match=r"answered 404.*is the server started with VLLM_SERVER_DEV_MODE=1"):
         Server(stub.url, api_key=None, timeout=5).request("GET", "/get_world_size")
+    # vLLM 0.33 answers requests with 503 while paused (mode wait/abort), e.g. after a failed sync
+    stub.fail["/v1/completions"] = (503, {"error": {"message": "engine_paused", "code": 503}})
+    with pytest.raises(ServerError, match=r"answered 503.*the server is paused.*the next full push resumes it"):
+        Server(stub.url, api_key=None, timeout=5).request("POST", "/v1/completions", {})
 
 
 def test_a_colocated_quantized_engine_is_refused() -> None:
