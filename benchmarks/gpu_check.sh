@@ -2,7 +2,8 @@
 # One prepared command for a lent CUDA GPU (see benchmarks/gpu_check.py): staged vs lazy export of a
 # Qwen2.5-7B-shaped model with offloaded shards, the pinned-copy floor, time to the first tensor and
 # peak GPU memory, one offload/load round with and without the pinned host pool; then fp32 masters exported as bf16 (cast before the gather, prefetch, grouped);
-# then, where vLLM is installed, the MoE reload round trip and (2+ GPUs, nccl-extensions) a nccl_m2n sync check.
+# then, where vLLM is installed, the MoE, GPT-OSS and MLA reload round trips, the WeightSource contract tests
+# under the machine's vLLM (0.32 or 0.33), and (2+ GPUs, nccl-extensions) a nccl_m2n sync check.
 # Uses the machine's own torch/transformers (no install, no network); the whole run is bounded to
 # 7.5 minutes on one GPU so it fits an 8-minute budget with the machine's start (the m2n check, up to 4 more
 # minutes, runs only with 2+ GPUs). Tables last.
@@ -17,7 +18,19 @@ timeout 150 python benchmarks/gpu_check.py --fp32-master --preset 1b --repeats 3
 if python -c "import vllm" 2>/dev/null; then
   MOE_DIR=$(mktemp -d)
   python -c "import sys, torch; sys.path.insert(0, '.'); from lightning_fsdp_export.testing import tiny_family; tiny_family('qwen3_moe').to(torch.bfloat16).save_pretrained(sys.argv[1])" "$MOE_DIR"
-  timeout 180 python tests/scripts/moe_reload_check.py --dir "$MOE_DIR" | grep '^RESULT' || echo "moe reload check failed"
+  timeout 180 python tests/scripts/reload_check.py --dir "$MOE_DIR" | grep '^RESULT' || echo "moe reload check failed"
+  # GPT-OSS (experts and sinks written past weight_loader in vLLM 0.32: our fix, installed everywhere) and an MLA
+  # model (DeepSeek-V3: the GPU MLA backends process kv_b_proj after loading; two reloads must change nothing)
+  OSS_DIR=$(mktemp -d); MLA_DIR=$(mktemp -d)
+  python -c "import sys, torch; sys.path.insert(0, '.'); from lightning_fsdp_export.testing import tiny_family
+m = tiny_family('gpt_oss')
+[p.data.normal_() for n, p in m.named_parameters() if 'bias' in n or 'sinks' in n]
+m.to(torch.bfloat16).save_pretrained(sys.argv[1]); tiny_family('deepseek_v3').to(torch.bfloat16).save_pretrained(sys.argv[2])" "$OSS_DIR" "$MLA_DIR"
+  timeout 120 python tests/scripts/reload_check.py --dir "$OSS_DIR" --fix gpt_oss | grep '^RESULT' || echo "gpt-oss reload check failed"
+  timeout 120 python tests/scripts/reload_check.py --dir "$MLA_DIR" --fix mla | grep '^RESULT' || echo "mla reload check failed"
+  # Our WeightSource views and the gloo protocol under the machine's own vLLM (0.33's contract where it has 0.33)
+  timeout 120 python -m pytest -q -p no:cacheprovider tests/test_vllm_contracts.py tests/test_gloo_backend.py \
+    -k "not llm_in_this_process and not same_tests_pass" 2>&1 | tail -1 || echo "vllm contract tests failed"
 else
   echo "moe reload check skipped: vLLM is not installed on this machine"
 fi

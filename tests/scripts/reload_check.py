@@ -7,8 +7,14 @@ the first load's), twice.
 
 ``--fix gpt_oss`` (``_compat.install_gpt_oss_reload_fix``): a reload that drops a write keeps the old tensor,
 so each reload starts from zeroed weights (vLLM's ``reset_weights``): without the fix GPT-OSS's experts and
-sinks stay zero, with it every checksum equals the first load's, from ``weights_iterator`` and from
-``weights_path`` alike. Prints one JSON line.
+sinks stay zero, with it every checksum equals the first load's, from ``weights_path`` and from
+``weights_iterator`` alike.
+
+``--fix mla`` (an MLA model, DeepSeek-V3): whichever attention backend vLLM picks here (``AMX_MLA`` with our
+``install_amx_mla_reload_fix`` where the CPU has AMX tiles, ``CPU_MLA`` otherwise, FlashMLA and friends on a
+GPU), two reloads of the same checkpoint leave every checksum and the prompt logprobs as the first load made
+them; the attention implementations are reported. The fix cannot be removed after the first load (that load
+already released the weight), so there is no "unfixed" row. Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
-    parser.add_argument("--fix", choices=("moe", "gpt_oss"), default="moe")
+    parser.add_argument("--fix", choices=("moe", "gpt_oss", "mla"), default="moe")
     args = parser.parse_args()
     import time
 
@@ -35,11 +41,14 @@ def main() -> None:
 
     from lightning_fsdp_export import _compat
 
-    install, uninstall = {"moe": (_compat.install_cpu_moe_reload_fix, _compat.uninstall_cpu_moe_reload_fix),
-                          "gpt_oss": (_compat.install_gpt_oss_reload_fix, _compat.uninstall_gpt_oss_reload_fix)}[args.fix]
     llm = LLM(model=args.dir, dtype="bfloat16", max_model_len=128, enforce_eager=True, seed=0,
               skip_tokenizer_init=True)
     sums = lambda: llm.collective_rpc("compute_weight_checksums")[0]  # noqa: E731
+    if args.fix == "mla":
+        mla_check(llm, args.dir, sums)
+        return
+    install, uninstall = {"moe": (_compat.install_cpu_moe_reload_fix, _compat.uninstall_cpu_moe_reload_fix),
+                          "gpt_oss": (_compat.install_gpt_oss_reload_fix, _compat.uninstall_gpt_oss_reload_fix)}[args.fix]
     tensors = lambda: sorted(load_file(os.path.join(args.dir, "model.safetensors")).items())  # noqa: E731
 
     def reload(from_path: bool = True) -> float:
@@ -73,6 +82,35 @@ def main() -> None:
         "unfixed_differ": sorted(short(k) for k in first if unfixed[k] != first[k]),
         "fixed_differ": sorted(short(k) for k in first if fixed[k] != first[k]),
         "again_differ": sorted(short(k) for k in first if again[k] != first[k]),
+    }))
+
+
+def mla_check(llm: object, path: str, sums: object) -> None:
+    from vllm import SamplingParams
+
+    from lightning_fsdp_export._compat import attention_backends
+
+    prompt = [(7 * j + 3) % 512 for j in range(24)]
+    params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0, detokenize=False)
+
+    def logprobs() -> list[float]:
+        (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)  # type: ignore[attr-defined]
+        return [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
+
+    first, first_lp = sums(), logprobs()  # type: ignore[operator]
+    errors = []
+    for _ in range(2):
+        try:
+            llm.collective_rpc("reload_weights", kwargs={"weights_path": path})  # type: ignore[attr-defined]
+            llm.reset_prefix_cache()  # type: ignore[attr-defined]
+        except Exception as err:  # noqa: BLE001 - reported
+            errors.append(f"{type(err).__name__}: {err}"[:300])
+    again = sums()  # type: ignore[operator]
+    short = lambda key: key.rsplit(":", 1)[-1]  # noqa: E731
+    print("RESULT " + json.dumps({
+        "backends": attention_backends(llm), "errors": errors, "params": len(first),
+        "differ": sorted(short(k) for k in first if again.get(k) != first[k]),
+        "logprob_gap": max(abs(a - b) for a, b in zip(logprobs(), first_lp)),
     }))
 
 
