@@ -30,7 +30,18 @@ $(VLLM033)/base.py: | $(VPY)
 
 vllm033: $(VLLM033)/base.py
 
-setup: $(STAMP) $(VLLM033)/base.py
+# The newest transformers a trainer may run (vLLM 0.33 brings 5.20; this checks 5.23): a second venv without
+# vLLM, for the families' export vs that version's save_pretrained (tests/test_families.py).
+TF_VENV := .venv-transformers
+TF_VERSION := 5.23.0
+$(TF_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(TF_VENV)
+	$(TF_VENV)/bin/python -m pip install -q --upgrade pip
+	$(TF_VENV)/bin/python -m pip install -q torch==2.13.0 transformers==$(TF_VERSION) 'lightning>=2.5,<2.7' \
+		'peft>=0.15' safetensors tokenizers
+	touch $(TF_VENV)/.installed
+
+setup: $(STAMP) $(VLLM033)/base.py $(TF_VENV)/.installed
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(VPY) -c "import vllm, transformers.models.qwen2, lightning_fsdp_export; print('setup ok: vllm', vllm.__version__)"
 
@@ -50,4 +61,4 @@ bench: setup
 	$(VPY) benchmarks/moe_export_bench.py
 
 clean:
-	rm -rf $(VENV) .vllm033 .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(TF_VENV) .vllm033 .pytest_cache build *.egg-info

@@ -352,6 +352,17 @@ def uninstall_amx_mla_reload_fix() -> None:
     _unpatch(MLAAttention, "process_weights_after_loading", "_keeps_kv_b_proj")
 
 
+def released_mla_weights(llm: Any) -> list[str]:
+    """The MLA attention layers of an in-process ``LLM`` whose ``kv_b_proj.weight`` is empty (``AMX_MLA`` released
+    it before :func:`install_amx_mla_reload_fix` was installed): a reload of them cannot work."""
+
+    def released(worker: Any) -> list[str]:
+        return [name for name, m in worker.model_runner.model.named_modules()
+                if getattr(m, "is_amx_bmm_enabled", False) and m.kv_b_proj.weight.numel() == 0]
+
+    return sorted({name for names in llm.collective_rpc(released) for name in names})
+
+
 def install_reload_fixes() -> dict[str, bool]:
     """Every reload fix this vLLM needs, installed in this process; which ones are (by name)."""
     return {"cpu_moe": install_cpu_moe_reload_fix(), "gpt_oss": install_gpt_oss_reload_fix(),

@@ -62,6 +62,30 @@ def test_export_after_pretrained_equals_save_pretrained_bit_for_bit(results: dic
     assert got["converted"] == converted[arch]  # in-memory tensors whose checkpoint layout differs
 
 
+NEWER_TRANSFORMERS = ROOT / ".venv-transformers" / "bin" / "python"  # `make setup` builds it (transformers 5.23)
+
+
+def test_export_equals_save_pretrained_of_the_newest_transformers_too(tmp_path: Path) -> None:
+    # The same export scenarios in a second venv with transformers 5.23 (no vLLM): our checkpoint format, read
+    # from that version's own conversion rules, still writes exactly what its save_pretrained writes.
+    if not NEWER_TRANSFORMERS.exists():
+        pytest.fail(f"{NEWER_TRANSFORMERS} is missing: `make setup` builds it.")
+    version = subprocess.run([str(NEWER_TRANSFORMERS), "-c", "import transformers; print(transformers.__version__)"],
+                             capture_output=True, text=True, check=True).stdout.strip()
+    assert version != __import__("transformers").__version__
+    out = tmp_path / "results.json"
+    cmd = [str(NEWER_TRANSFORMERS), "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
+           str(ROOT / "tests" / "scripts" / "family_checks.py"), "--out", str(out), "--only",
+           ",".join(f"export:{arch}" for arch in FAMILIES)]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
+    results = json.loads(out.read_text())
+    for arch in FAMILIES:
+        got = scenario(results, f"export:{arch}")
+        assert got["missing"] == [] and got["not_equal"] == [] and got["dtypes_equal"], (version, arch, got)
+        assert got["extra"] == (["lm_head.weight"] if got["tied"] else []) and got["metadata_matches"], (version, arch)
+
+
 def test_lora_over_moe_merged_push_is_in_checkpoint_format(results: dict[str, Any]) -> None:
     # peft LoRA (random lora_B) on a Qwen3-MoE's attention, 2 FSDP2 ranks, offloaded shards: the staged
     # merged export equals merge_and_unload() of the same model converted by save_pretrained's rules

@@ -130,11 +130,20 @@ class ColocatedVLLM:
         self._refuse_quantized()
 
     def _refuse_quantized(self) -> None:
+        """Engines a push cannot update: quantized ones, and an ``AMX_MLA`` engine built before our fix."""
+        from lightning_fsdp_export._compat import released_mla_weights
         from lightning_fsdp_export.targets.preflight import engine_quantization_problem
 
         problem = engine_quantization_problem(self._engine)
         if problem:
             raise ValueError(f"ColocatedVLLM: {problem}")
+        released = released_mla_weights(self._engine)
+        if released:
+            raise ValueError(
+                f"ColocatedVLLM: the engine's AMX_MLA attention released kv_b_proj's weight in {len(released)} layers"
+                f" ({released[0]}, ...) before lightning_fsdp_export's reload fix was installed, so no sync can update"
+                " them. Let ColocatedVLLM(model=...) build the engine, build yours after importing"
+                " lightning_fsdp_export, or pass attention_backend='CPU_MLA' to vllm.LLM.")
 
     def _check_sleep_mode(self) -> None:
         if self.sleep_level is None or not torch.cuda.is_available():
