@@ -363,10 +363,64 @@ def released_mla_weights(llm: Any) -> list[str]:
     return sorted({name for names in llm.collective_rpc(released) for name in names})
 
 
+# -- every transport: a tensor vLLM's loader refuses, named ---------------------------------------------------
+# Covered by tests/test_remote_transfer.py::test_bad_servers_are_named_with_their_fix_within_seconds_on_every_rank
+# (a directory reload and a gloo round into a server of another vocabulary).
+
+
+def install_loader_error_names() -> bool:
+    """Make a load that vLLM's loader refuses name the tensor, its shape and the engine's; returns True.
+
+    vLLM's weight loaders often refuse with a bare ``assert`` (``vocab_parallel_embedding.py``: ``assert
+    loaded_weight.shape[output_dim] == self.org_vocab_size``), which reaches the trainer as "Worker failed with
+    error ''". This wraps ``AutoWeightsLoader.load_weights`` (what most vLLM models' ``load_weights`` use, under
+    every transport and ``reload_weights(weights_path=...)``): it follows the tensor being loaded and, when the
+    load raises, rewrites the exception's message (same type, same traceback) to name it. Idempotent.
+    """
+    from vllm.model_executor.models.utils import AutoWeightsLoader
+
+    def wrap(original: Callable[..., set[str]]) -> Callable[..., set[str]]:
+        def load_weights(self: Any, weights: Any, *args: Any, **kwargs: Any) -> set[str]:
+            current: list[tuple[str, Any]] = []
+
+            def tracked() -> Any:
+                for pair in weights:
+                    current[:] = [pair]
+                    yield pair
+
+            try:
+                return original(self, tracked(), *args, **kwargs)
+            except Exception as err:
+                if current:
+                    name_refused_tensor(err, self.module, *current[0])
+                raise
+
+        return load_weights
+
+    return _patch(AutoWeightsLoader, "load_weights", wrap, "_names_refused_tensors")
+
+
+def name_refused_tensor(err: BaseException, model: Any, name: str, tensor: Any) -> BaseException:
+    """Rewrite ``err``'s message (once) to name the tensor vLLM's loader refused, its shape, and the engine's
+    parameter of that name where the model has one; returns ``err``."""
+    if getattr(err, "_names_tensor", False):
+        return err
+    what = str(err) or "no message: a bare assertion, usually a shape the engine's model does not have"
+    param = dict(model.named_parameters()).get(name) if hasattr(model, "named_parameters") else None
+    engine = "" if param is None else f"; the engine's {name} is {tuple(param.shape)}"
+    dtype = str(getattr(tensor, "dtype", "")).replace("torch.", "")
+    err.args = (f"vLLM's loader refused {name!r} {dtype} {tuple(getattr(tensor, 'shape', ()))}{engine}"
+                f" ({type(err).__name__}: {what}). Does the server serve the trainer's model (same config,"
+                " vocabulary and sizes)?",)
+    err._names_tensor = True  # type: ignore[attr-defined]
+    return err
+
+
 def install_reload_fixes() -> dict[str, bool]:
-    """Every reload fix this vLLM needs, installed in this process; which ones are (by name)."""
+    """Every reload fix this vLLM needs, installed in this process; which ones are (by name). Also names the
+    tensor a loader refuses (:func:`install_loader_error_names`)."""
     return {"cpu_moe": install_cpu_moe_reload_fix(), "gpt_oss": install_gpt_oss_reload_fix(),
-            "amx_mla": install_amx_mla_reload_fix()}
+            "amx_mla": install_amx_mla_reload_fix(), "loader_errors": install_loader_error_names()}
 
 
 def attention_backends(llm: Any) -> list[str]:

@@ -3,7 +3,8 @@
 Run as part of the suite against the installed vLLM 0.32, and once more (``test_the_same_tests_pass_against_vllm_0_33``)
 in a subprocess where ``vllm.distributed.weight_transfer`` is vLLM 0.33's own package (``tests/vllm033.py``;
 ``make vllm033`` takes it from the 0.33.0 wheel), together with the whole gloo protocol test module
-(``tests/test_gloo_backend.py``: our gloo engines on 0.33's engine base classes, both halves in one process).
+(``tests/test_gloo_backend.py``: our gloo engines on 0.33's engine base classes, both halves in one process) and
+the ``RemoteVLLM`` / ``NativeTransfer`` unit tests (``tests/test_transfer_unit.py``, through 0.33's factory).
 0.33's NCCL, IPC and M2N engines need CUDA (and NVIDIA's nccl-extensions): ``benchmarks/gpu_check.sh`` runs them.
 """
 
@@ -109,8 +110,10 @@ def test_the_same_tests_pass_against_vllm_0_33() -> None:
         pytest.fail(f"{OVERLAY} is missing: `make vllm033` (part of `make setup`) takes it from the vLLM 0.33.0 wheel.")
     env = {**os.environ, "LFE_VLLM_WEIGHT_TRANSFER": str(OVERLAY), "LFE_EXPECT_CONTRACT": "0.33"}
     # the gloo module's last test builds a real vLLM 0.32 engine: not a 0.33 contract test
+    # and our NativeTransfer driving a recording stand-in of vLLM's trainer engines, built through 0.33's factory
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)),
-                           str(ROOT / "tests" / "test_gloo_backend.py"), "-k", "not llm_in_this_process"],
+                           str(ROOT / "tests" / "test_gloo_backend.py"), str(ROOT / "tests" / "test_transfer_unit.py"),
+                           "-k", "not llm_in_this_process"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-6000:] + proc.stderr[-3000:]
     assert " passed" in proc.stdout and "failed" not in proc.stdout

@@ -52,7 +52,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from lightning_fsdp_export._compat import iter_full, source_metadata
+from lightning_fsdp_export._compat import iter_full, name_refused_tensor, source_metadata
 from lightning_fsdp_export.targets.gloo_protocol import (
     ABORT,
     END,
@@ -490,18 +490,12 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.group = self._store = None
 
 
-def refused(model: torch.nn.Module, pair: tuple[str, torch.Tensor] | None, err: BaseException) -> RuntimeError:
-    """vLLM's loader refused a tensor (often with a bare ``assert``): an error naming it, its shape, and the engine's
-    parameter of the same name where the model has one."""
+def refused(model: torch.nn.Module, pair: tuple[str, torch.Tensor] | None, err: BaseException) -> BaseException:
+    """vLLM's loader refused a tensor (often with a bare ``assert``): ``err``, its message naming the tensor, its
+    shape, and the engine's parameter of the same name where the model has one."""
     if pair is None:
         return RuntimeError(f"vLLM's loader failed before the first tensor of a chunk: {type(err).__name__}: {err}")
-    name, tensor = pair
-    what = str(err) or "no message: a bare assertion, usually a shape the engine's model does not have"
-    param = dict(model.named_parameters()).get(name)
-    engine = "" if param is None else f"; the engine's {name} is {tuple(param.shape)}"
-    return RuntimeError(f"vLLM's loader refused {name!r} {str(tensor.dtype).replace('torch.', '')}"
-                        f" {tuple(tensor.shape)}{engine} ({type(err).__name__}: {what}). Does the server serve the"
-                        " trainer's model (same config, vocabulary and sizes)?")
+    return name_refused_tensor(err, model, *pair)
 
 
 def _bounds(meta: Any, trainers: int) -> list[int] | None:

@@ -2,8 +2,9 @@
 
 ``--server kind=URL,...``: ``no_dev_mode`` (started without ``VLLM_SERVER_DEV_MODE=1``), ``no_backend`` (dev mode,
 no ``--weight-transfer-config``), ``other_vocab`` (a model of another vocabulary, its checkpoint not readable
-here, so only the server's loader can refuse). Each rank fits one step with ``RemoteVLLM(url, transport="gloo",
-shard_direct=True, timeout=60)`` and records the error and the seconds from the fit's start to it; each rank
+here, so only the server's loader can refuse); a kind ending in ``_directory`` uses the directory transport
+instead. Each rank fits one step with ``RemoteVLLM(url, transport="gloo", shard_direct=True, timeout=60)`` (or
+``RemoteVLLM(url, directory=...)``) and records the error and the seconds from the fit's start to it; each rank
 writes its own JSON (``--out`` and ``--out.rank1``).
 """
 
@@ -24,9 +25,11 @@ from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  #
 from tests.scripts.common import CausalLM, run_scenarios, start_script, token_loader  # noqa: E402
 
 
-def scenario(url: str) -> dict[str, Any]:
+def scenario(url: str, directory: Path | None = None) -> dict[str, Any]:
     seed_everything(0)
-    sync = VLLMWeightSync(RemoteVLLM(url, transport="gloo", shard_direct=True, timeout=60))
+    target = (RemoteVLLM(url, directory=directory, timeout=60) if directory is not None else
+              RemoteVLLM(url, transport="gloo", shard_direct=True, timeout=60))
+    sync = VLLMWeightSync(target)
     trainer = Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(), max_steps=1, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[sync])
@@ -40,9 +43,11 @@ def scenario(url: str) -> dict[str, Any]:
 
 
 def main() -> None:
-    args, _ = start_script("", "bad_servers")
+    args, root = start_script("", "bad_servers")
     servers = dict(item.split("=", 1) for item in args.server.split(","))
-    results = run_scenarios({kind: lambda url=url: scenario(url) for kind, url in servers.items()}, list(servers))
+    runs = {kind: (lambda url=url, kind=kind: scenario(url, root / kind if kind.endswith("_directory") else None))
+            for kind, url in servers.items()}
+    results = run_scenarios(runs, list(servers))
     out = args.out if dist.get_rank() == 0 else f"{args.out}.rank{dist.get_rank()}"
     Path(out).write_text(json.dumps(results, indent=1, default=str))
 
