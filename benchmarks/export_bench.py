@@ -63,7 +63,13 @@ Sample = tuple[float, int, int, int, int]  # seconds, peak extra RSS, bytes, ten
 def start_two_ranks(script: str) -> None:
     """Re-run ``script`` under torchrun with 2 processes (then exit), or, under torchrun, join the gloo group."""
     if "LOCAL_RANK" not in os.environ:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", script, *sys.argv[1:]]
+        import socket
+
+        with socket.socket() as sock:  # a free port, not torchrun's fixed 29500 (another job may hold it)
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={port}", script,
+               *sys.argv[1:]]
         # A fixed mmap threshold: tensor-sized blocks are returned to the OS when freed, so RSS peaks
         # are each method's own (glibc's dynamic threshold would keep them in the heap for reuse).
         raise SystemExit(subprocess.call(cmd, env={"MALLOC_MMAP_THRESHOLD_": "131072", **os.environ}))

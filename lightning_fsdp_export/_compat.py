@@ -401,18 +401,18 @@ def install_loader_error_names() -> bool:
 
 
 def name_refused_tensor(err: BaseException, model: Any, name: str, tensor: Any) -> BaseException:
-    """Rewrite ``err``'s message (once) to name the tensor vLLM's loader refused, its shape, and the engine's
-    parameter of that name where the model has one; returns ``err``."""
-    if getattr(err, "_names_tensor", False):
-        return err
-    what = str(err) or "no message: a bare assertion, usually a shape the engine's model does not have"
+    """Rewrite ``err``'s message to name the tensor vLLM's loader refused, its shape, and the engine's parameter
+    of that name where ``model`` has one; returns ``err``. Nested loaders (a model's ``AutoWeightsLoader`` inside
+    its parent's) each rewrite it from the loader's own message, so the outermost, checkpoint name wins."""
+    what = getattr(err, "_refused_message", None)
+    if what is None:
+        what = f"{type(err).__name__}: {str(err) or 'no message: a bare assertion, usually a shape the engine lacks'}"
+        err._refused_message = what  # type: ignore[attr-defined]
     param = dict(model.named_parameters()).get(name) if hasattr(model, "named_parameters") else None
     engine = "" if param is None else f"; the engine's {name} is {tuple(param.shape)}"
     dtype = str(getattr(tensor, "dtype", "")).replace("torch.", "")
-    err.args = (f"vLLM's loader refused {name!r} {dtype} {tuple(getattr(tensor, 'shape', ()))}{engine}"
-                f" ({type(err).__name__}: {what}). Does the server serve the trainer's model (same config,"
-                " vocabulary and sizes)?",)
-    err._names_tensor = True  # type: ignore[attr-defined]
+    err.args = (f"vLLM's loader refused {name!r} {dtype} {tuple(getattr(tensor, 'shape', ()))}{engine} ({what})."
+                " Does the server serve the trainer's model (same config, vocabulary and sizes)?",)
     return err
 
 

@@ -243,7 +243,8 @@ def bad_servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
         other.rename(root / "moved")  # rank 0 cannot read that server's checkpoint: only its loader can refuse
         out = root / "results.json"
         urls = {**{kind: f"http://127.0.0.1:{port}" for kind, port in ports.items()},
-                "other_vocab_directory": f"http://127.0.0.1:{ports['other_vocab']}"}
+                "other_vocab_directory": f"http://127.0.0.1:{ports['other_vocab']}",
+                "no_backend_plain": f"http://127.0.0.1:{ports['no_backend']}"}
         run_torchrun("bad_server_checks.py", out, "--server", ",".join(f"{k}={u}" for k, u in urls.items()))
         yield [json.loads(out.read_text()), json.loads(Path(f"{out}.rank1").read_text())], ports
     finally:
@@ -254,15 +255,17 @@ def bad_servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
 def test_bad_servers_are_named_with_their_fix_within_seconds_on_every_rank(bad_servers: Any) -> None:
     ranks, ports = bad_servers
     for got in ranks:
-        no_dev, no_backend, vocab, directory = (scenario(got, kind) for kind in
-                                                ("no_dev_mode", "no_backend", "other_vocab", "other_vocab_directory"))
+        no_dev, no_backend, vocab, directory, plain = (
+            scenario(got, kind) for kind in ("no_dev_mode", "no_backend", "other_vocab", "other_vocab_directory",
+                                             "no_backend_plain"))
         assert "VLLM_SERVER_DEV_MODE=1" in no_dev["error"] and str(ports["no_dev_mode"]) in no_dev["error"], no_dev
-        assert "started without --weight-transfer-config" in no_backend["error"], no_backend
+        for one in (no_backend, plain):  # shard-direct (every rank in the group) and plain (rank 0 alone sends)
+            assert "started without --weight-transfer-config" in one["error"], one
         assert """--weight-transfer-config '{"backend": "gloo"}'""" in no_backend["error"]
         # what vLLM's loader refused, named with the engine's shape (vocab 1024 vs the trainer's 512): over gloo,
         # and over the directory transport (vLLM's own reload_weights; our plugin names it in the server's worker)
         for one in (vocab, directory):
             assert "refused 'model.embed_tokens.weight' bfloat16 (512, 256)" in one["error"], one
             assert "the engine's model.embed_tokens.weight is (1024, 256)" in one["error"], one
-        for one in (no_dev, no_backend, vocab, directory):  # never the 60 s transfer timeout (fit start included)
+        for one in (no_dev, no_backend, vocab, directory, plain):  # never the 60 s timeout (fit start included)
             assert one["seconds"] < 40, one

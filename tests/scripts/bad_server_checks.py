@@ -3,7 +3,7 @@
 ``--server kind=URL,...``: ``no_dev_mode`` (started without ``VLLM_SERVER_DEV_MODE=1``), ``no_backend`` (dev mode,
 no ``--weight-transfer-config``), ``other_vocab`` (a model of another vocabulary, its checkpoint not readable
 here, so only the server's loader can refuse); a kind ending in ``_directory`` uses the directory transport
-instead. Each rank fits one step with ``RemoteVLLM(url, transport="gloo", shard_direct=True, timeout=60)`` (or
+instead, one ending in ``_plain`` gloo without shard-direct (rank 0 alone talks to the servers and sends). Each rank fits one step with ``RemoteVLLM(url, transport="gloo", shard_direct=True, timeout=60)`` (or
 ``RemoteVLLM(url, directory=...)``) and records the error and the seconds from the fit's start to it; each rank
 writes its own JSON (``--out`` and ``--out.rank1``).
 """
@@ -25,10 +25,10 @@ from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  #
 from tests.scripts.common import CausalLM, run_scenarios, start_script, token_loader  # noqa: E402
 
 
-def scenario(url: str, directory: Path | None = None) -> dict[str, Any]:
+def scenario(url: str, directory: Path | None = None, plain: bool = False) -> dict[str, Any]:
     seed_everything(0)
     target = (RemoteVLLM(url, directory=directory, timeout=60) if directory is not None else
-              RemoteVLLM(url, transport="gloo", shard_direct=True, timeout=60))
+              RemoteVLLM(url, transport="gloo", shard_direct=not plain, timeout=60))
     sync = VLLMWeightSync(target)
     trainer = Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(), max_steps=1, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -45,7 +45,8 @@ def scenario(url: str, directory: Path | None = None) -> dict[str, Any]:
 def main() -> None:
     args, root = start_script("", "bad_servers")
     servers = dict(item.split("=", 1) for item in args.server.split(","))
-    runs = {kind: (lambda url=url, kind=kind: scenario(url, root / kind if kind.endswith("_directory") else None))
+    runs = {kind: (lambda url=url, kind=kind: scenario(url, root / kind if kind.endswith("_directory") else None,
+                                                        plain=kind.endswith("_plain")))
             for kind, url in servers.items()}
     results = run_scenarios(runs, list(servers))
     out = args.out if dist.get_rank() == 0 else f"{args.out}.rank{dist.get_rank()}"
