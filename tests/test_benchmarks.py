@@ -83,3 +83,13 @@ def test_moe_export_bench_tiny() -> None:
     # piece too, the other rank's as an empty placeholder)
     assert (int(rows["checkpoint"][3]) == int(rows["checkpoint_whole"][3]) == int(rows["checkpoint_shards"][3])
             == int(rows["memory_layout"][3]) - 2 + 12)
+
+
+def test_gpt_oss_reload_bench_tiny() -> None:
+    proc = subprocess.run([sys.executable, "benchmarks/gpt_oss_reload_bench.py", "--experts", "4", "--layers", "2",
+                           "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"})
+    line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+    assert line is not None, proc.stderr[-3000:]
+    got = json.loads(line[len("RESULT "):])
+    assert got["calls"] == 4 * 4 * 2 and min(got["exact_s"], got["unfixed_s"], got["dense_s"]) > 0
