@@ -38,7 +38,9 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 # scenarios run on the backend vLLM picks here; on an AMX CPU also on CPU_MLA, requested explicitly.
 AMX = bool(torch.cpu._is_amx_tile_supported())
 MLA_IMPL = "AMXMLAImpl" if AMX else "CPUMLAImpl"
-SYNCED = SERVED + (["deepseek_v3@CPU_MLA"] if AMX else [])
+# MoE engines first (vLLM builds its expert-parallel group only with a process's first engine): the explicit
+# CPU_MLA DeepSeek-V3 right after the other one.
+SYNCED = [a for arch in SERVED for a in ([arch, "deepseek_v3@CPU_MLA"] if arch == "deepseek_v3" and AMX else [arch])]
 
 
 @pytest.fixture(scope="module")
