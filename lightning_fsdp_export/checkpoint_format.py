@@ -33,6 +33,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from lightning_fsdp_export.names import export_name, is_lora_name, is_peft_model
+from lightning_fsdp_export.sharding import chunk_bounds, unsharded_class
+
 __all__ = ["DEFAULT_BLOCK_ELEMENTS", "CheckpointFormat", "Piece"]
 
 DEFAULT_BLOCK_ELEMENTS = 32 * 2**20
@@ -50,8 +53,6 @@ class Piece:
 def find_pretrained_model(module: nn.Module) -> nn.Module | None:
     """The ``transformers.PreTrainedModel`` whose conversion rules apply: ``module`` or a peft model's base."""
     from transformers import PreTrainedModel
-
-    from lightning_fsdp_export.lora import is_peft_model
 
     if is_peft_model(module):
         module = module.get_base_model()  # type: ignore[operator]
@@ -169,7 +170,6 @@ class CheckpointFormat:
         pieces = self.pieces(name, tensor)
         if len(pieces) < 2 or not shape:
             return None
-        from lightning_fsdp_export.sharding import chunk_bounds
 
         bounds = chunk_bounds(shape[0], world)
         owners: dict[str, int] = {}
@@ -312,7 +312,6 @@ class CheckpointFormat:
         needs its tensors together: converting them alone would write wrong tensors. Found by reverting the
         whole state dict at once and tensor by tensor, on meta tensors, and comparing.
         """
-        from lightning_fsdp_export.names import export_name, is_lora_name
 
         self._checked = True
         state = {export_name(n): torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
@@ -395,7 +394,6 @@ class _unsharded_class_names:
         self._swapped = [(m, type(m)) for m in model.modules() if isinstance(m, FSDPModule)]
 
     def __enter__(self) -> None:
-        from lightning_fsdp_export.sharding import unsharded_class
 
         for module, _ in self._swapped:
             module.__class__ = unsharded_class(module)

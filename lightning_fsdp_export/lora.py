@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_fsdp_export.checkpoint_format import CheckpointFormat
 from lightning_fsdp_export.export import ExportReport, lazy_export, plan_export
-from lightning_fsdp_export.names import adapter_file_name, export_name, is_lora_name
+from lightning_fsdp_export.names import adapter_file_name, export_name, is_lora_name, is_peft_model
 
 __all__ = ["LoraMode", "check_adapters_loadable", "entries_for", "is_peft_model", "staged_merged_export",
            "write_adapter"]
@@ -45,15 +45,6 @@ def parse_lora_mode(value: str) -> LoraMode:
     if value not in _LORA_MODES:
         raise ValueError(f"lora={value!r} is not one of {', '.join(map(repr, _LORA_MODES))}.")
     return value  # type: ignore[return-value]
-
-
-def is_peft_model(module: nn.Module) -> bool:
-    """Whether ``module`` is a peft ``PeftModel``."""
-    try:
-        from peft import PeftModel
-    except ImportError:  # pragma: no cover - peft is a dependency
-        return False
-    return isinstance(module, PeftModel)
 
 
 def _lora_layers(module: nn.Module) -> list[nn.Module]:

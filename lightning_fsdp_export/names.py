@@ -7,6 +7,8 @@ names a Hugging Face checkpoint of the same model uses, through :func:`export_na
 
 from __future__ import annotations
 
+from typing import Any
+
 # Parts that wrappers insert into parameter names; none of them exists in an HF checkpoint.
 _WRAPPER_PARTS = (
     "_checkpoint_wrapped_module.",  # torch.distributed.algorithms._checkpoint.checkpoint_wrapper
@@ -48,3 +50,12 @@ def adapter_file_name(name: str, adapter: str = "default") -> str:
     ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight``, as ``save_pretrained`` writes it.
     """
     return name.replace(f".{adapter}.", ".")
+
+
+def is_peft_model(module: Any) -> bool:
+    """Whether ``module`` is a peft ``PeftModel`` (here, a leaf module, so every room can ask without a cycle)."""
+    try:
+        from peft import PeftModel
+    except ImportError:  # pragma: no cover - peft is a dependency
+        return False
+    return isinstance(module, PeftModel)

@@ -142,3 +142,37 @@ def test_layer_key_partitions_names_as_vllm_layerwise_groups() -> None:
         assert len({layer_key(n) for n in group}) == 1, group  # one key per vLLM group
     keyed = {layer_key(n) for n in names} - {None}
     assert len(keyed) == len([g for g in layerwise_groups(names) if layer_key(g[0]) is not None])
+
+
+def test_the_package_has_no_import_cycle() -> None:
+    # Module-level imports between the package's own modules form no cycle (a cycle hidden by a function-local
+    # import breaks as soon as someone moves it to the top: "partially initialized module").
+    import ast
+    from pathlib import Path
+
+    import lightning_fsdp_export
+
+    root = Path(lightning_fsdp_export.__file__).parent
+    graph: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        name = "lightning_fsdp_export." + ".".join(path.relative_to(root).with_suffix("").parts)
+        name = name.removesuffix(".__init__")
+        deps = set()
+        for node in ast.parse(path.read_text()).body:  # module level only
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_fsdp_export"):
+                deps.add(node.module)
+        graph[name] = deps - {name}
+    seen: dict[str, int] = {}
+
+    def visit(module: str, trail: list[str]) -> None:
+        if seen.get(module) == 2 or module not in graph:
+            return
+        assert seen.get(module) != 1, "import cycle: " + " -> ".join([*trail, module])
+        seen[module] = 1
+        for dep in graph[module]:
+            if dep != "lightning_fsdp_export":  # the package __init__ imports its modules, not the other way
+                visit(dep, [*trail, module])
+        seen[module] = 2
+
+    for module in graph:
+        visit(module, [])
