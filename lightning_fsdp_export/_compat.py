@@ -381,23 +381,30 @@ def install_loader_error_names() -> bool:
 
     def wrap(original: Callable[..., set[str]]) -> Callable[..., set[str]]:
         def load_weights(self: Any, weights: Any, *args: Any, **kwargs: Any) -> set[str]:
-            current: list[tuple[str, Any]] = []
-
-            def tracked() -> Any:
-                for pair in weights:
-                    current[:] = [pair]
-                    yield pair
-
-            try:
-                return original(self, tracked(), *args, **kwargs)
-            except Exception as err:
-                if current:
-                    name_refused_tensor(err, self.module, *current[0])
-                raise
+            return load_naming_refusals(lambda w: original(self, w, *args, **kwargs), self.module, weights)
 
         return load_weights
 
     return _patch(AutoWeightsLoader, "load_weights", wrap, "_names_refused_tensors")
+
+
+def load_naming_refusals(load: Callable[[Any], Any], model: Any, weights: Any) -> Any:
+    """``load(weights)``, following the tensor being loaded: if the load raises, the exception (same type, same
+    traceback) names that tensor, its shape and ``model``'s parameter of that name (:func:`name_refused_tensor`).
+    Used by the ``AutoWeightsLoader`` wrapper and by our gloo worker (for models that load without it)."""
+    current: list[tuple[str, Any]] = []
+
+    def tracked() -> Any:
+        for pair in weights:
+            current[:] = [pair]
+            yield pair
+
+    try:
+        return load(tracked())
+    except Exception as err:
+        if current:
+            name_refused_tensor(err, model, *current[0])
+        raise
 
 
 def name_refused_tensor(err: BaseException, model: Any, name: str, tensor: Any) -> BaseException:
@@ -427,7 +434,7 @@ def attention_backends(llm: Any) -> list[str]:
     """The attention implementation classes of an in-process ``LLM``'s model (``"AMXMLAImpl"``, ...), sorted.
 
     Reads the worker's model through ``LLM.collective_rpc`` with a function (vLLM's public RPC), so the names
-    are what vLLM chose on this machine (AMX or not), for logs, tests and the MLA refusal.
+    are what vLLM chose on this machine (AMX or not), for logs and tests.
     """
 
     def impls(worker: Any) -> list[str]:

@@ -170,7 +170,6 @@ class CheckpointFormat:
         pieces = self.pieces(name, tensor)
         if len(pieces) < 2 or not shape:
             return None
-
         bounds = chunk_bounds(shape[0], world)
         owners: dict[str, int] = {}
         for rank in range(world):
@@ -312,7 +311,6 @@ class CheckpointFormat:
         needs its tensors together: converting them alone would write wrong tensors. Found by reverting the
         whole state dict at once and tensor by tensor, on meta tensors, and comparing.
         """
-
         self._checked = True
         state = {export_name(n): torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
                  for n, t in self._model.state_dict(keep_vars=True).items()  # type: ignore[union-attr]
@@ -394,7 +392,6 @@ class _unsharded_class_names:
         self._swapped = [(m, type(m)) for m in model.modules() if isinstance(m, FSDPModule)]
 
     def __enter__(self) -> None:
-
         for module, _ in self._swapped:
             module.__class__ = unsharded_class(module)
 

@@ -106,7 +106,7 @@ class ColocatedVLLM:
             )
         if self._engine is not None:
             install_reload_fixes()
-            self._refuse_quantized()
+            self._refuse_unupdatable()
             self._check_sleep_mode()
             if self.sleep_level is not None and self._engine.llm_engine.is_sleeping():
                 self._engine.wake_up()  # start from a known state: awake (and holding whatever it held)
@@ -127,9 +127,9 @@ class ColocatedVLLM:
         with _preserved_rng():  # building an LLM with a seed reseeds the process's global RNG
             self._engine = vllm.LLM(model=self._model, tensor_parallel_size=self._tp,
                                     distributed_executor_backend="external_launcher", **kwargs)
-        self._refuse_quantized()
+        self._refuse_unupdatable()
 
-    def _refuse_quantized(self) -> None:
+    def _refuse_unupdatable(self) -> None:
         """Engines a push cannot update: quantized ones, and an ``AMX_MLA`` engine built before our fix."""
         from lightning_fsdp_export._compat import released_mla_weights
         from lightning_fsdp_export.targets.preflight import engine_quantization_problem

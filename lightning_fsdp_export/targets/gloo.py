@@ -52,7 +52,7 @@ from vllm.distributed.weight_transfer.base import (
     WeightTransferUpdateInfo,
 )
 
-from lightning_fsdp_export._compat import iter_full, name_refused_tensor, source_metadata
+from lightning_fsdp_export._compat import iter_full, load_naming_refusals, source_metadata
 from lightning_fsdp_export.targets.gloo_protocol import (
     ABORT,
     END,
@@ -308,17 +308,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.times["waiting"] += loading - start
         if error is not None:
             return error  # kept receiving so the trainer ranks' sends complete; reported at the end
-        current: list[tuple[str, torch.Tensor]] = []
-
-        def tracked() -> Iterator[tuple[str, torch.Tensor]]:
-            for pair in unpack_chunk(held.chunk, held.parts, held.trainers):
-                current[:] = [pair]
-                yield pair
-
-        try:
-            self.model.load_weights(tracked())
+        try:  # a refused tensor is named in the error, with its shape and the engine's
+            pairs = unpack_chunk(held.chunk, held.parts, held.trainers)
+            load_naming_refusals(self.model.load_weights, self.model, pairs)
         except Exception as err:  # noqa: BLE001 - the whole group learns of it in the status
-            return refused(self.model, current[0] if current else None, err)
+            return err
         finally:
             self.times["loading"] += time.perf_counter() - loading
         return None
@@ -488,14 +482,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     def shutdown(self) -> None:
         self.group = self._store = None
-
-
-def refused(model: torch.nn.Module, pair: tuple[str, torch.Tensor] | None, err: BaseException) -> BaseException:
-    """vLLM's loader refused a tensor (often with a bare ``assert``): ``err``, its message naming the tensor, its
-    shape, and the engine's parameter of the same name where the model has one."""
-    if pair is None:
-        return RuntimeError(f"vLLM's loader failed before the first tensor of a chunk: {type(err).__name__}: {err}")
-    return name_refused_tensor(err, model, *pair)
 
 
 def _bounds(meta: Any, trainers: int) -> list[int] | None:

@@ -79,33 +79,29 @@ def checkpoint_quantization(path: str | os.PathLike[str]) -> str | None:
     return str(quant.get("quant_method", "unknown")) if isinstance(quant, dict) else None
 
 
-def quantization_problem(where: str, quantization: str | None, checkpoint: str) -> str | None:
-    """Why ``where`` (a server) cannot take unquantized pushes, or ``None`` when it can: its checkpoint's
-    ``config.json`` (read here when the path is readable) or a method that only loads stored checkpoints."""
+def quantization_problem(where: str, quantization: str | None, checkpoint: str, *,
+                         stored: str | None = None) -> str | None:
+    """Why ``where`` (a server or engine) cannot take unquantized pushes, or ``None`` when it can: the checkpoint
+    is stored quantized (``stored``, else its ``config.json`` read here when the path is readable), or the
+    method only loads stored checkpoints."""
     if quantization is None:
         return None
-    stored = checkpoint_quantization(checkpoint)
+    stored = stored or checkpoint_quantization(checkpoint)
     if stored is None and quantization not in _CHECKPOINT_ONLY:
         return None  # online quantization of an unquantized checkpoint (or not readable here): it loads bf16
-    return _quantized(where, stored or quantization, checkpoint)
+    method = stored or quantization
+    return (f"{where} serves a {method}-quantized checkpoint ({checkpoint}): its quantized parameters (linear"
+            f" layers, experts) load only {method} blocks and scales, and the trainer sends unquantized tensors"
+            " (vLLM would fail with a bare assertion mid-push, or cast them silently). Serve the unquantized (bf16)"
+            " checkpoint of the same model, as verl's GPT-OSS recipe does.")
 
 
 def engine_quantization_problem(llm: Any) -> str | None:
     """:func:`quantization_problem` for an in-process ``LLM``, from the HF config its engine loaded."""
     config = llm.llm_engine.model_config
     quantization = getattr(config, "quantization", None)
-    if quantization is None:
-        return None
-    if getattr(config.hf_config, "quantization_config", None) is None and quantization not in _CHECKPOINT_ONLY:
-        return None
-    return _quantized("the colocated vLLM engine", quantization, str(config.model))
-
-
-def _quantized(where: str, method: str, checkpoint: str) -> str:
-    return (f"{where} serves a {method}-quantized checkpoint ({checkpoint}): its quantized parameters (linear"
-            f" layers, experts) load only {method} blocks and scales, and the trainer sends unquantized tensors"
-            " (vLLM would fail with a bare assertion mid-push, or cast them silently). Serve the unquantized (bf16)"
-            " checkpoint of the same model, as verl's GPT-OSS recipe does.")
+    stored = quantization if getattr(config.hf_config, "quantization_config", None) is not None else None
+    return quantization_problem("the colocated vLLM engine", quantization, str(config.model), stored=stored)
 
 
 def check_servers(servers: Sequence[Server], *, backend: str | None) -> list[ServerInfo]:
