@@ -1,4 +1,4 @@
-"""GPU check of ``RemoteVLLM(transport="nccl_m2n")``: vLLM's M2N engine fed by ``strategy.m2n_source()``.
+"""GPU check of ``RemoteVLLM(transport="nccl_m2n")``: vLLM's M2N engine fed by ``strategy.weight_source(layout="m2n")``.
 
     torchrun --nproc-per-node N benchmarks/m2n_check.py      # N trainer GPUs (0..N-1), the server on GPU N
 

@@ -7,7 +7,7 @@ only when a vLLM target is built.
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_fsdp_export.callback import VLLMWeightSync, WeightSyncError
-from lightning_fsdp_export.export import ExportPlan, ExportReport, lazy_export
+from lightning_fsdp_export.export import ExportReport, lazy_export
 from lightning_fsdp_export.names import export_name
 from lightning_fsdp_export.strategy import LazyExportFSDP2
 from lightning_fsdp_export.targets import ColocatedVLLM, DirectoryTarget, InMemoryTarget, RemoteVLLM, WeightTarget
@@ -15,7 +15,6 @@ from lightning_fsdp_export.targets import ColocatedVLLM, DirectoryTarget, InMemo
 __all__ = [
     "ColocatedVLLM",
     "DirectoryTarget",
-    "ExportPlan",
     "ExportReport",
     "InMemoryTarget",
     "LazyExportFSDP2",

@@ -26,7 +26,7 @@ from lightning_fsdp_export.buckets import bucketable, cast_before_gather, gather
 from lightning_fsdp_export.checkpoint_format import CheckpointFormat
 from lightning_fsdp_export.names import export_name
 
-__all__ = ["ExportPlan", "ExportReport", "lazy_export", "plan_export", "planned_shapes"]
+__all__ = ["ExportReport", "lazy_export", "nonfinite", "plan_export"]
 
 
 @dataclass(frozen=True)
@@ -50,19 +50,6 @@ class ExportReport:
     seconds: float
     module_moves: int
     gathered_bytes: int = 0
-
-
-@dataclass(frozen=True)
-class ExportPlan:
-    """What an export will yield, known without any collective (``strategy.export_plan()``).
-
-    Attributes:
-        shapes: ``(checkpoint name, full shape)`` in export order (after the checkpoint-format mapping).
-        nonfinite: names whose local shard on this rank holds NaN or Inf (when asked for).
-    """
-
-    shapes: list[tuple[str, tuple[int, ...]]]
-    nonfinite: list[str]
 
 
 def nonfinite(entries: list[tuple[list[str], Tensor]]) -> list[str]:
@@ -99,14 +86,6 @@ def plan_export(
             continue  # extra-state entries, or filtered out
         groups.setdefault(id(tensor), ([], tensor))[0].append(rename(name))
     return list(groups.values())
-
-
-def planned_shapes(entries: list[tuple[list[str], Tensor]],
-                   fmt: CheckpointFormat | None = None) -> list[tuple[str, tuple[int, ...]]]:
-    """``(name, shape)`` of every tensor an export of ``entries`` yields, in order, after ``fmt``; no collective."""
-    if fmt is None:
-        return [(name, tuple(tensor.shape)) for names, tensor in entries for name in names]
-    return [shape for names, tensor in entries for name in names for shape in fmt.shapes(name, tensor)]
 
 
 def gather_full(tensor: Tensor, *, device: torch.device, dtype: torch.dtype | None,

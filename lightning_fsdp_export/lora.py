@@ -159,18 +159,13 @@ def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torc
                            gathered_bytes=lazy.gathered_bytes))
 
 
-def write_adapter(weights: Iterator[tuple[str, Tensor]], module: nn.Module, directory: str, *, write: bool) -> None:
-    """Write a peft-format adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``).
-
-    With ``write=False`` the stream is only drained (for ranks that take part in the gathers only).
-    """
+def write_adapter(weights: Iterator[tuple[str, Tensor]], module: nn.Module, directory: str) -> None:
+    """Write a peft-format adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
     from pathlib import Path
 
     from safetensors.torch import save_file
 
-    tensors = {name: tensor.contiguous() for name, tensor in weights if write}
-    if not write:
-        return
+    tensors = {name: tensor.contiguous() for name, tensor in weights}
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)
     adapter = getattr(module, "active_adapter", "default")

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor, nn
 
 from lightning_fsdp_export.checkpoint_format import CheckpointFormat
-from lightning_fsdp_export.export import ExportPlan, ExportReport, lazy_export, nonfinite, planned_shapes
+from lightning_fsdp_export.export import ExportReport, lazy_export
 from lightning_fsdp_export.lora import (
     LoraMode,
     check_adapters_loadable,
@@ -32,7 +32,7 @@ from lightning_fsdp_export.lora import (
     staged_merged_export,
 )
 from lightning_fsdp_export.shards import Layout, ShardSource, row_bounds, shard_export, trainer_world
-from lightning_fsdp_export.source import Entries, ExportSource, layerwise_entries
+from lightning_fsdp_export.source import Entries, ExportSource, SourceLayout, layerwise_entries
 
 __all__ = ["ModelExport"]
 
@@ -51,6 +51,11 @@ class ModelExport:
 
     def __init__(self, name: str, *, bucket_bytes: int, prefetch: int, device: Callable[[], torch.device],
                  stage: Callable[[], bool], unstage: Callable[[], None]) -> None:
+        for option, value, what in (("export_bucket_bytes", bucket_bytes, "0 (no buckets) or a positive number of"
+                                     " bytes"), ("export_prefetch", prefetch, "0 (no overlap) or a positive number"
+                                                 " of all-gathers to keep in flight")):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(f"{name}({option}={value!r}) must be {what}.")
         self.name = name
         self.bucket_bytes = bucket_bytes
         self.prefetch = prefetch
@@ -140,22 +145,22 @@ class ModelExport:
         return ShardSource(lambda: layerwise_entries(self._entries(mode)), export, layout=layout, world=world,
                            dtype=dtype, show_progress=show_progress, checkpoint_format=fmt, kind=mode)
 
-    def m2n_source(self, mode: LoraMode, *, dtype: torch.dtype | None, device: torch.device | str | None) -> Any:
-        """:meth:`shard_source` as a vLLM ``M2NWeightSource`` (imports vLLM)."""
-        from lightning_fsdp_export.targets.vllm_source import FSDP2M2NSource
+    def source_for(self, mode: LoraMode, layout: SourceLayout, *, dtype: torch.dtype | None,
+                   device: torch.device | str | None, show_progress: bool = False) -> ExportSource:
+        """The source of kind ``mode`` in ``layout``; ``M2N`` rows are staged on ``device`` (the strategy's)."""
+        if layout is SourceLayout.FULL:
+            return self.source(mode, dtype=dtype, show_progress=show_progress)
+        m2n = layout is SourceLayout.M2N
+        return self.shard_source(mode, dtype=dtype, even=m2n, device=device if m2n else None,
+                                 show_progress=show_progress)
 
-        return FSDP2M2NSource(self.shard_source(mode, dtype=dtype, even=True, device=device))
+    def weight_source(self, mode: LoraMode, layout: SourceLayout, *, dtype: torch.dtype | None,
+                      device: torch.device | str | None) -> Any:
+        """:meth:`source_for` as a vLLM ``WeightSource`` (``M2N``: its ``M2NWeightSource``); imports vLLM."""
+        from lightning_fsdp_export.targets.vllm_source import FSDP2M2NSource, FSDP2WeightSource
 
-    def weight_source(self, mode: LoraMode, *, dtype: torch.dtype | None) -> Any:
-        """:meth:`source` as a vLLM ``WeightSource`` (imports vLLM)."""
-        from lightning_fsdp_export.targets.vllm_source import FSDP2WeightSource
-
-        return FSDP2WeightSource(self.source(mode, dtype=dtype))
-
-    def plan(self, mode: LoraMode, *, check_finite: bool) -> ExportPlan:
-        """What :meth:`weights` would yield, from one walk of the state dict; no collective runs."""
-        entries = self._entries(mode)
-        return ExportPlan(planned_shapes(entries, self._format_for(mode)), nonfinite(entries) if check_finite else [])
+        source = self.source_for(mode, layout, dtype=dtype, device=device)
+        return FSDP2M2NSource(source) if layout is SourceLayout.M2N else FSDP2WeightSource(source)
 
     def _format_for(self, mode: str) -> CheckpointFormat:
         """Adapters go out under peft's file names, untouched; base weights in checkpoint format."""

@@ -69,7 +69,7 @@ def plan_pushes(strategy: Any, target: Any, *, lora: str, base_pushed: bool, dty
 def _push_adapter(source: ExportSource, target: Any, module: Any, rank_dir: Path, version: int) -> None:
     """Write the adapter as a peft directory, load it into the engine, drop directories it no longer needs."""
     path = rank_dir / f"v{version:06d}"
-    write_adapter(iter(source), module, str(path), write=True)
+    write_adapter(iter(source), module, str(path))
     target.push_adapter(path, version=version)
     for old in rank_dir.glob("v[0-9]*"):  # the engine holds loaded adapters in memory
         if int(old.name[1:]) < version - 1:

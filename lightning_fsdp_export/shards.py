@@ -165,7 +165,7 @@ class ShardSource(ExportSource):
     """:class:`~lightning_fsdp_export.source.ExportSource` of a shard-direct pass: ``metadata()`` also says,
     per tensor, which rows each rank yields (:class:`ShardMeta`); ``iter()`` is a :func:`shard_export` pass.
 
-    Built by ``LazyExportFSDP2.export_source(layout="shards")``; ``m2n_source()`` is its vLLM view.
+    Built by ``LazyExportFSDP2.export_source(layout="shards")``; ``weight_source(layout="m2n")`` its vLLM view.
 
     Args:
         entries: what one pass exports, in order (no collective).

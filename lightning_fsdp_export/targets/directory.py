@@ -12,6 +12,8 @@ import torch
 from safetensors.torch import save_file
 from torch import Tensor
 
+from lightning_fsdp_export.pretrained import checkpoint_shapes
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
@@ -136,18 +138,6 @@ class DirectoryTarget:
         pass
 
 
-def read_checkpoint_shapes(directory: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
-    """``{name: shape}`` from the safetensors headers of an HF checkpoint directory (no tensor is read)."""
-    from safetensors import safe_open
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in sorted(Path(directory).glob("*.safetensors")):
-        with safe_open(str(file), framework="pt") as f:
-            for key in f.keys():
-                shapes[key] = tuple(f.get_slice(key).get_shape())
-    return shapes
-
-
 class CheckpointCheck:
     """Compares what the trainer exports with an engine's HF checkpoint directory (its safetensors headers).
 
@@ -168,7 +158,7 @@ class CheckpointCheck:
         from lightning_fsdp_export.agreement import compare_shapes
 
         if self._expected is None:
-            self._expected = read_checkpoint_shapes(self.path) if self.readable else {}
+            self._expected = checkpoint_shapes(self.path) if self.readable else {}
             config = self.path / "config.json"
             self._tied = config.is_file() and bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
         if not self._expected:

@@ -56,7 +56,7 @@ class RemoteVLLM:
       the trainer; the workers assemble the full tensors); the servers need no other setting.
     * ``"nccl_m2n"``: vLLM's M2N engine (``'{"backend": "nccl_m2n"}'``; needs NVIDIA's
       ``nccl-extensions`` on both sides): every trainer rank sends its local shards over NCCL and the
-      workers reshard them (``strategy.m2n_source()``). GPU only.
+      workers reshard them (``strategy.weight_source(layout="m2n")``). GPU only.
     * ``"directory"``: rank 0 writes safetensors to ``directory`` (shared with the servers) and each
       server reloads them (``/collective_rpc reload_weights``): for setups with no network path.
 

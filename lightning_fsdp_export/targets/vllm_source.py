@@ -1,7 +1,7 @@
 """The lazy FSDP2 export as a vLLM ``WeightSource`` (full tensors) and as the shard-direct source ``nccl_m2n``
 takes; this module imports vLLM.
 
-``LazyExportFSDP2.weight_source()`` / ``m2n_source()`` build them; ``RemoteVLLM``'s weight-transfer
+``LazyExportFSDP2.weight_source(layout=...)`` builds them; ``RemoteVLLM``'s weight-transfer
 transports wrap the callback's sources with them.
 
 One code base for vLLM's two source contracts, chosen by its API (``_compat.weight_source_contract``):

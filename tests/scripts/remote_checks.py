@@ -14,7 +14,7 @@ Run by ``tests/test_remote_transfer.py``: ``torchrun --nproc-per-node 2 remote_c
   servers; they stay paused on the previous version; the next round recovers; the pre-check names it;
 * ``fit_shards``, ``replica_down_shards``, ``refused_shards``: the same with ``shard_direct=True`` (every
   trainer rank sends its own rows; the refused rounds from row-sharded sources over plain tensors);
-* ``shards_source``: ``export_source(layout="shards")`` and ``m2n_source()`` of a tied Qwen2 with uneven
+* ``shards_source``: ``export_source(layout="shards")`` and ``weight_source(layout="m2n")`` of a tied Qwen2 with uneven
   shards (vocab 513), offloaded, of a Qwen3-MoE (fused experts) and of a LoRA Qwen2 (merged: all whole):
   each rank's rows against the full export, what is gathered, and vLLM's own m2n layout checks.
 
@@ -322,7 +322,7 @@ class CheckShards(pl.Callback):
                 torch.equal(t, full[n] if bounds_of(m) is None else full[n][bounds_of(m)[rank]:bounds_of(m)[rank + 1]])
                 for m, (n, t) in zip(meta, pairs))
 
-        m2n = strategy.m2n_source(dtype=torch.bfloat16)
+        m2n = strategy.weight_source(dtype=torch.bfloat16, layout="m2n")
         m2n_meta = m2n.metadata()
         problems = []
         for m in m2n_meta:  # what vLLM's M2NTrainerWeightTransferEngine.trainer_init checks before any rendezvous
