@@ -26,7 +26,13 @@ from lightning_fsdp_export.exact import EXACT_FAILED, ExactCheck, check_precondi
 from lightning_fsdp_export.pushes import Push, plan_pushes, temporary_adapter_dir
 from lightning_fsdp_export.source import ExportSource
 from lightning_fsdp_export.strategy import LazyExportFSDP2
-from lightning_fsdp_export.targets.base import WeightTarget
+from lightning_fsdp_export.targets.base import (
+    ExactCheckable,
+    LoadsAdapters,
+    ScoresLogprobs,
+    SleepsDuringCompute,
+    WeightTarget,
+)
 from lightning_fsdp_export.verify import check_logprobs
 
 __all__ = ["VLLMWeightSync", "WeightSyncError"]
@@ -144,26 +150,26 @@ class VLLMWeightSync(Callback):
         strategy.export_module  # noqa: B018 - no or several models to export: fail before the first step
         self._ensure_target(trainer, strategy)
         if self._exact_pending:
+            assert isinstance(self.target, ExactCheckable)  # refused in __init__ otherwise
             check_precondition(self._ranks, strategy, self.target)
         strategy.add_phase_listener(self)  # the engine sleeps while the trainer computes
 
     def before_compute(self) -> None:
         """The strategy is about to load the shards for a step (or validation): the target may sleep."""
-        hook = getattr(self.target, "before_compute", None)
-        if callable(hook):
-            hook()
+        if isinstance(self.target, SleepsDuringCompute):
+            self.target.before_compute()
 
     def after_compute(self) -> None:
         """The strategy offloaded the shards: the target wakes what a push needs."""
-        hook = getattr(self.target, "after_compute", None)
-        if callable(hook):
-            hook()
+        if isinstance(self.target, SleepsDuringCompute):
+            self.target.after_compute()
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         # sleep_level=2 dropped the engine's weights in a phase no trigger follows (validation): push now,
         # before this step's rollouts.
-        if getattr(self.target, "weights_discarded", False) and not trainer.sanity_checking:
+        if isinstance(self.target, SleepsDuringCompute) and self.target.weights_discarded \
+                and not trainer.sanity_checking:
             self.sync(trainer)
 
     @override
@@ -231,12 +237,14 @@ class VLLMWeightSync(Callback):
         agree_after(self._ranks, self.version, mine, "Weight sync of version {version} failed ({lines}). The target"
                     " is stale.")
         if exact:
+            assert isinstance(self.target, ExactCheckable)
             self.last_exact_check, mine = exact_verdict(self.target, baseline)
             agree_after(self._ranks, self.version, mine, EXACT_FAILED)
             check = self.last_exact_check
             rank_zero_info(f"VLLMWeightSync exact check passed: {check.compared} engine parameter(s) restored bit for"
                            f" bit, {check.not_comparable} not comparable (repacked by the engine).")
         if self._verify:
+            assert isinstance(self.target, ScoresLogprobs)
             diff, mine = check_logprobs(strategy, self.target, self._verify_tolerance)
             self.last_verify_diff = diff if diff is not None else self.last_verify_diff
             agree_after(self._ranks, self.version, mine, "Weight sync of version {version} did not verify ({lines}).")
@@ -251,9 +259,10 @@ class VLLMWeightSync(Callback):
         failed_at = ""
         baseline: dict[str, dict[str, str]] = {}
         if exact:
+            assert isinstance(self.target, ExactCheckable)
             try:
-                baseline = self.target.weight_checksums()  # type: ignore[attr-defined]
-                self.target.reset_weights()  # type: ignore[attr-defined]
+                baseline = self.target.weight_checksums()
+                self.target.reset_weights()
             except Exception as err:  # noqa: BLE001 - reported on every rank, after the ranks agree
                 error, failed_at = err, "before the push, taking the engine's checksums or zeroing it"
         for push in pushes:
@@ -321,9 +330,10 @@ def _require_strategy(trainer: pl.Trainer) -> LazyExportFSDP2:
     return strategy
 
 
-def _validate_sleep(target: Any, every_n_train_steps: Any, every_n_epochs: Any, lora: str, on_error: str) -> None:
+def _validate_sleep(target: WeightTarget, every_n_train_steps: Any, every_n_epochs: Any, lora: str,
+                    on_error: str) -> None:
     """``sleep_level=2`` drops the engine's weights at every step: only a full push after every step restores them."""
-    if getattr(target, "sleep_level", None) != 2:
+    if not isinstance(target, SleepsDuringCompute) or target.sleep_level != 2:
         return
     why = ("ColocatedVLLM(sleep_level=2) drops the engine's weights at every step and only a full push brings them"
            " back, so VLLMWeightSync must push all weights after every optimizer step and never give up on one")
@@ -338,8 +348,9 @@ def _validate_sleep(target: Any, every_n_train_steps: Any, every_n_epochs: Any, 
 def _validate(target: Any, every_n_train_steps: Any, every_n_epochs: Any, dtype: Any) -> None:
     if not isinstance(target, WeightTarget):
         raise TypeError(
-            f"VLLMWeightSync(target={target!r}) is not a weight target: it needs `dtype`, `setup`, `push` and"
-            " `teardown` (see lightning_fsdp_export.targets, e.g. ColocatedVLLM(model=PATH))."
+            f"VLLMWeightSync(target={target!r}) is not a weight target: subclass"
+            " lightning_fsdp_export.targets.WeightTarget and write its push(), or use one of the targets there"
+            " (e.g. ColocatedVLLM(model=PATH))."
         )
     if every_n_train_steps is not None and every_n_epochs is not None:
         raise ValueError(
@@ -353,28 +364,28 @@ def _validate(target: Any, every_n_train_steps: Any, every_n_epochs: Any, dtype:
         raise TypeError(f"VLLMWeightSync(dtype={dtype!r}) must be a torch.dtype such as torch.bfloat16, or None.")
 
 
-def _validate_checks(target: Any, *, verify: Any, verify_tolerance: float, lora: str, on_error: str,
+def _validate_checks(target: WeightTarget, *, verify: Any, verify_tolerance: float, lora: str, on_error: str,
                      exact_first_sync: bool, sync_on_train_start: bool) -> None:
     if verify not in (None, "logprobs"):
         raise ValueError(f"VLLMWeightSync(verify={verify!r}) must be None or 'logprobs'.")
-    if verify and not callable(getattr(target, "prompt_logprobs", None)):
-        raise TypeError(f"VLLMWeightSync(verify='logprobs') needs a target with prompt_logprobs();"
-                        f" {type(target).__name__} has none (ColocatedVLLM has).")
+    if verify and not isinstance(target, ScoresLogprobs):
+        raise TypeError(f"VLLMWeightSync(verify='logprobs') needs a target with prompt_logprobs() (a ScoresLogprobs);"
+                        f" {type(target).__name__} has none (ColocatedVLLM and RemoteVLLM have).")
     if verify_tolerance <= 0:
         raise ValueError(f"VLLMWeightSync(verify_tolerance={verify_tolerance}) must be positive.")
     if lora not in ("merged", "adapter"):
         raise ValueError(f"VLLMWeightSync(lora={lora!r}) must be 'merged' or 'adapter'.")
-    if lora == "adapter" and not callable(getattr(target, "push_adapter", None)):
-        raise TypeError(f"VLLMWeightSync(lora='adapter') needs a target with push_adapter();"
+    if lora == "adapter" and not isinstance(target, LoadsAdapters):
+        raise TypeError(f"VLLMWeightSync(lora='adapter') needs a target with push_adapter() (a LoadsAdapters);"
                         f" {type(target).__name__} has none (ColocatedVLLM built with enable_lora=True has).")
     if exact_first_sync:
         if not sync_on_train_start:
             raise ValueError("VLLMWeightSync(exact_first_sync=True) checks the sync at train start, where the trainer"
                              " still holds the engine's checkpoint: it needs sync_on_train_start=True.")
-        lacking = [m for m in ("weight_checksums", "reset_weights") if not callable(getattr(target, m, None))]
-        if lacking:
-            raise TypeError(f"VLLMWeightSync(exact_first_sync=True) needs a target with {' and '.join(lacking)}();"
-                            f" {type(target).__name__} has none (ColocatedVLLM and RemoteVLLM have).")
+        if not isinstance(target, ExactCheckable):
+            raise TypeError(f"VLLMWeightSync(exact_first_sync=True) needs a target with weight_checksums and"
+                            f" reset_weights() (an ExactCheckable); {type(target).__name__} has none (ColocatedVLLM and"
+                            " RemoteVLLM have).")
     if on_error not in ("raise", "warn"):
         raise ValueError(f"VLLMWeightSync(on_error={on_error!r}) must be 'raise' or 'warn'.")
 

@@ -19,9 +19,13 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lightning_fsdp_export.agreement import SyncGroup
+from lightning_fsdp_export.targets.base import ExactCheckable
+
+if TYPE_CHECKING:
+    from lightning_fsdp_export.strategy import LazyExportFSDP2
 
 __all__ = ["EMPTY_SHA256", "EXACT_FAILED", "ExactCheck", "check_precondition", "compare_checksums", "exact_verdict"]
 
@@ -61,14 +65,14 @@ def compare_checksums(before: dict[str, dict[str, str]], after: dict[str, dict[s
     return ExactCheck(compared, not_comparable, mismatched, len(before))
 
 
-def check_precondition(group: SyncGroup, strategy: Any, target: Any) -> None:
+def check_precondition(group: SyncGroup, strategy: LazyExportFSDP2, target: ExactCheckable) -> None:
     """At fit start: the trainer must start from the engine's own checkpoint (every rank raises, or none)."""
     pretrained = strategy.export_checkpoint
     if pretrained is None:
         raise ValueError("VLLMWeightSync(exact_first_sync=True) needs LazyExportFSDP2(pretrained=DIR) with DIR the"
                          " checkpoint the engine loaded: only then must the first push restore the engine bit for bit.")
     try:
-        engine = str(getattr(target, "checkpoint_path", lambda: "")())
+        engine = str(target.checkpoint_path())
     except Exception:  # noqa: BLE001 - a server not answering yet: the first sync reports it
         engine = ""
     mine = None
@@ -85,7 +89,7 @@ EXACT_FAILED = ("Exact check of version {version} failed ({lines}). The engine w
                 " out otherwise than the engine's loader expects, or one the engine's reload drops).")
 
 
-def exact_verdict(target: Any, baseline: dict[str, dict[str, str]]) -> tuple[ExactCheck | None, str | None]:
+def exact_verdict(target: ExactCheckable, baseline: dict[str, dict[str, str]]) -> tuple[ExactCheck | None, str | None]:
     """After the exact check's push: what was compared on this rank, and a message if anything is not back."""
     try:
         check = compare_checksums(baseline, target.weight_checksums())

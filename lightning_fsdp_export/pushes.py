@@ -12,12 +12,16 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from lightning_fsdp_export.lora import write_adapter
-from lightning_fsdp_export.source import ExportSource
+from lightning_fsdp_export.source import ExportSource, SourceLayout
+from lightning_fsdp_export.targets.base import LoadsAdapters, WeightTarget
+
+if TYPE_CHECKING:
+    from lightning_fsdp_export.strategy import LazyExportFSDP2
 
 __all__ = ["Push", "plan_pushes"]
 
@@ -30,7 +34,7 @@ class Push:
     consume: Callable[[ExportSource], None]
 
 
-def plan_pushes(strategy: Any, target: Any, *, lora: str, base_pushed: bool, dtype: torch.dtype | None,
+def plan_pushes(strategy: LazyExportFSDP2, target: WeightTarget, *, lora: str, base_pushed: bool, dtype: torch.dtype | None,
                 version: int, rank: int, adapter_dir: Callable[[], Path], show_progress: bool) -> list[Push]:
     """The sources this sync pushes, in the order every rank runs them.
 
@@ -45,28 +49,23 @@ def plan_pushes(strategy: Any, target: Any, *, lora: str, base_pushed: bool, dty
         adapter_dir: where ``"adapter"`` writes peft directories.
         show_progress: a progress bar for long passes.
     """
-    layout = getattr(target, "source_layout", "full")  # a shard-direct target takes every rank's own shards
-
-    def source(kind: str) -> ExportSource:
+    def source(kind: Any) -> ExportSource:  # a shard-direct target takes every rank's own shards
         return strategy.export_source(dtype=dtype, lora=kind, show_progress=show_progress,
-                                      layout="full" if kind == "adapter" else layout)
+                                      layout=SourceLayout.FULL if kind == "adapter" else target.source_layout)
 
     def to_target(src: ExportSource) -> None:
-        push_source = getattr(target, "push_source", None)
-        if callable(push_source):  # a target that needs the metadata before the stream
-            push_source(src, version=version)
-        else:
-            target.push(iter(src), version=version)
+        target.push_source(src, version=version)
 
     if lora == "merged":
         return [Push(source("merged"), to_target)]
     pushes = [] if base_pushed else [Push(source("base"), to_target)]
-    module = strategy.export_module
-    return pushes + [Push(source("adapter"), lambda src: _push_adapter(src, target, module, adapter_dir() /
+    assert isinstance(target, LoadsAdapters), "VLLMWeightSync(lora='adapter') refuses other targets"
+    loader, module = target, strategy.export_module
+    return pushes + [Push(source("adapter"), lambda src: _push_adapter(src, loader, module, adapter_dir() /
                                                                        f"rank{rank}", version))]
 
 
-def _push_adapter(source: ExportSource, target: Any, module: Any, rank_dir: Path, version: int) -> None:
+def _push_adapter(source: ExportSource, target: LoadsAdapters, module: Any, rank_dir: Path, version: int) -> None:
     """Write the adapter as a peft directory, load it into the engine, drop directories it no longer needs."""
     path = rank_dir / f"v{version:06d}"
     write_adapter(iter(source), module, str(path))

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from lightning_fsdp_export.strategy import LazyExportFSDP2
+    from lightning_fsdp_export.targets.base import ScoresLogprobs
 
 __all__ = ["check_logprobs"]
 
 
-def check_logprobs(strategy: Any, target: Any, tolerance: float) -> tuple[float | None, str | None]:
+def check_logprobs(strategy: LazyExportFSDP2, target: ScoresLogprobs, tolerance: float) -> tuple[float | None, str | None]:
     """This rank's engine(s) against the trainer on a fixed probe: ``(worst difference, message past tolerance)``.
 
     The trainer's forward runs with the shards on the device and starts no compute phase. A target may

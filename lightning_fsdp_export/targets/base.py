@@ -1,46 +1,125 @@
-"""The one small protocol every weight target follows."""
+"""The contracts between the Sync room and the targets: what every target does, and what only some can.
+
+:class:`WeightTarget` is what every target is: ``push`` is the one method it must write; the rest has a
+default. What only some targets can do is a small capability class a target also derives from, and
+``VLLMWeightSync`` checks it with ``isinstance`` when it is built (an option that needs a capability the
+target lacks is refused there, naming both):
+
+- :class:`ScoresLogprobs` (``prompt_logprobs``): for ``verify="logprobs"``;
+- :class:`ExactCheckable` (``checkpoint_path``, ``weight_checksums``, ``reset_weights``): for
+  ``exact_first_sync=True``;
+- :class:`LoadsAdapters` (``push_adapter``): for ``lora="adapter"``;
+- :class:`SleepsDuringCompute` (``before_compute``, ``after_compute``, ``weights_discarded``,
+  ``sleep_level``): told of the strategy's compute phases (a colocated engine sleeps through them).
+
+A sync calls, on every rank::
+
+    target.setup(trainer)                                # once, at fit start
+    problems = target.check_weights(names_and_shapes)    # each sync, before any gather
+    target.push_source(strategy.export_source(dtype=target.dtype, layout=target.source_layout), version=v)
+    target.teardown()                                    # at fit end
+"""
 
 from __future__ import annotations
 
+import os
+from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
+from lightning_fsdp_export.source import ExportSource, SourceLayout
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
+__all__ = ["ExactCheckable", "LoadsAdapters", "ScoresLogprobs", "SleepsDuringCompute", "WeightTarget"]
 
-@runtime_checkable
-class WeightTarget(Protocol):
-    """Where :class:`~lightning_fsdp_export.VLLMWeightSync` sends weights.
 
-    The calling loop, on every rank::
+class WeightTarget(ABC):
+    """Where :class:`~lightning_fsdp_export.VLLMWeightSync` sends weights; every method runs on every rank.
 
-        target.setup(trainer)                      # once, at fit start
-        source = strategy.export_source(dtype=target.dtype)                   # each sync:
-        target.push(iter(source), version=v)       # or target.push_source(source, version=v) if it has one
-        target.teardown()                          # at fit end
-
-    ``push_source(source, *, version)`` is optional: a target that needs the source's ``metadata()``
-    before the stream (``RemoteVLLM``'s network transports) defines it and gets the
-    :class:`~lightning_fsdp_export.source.ExportSource` instead of one pass over it.
+    Subclass it and write :meth:`push`; override the others where the default does not fit.
     """
+
+    source_layout: SourceLayout = SourceLayout.FULL
+    """What the sync asks the strategy for: whole tensors, or each rank's own shards (a shard-direct target)."""
 
     @property
     def dtype(self) -> torch.dtype | None:
-        """The dtype the receiver wants (an engine's own), or ``None`` to keep the trainer's."""
-        ...
+        """The dtype the receiver wants (an engine's own), or ``None`` (default) to keep the trainer's."""
+        return None
 
-    def setup(self, trainer: pl.Trainer) -> None:
-        """Prepare on every rank (build an engine, check a server) before the first push."""
-        ...
+    def setup(self, trainer: pl.Trainer) -> None:  # noqa: B027 - a default that does nothing
+        """Prepare before the first push (build an engine, reach a server); default: nothing."""
 
+    @abstractmethod
     def push(self, weights: Iterator[tuple[str, Tensor]], *, version: int) -> None:
-        """Send one full set of weights as version ``version``; called on every rank with the same stream."""
-        ...
+        """Send one full set of weights as version ``version``; called on every rank with the same collective
+        stream, which the target must let be drained (the sync drains what it leaves)."""
 
-    def teardown(self) -> None:
-        """Release what ``setup`` created."""
-        ...
+    def push_source(self, source: ExportSource, *, version: int) -> None:
+        """What the sync calls: the source itself, for a target that needs its ``metadata()`` before the stream
+        (``RemoteVLLM``'s network transports). Default: ``push(iter(source), version=version)``."""
+        self.push(iter(source), version=version)
+
+    def check_weights(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
+        """What the receiver would refuse among ``(name, full shape)``, checked before any gather (one line per
+        problem); default: nothing is checked here (the receiver's load checks)."""
+        return []
+
+    def teardown(self) -> None:  # noqa: B027 - a default that does nothing
+        """Release what ``setup`` created; default: nothing."""
+
+
+class ScoresLogprobs(ABC):
+    """A target that can score tokens with the weights it holds (``VLLMWeightSync(verify="logprobs")``)."""
+
+    @abstractmethod
+    def prompt_logprobs(self, token_ids: list[int]) -> list[float] | dict[str, list[float]]:
+        """The logprob of each token of ``token_ids`` after the ones before it (``len - 1`` values), or such a
+        list per server (``{url: [...]}``); an empty result on ranks that do not ask."""
+
+
+class ExactCheckable(ABC):
+    """A target whose engine can be checked bit for bit (``VLLMWeightSync(exact_first_sync=True)``)."""
+
+    @abstractmethod
+    def checkpoint_path(self) -> str | os.PathLike[str]:
+        """The checkpoint the engine was built from (must be the strategy's ``pretrained=``)."""
+
+    @abstractmethod
+    def weight_checksums(self) -> dict[str, dict[str, str]]:
+        """``{engine: {parameter: checksum}}`` of the engine's weights now (vLLM's weight checker)."""
+
+    @abstractmethod
+    def reset_weights(self) -> None:
+        """Zero the engine's weights (it serves nothing until the next push completes)."""
+
+
+class LoadsAdapters(ABC):
+    """A target that loads peft adapter directories (``VLLMWeightSync(lora="adapter")``)."""
+
+    @abstractmethod
+    def push_adapter(self, path: str | os.PathLike[str], *, version: int) -> None:
+        """Load the adapter directory ``path`` as version ``version`` (later requests use it)."""
+
+
+class SleepsDuringCompute(ABC):
+    """A target sharing the trainer's device: told of the strategy's compute phases (a colocated engine)."""
+
+    sleep_level: int | None = None
+    """2: the engine drops its weights while asleep, so only a full push after every step restores them."""
+
+    weights_discarded: bool = False
+    """The engine holds no weights now (it slept at level 2 through a phase no sync followed): push first."""
+
+    @abstractmethod
+    def before_compute(self) -> None:
+        """The trainer is about to take the device."""
+
+    @abstractmethod
+    def after_compute(self) -> None:
+        """The trainer gave the device back."""

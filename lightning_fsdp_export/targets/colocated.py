@@ -23,13 +23,20 @@ from lightning_fsdp_export._compat import (
 )
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_fsdp_export.targets.base import (
+    ExactCheckable,
+    LoadsAdapters,
+    ScoresLogprobs,
+    SleepsDuringCompute,
+    WeightTarget,
+)
 from lightning_fsdp_export.targets.directory import CheckpointCheck
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class ColocatedVLLM:
+class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, SleepsDuringCompute):
     """An ``LLM`` built on every rank at setup (``external_launcher``), exposed as ``.llm`` for rollouts.
 
     Each sync is one call per rank: ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator":

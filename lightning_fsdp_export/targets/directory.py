@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from lightning_fsdp_export.pretrained import checkpoint_shapes
+from lightning_fsdp_export.targets.base import WeightTarget
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -78,7 +79,7 @@ def _finish_names(directory: Path, files: list[str]) -> None:
     (directory / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
 
 
-class DirectoryTarget:
+class DirectoryTarget(WeightTarget):
     """Writes each sync as an HF checkpoint under ``directory/v{version:06d}`` (rank 0 writes).
 
     ``config.json`` (and the generation config) of the exported model are saved beside the weights,

@@ -8,11 +8,13 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from lightning_fsdp_export.targets.base import WeightTarget
+
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class InMemoryTarget:
+class InMemoryTarget(WeightTarget):
     """Keeps ``{name: tensor}`` of the latest push on rank 0, and the versions pushed.
 
     Args:

@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, get_args
 import torch
 from torch import Tensor
 
-from lightning_fsdp_export.source import ExportSource
+from lightning_fsdp_export.source import ExportSource, SourceLayout
+from lightning_fsdp_export.targets.base import ExactCheckable, ScoresLogprobs, WeightTarget
 from lightning_fsdp_export.targets.directory import DEFAULT_SHARD_BYTES, CheckpointCheck, DirectoryTarget
 from lightning_fsdp_export.targets.http import Server, on_all
 from lightning_fsdp_export.targets.preflight import check_servers
@@ -41,7 +42,7 @@ _OPTIONS = {"directory": ("directory",), "shard_bytes": ("directory",), "keep_la
             "buffer_bytes": ("nccl", "ipc", "gloo"), "packed": ("nccl", "ipc"), "shard_direct": ("gloo", "nccl_m2n")}
 
 
-class RemoteVLLM:
+class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
     """Push each version to one or several running vLLM servers (replicas), all in the same sync.
 
     Transports (``transport=``):
@@ -162,13 +163,13 @@ class RemoteVLLM:
     def dtype(self) -> torch.dtype | None:
         return self._dtype
 
-    @property
-    def source_layout(self) -> str:
-        """What ``VLLMWeightSync`` asks the strategy for (``export_source(layout=...)``): ``"shards"`` for gloo
-        shard-direct, ``"m2n"`` for ``nccl_m2n``, else ``"full"``."""
+    @property  # type: ignore[override]
+    def source_layout(self) -> SourceLayout:
+        """What ``VLLMWeightSync`` asks the strategy for: ``SHARDS`` for gloo shard-direct, ``M2N`` for
+        ``nccl_m2n``, else ``FULL``."""
         if self.transport == "nccl_m2n":
-            return "m2n"
-        return "shards" if self._native is not None and self._native.shard_direct else "full"
+            return SourceLayout.M2N
+        return SourceLayout.SHARDS if self._native is not None and self._native.shard_direct else SourceLayout.FULL
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Every rank: the network transports rendezvous here (rank 0 with every server)."""
