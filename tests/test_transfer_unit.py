@@ -21,6 +21,7 @@ import torch
 pytest.importorskip("vllm")
 
 from lightning_fsdp_export import RemoteVLLM  # noqa: E402
+from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo  # noqa: E402
 from lightning_fsdp_export.source import ExportSource, layerwise_entries, layerwise_groups  # noqa: E402
 from lightning_fsdp_export._compat import iter_full, source_metadata, weight_source_contract  # noqa: E402
 from lightning_fsdp_export.targets.http import ServerError  # noqa: E402
@@ -107,6 +108,9 @@ def test_the_private_vllm_helper_we_use_for_ipc_payloads_still_exists() -> None:
 
 
 # -- RemoteVLLM's round, against recording HTTP stubs ------------------------------------------------
+
+URL = "http://127.0.0.1:8000"
+
 
 class Stub:
     """A fake vLLM server: records (method, path, body); answers JSON; some routes fail on demand."""
@@ -229,7 +233,7 @@ ROUND = ["/pause?mode=wait", "/start_weight_update", "/update_weights", "/finish
 
 def test_nccl_replicas_get_their_own_rank_offsets_the_version_and_one_round_each(recording_engine: Any) -> None:
     stubs = [Stub(world_size=2), Stub(world_size=1)]
-    target = RemoteVLLM([s.url for s in stubs], transport="nccl", master_address="10.0.0.1", master_port=29999)
+    target = RemoteVLLM([s.url for s in stubs], transport=NCCL(master_address="10.0.0.1", master_port=29999))
     target.setup(Rank(0))
     (engine,) = recording_engine.built
     assert (engine.init_info.backend, engine.init_info.world_size, engine.init_info.master_port) == ("nccl", 4, 29999)
@@ -255,7 +259,7 @@ def test_other_ranks_only_iterate_the_source(recording_engine: Any) -> None:
 
 def test_ipc_and_keep_mode(recording_engine: Any) -> None:
     stub = Stub(backend="ipc")
-    target = RemoteVLLM(stub.url, transport="ipc", pause_mode="keep", buffer_bytes=1 << 20)
+    target = RemoteVLLM(stub.url, transport=IPC(buffer_bytes=1 << 20), pause_mode="keep")
     target.setup(Rank(0))
     (engine,) = recording_engine.built
     assert (engine.init_info.backend, engine.init_info.packed, engine.init_info.packed_buffer_size_bytes) == (
@@ -319,22 +323,35 @@ def test_the_precheck_is_skipped_when_the_checkpoint_is_not_readable_here(record
     assert target.precheck_skipped == [stub.url]
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"transport": "gloo", "directory": "/x"}, r"does not use directory='/x' \(a 'directory' option\)"),
-    ({"transport": "ipc", "master_port": 5}, r"does not use master_port=5 \(a 'nccl' / 'gloo' / 'nccl_m2n' option\)"),
-    ({"transport": "gloo", "packed": False}, r"does not use packed=False"),
-    ({"directory": "/x", "buffer_bytes": 3}, r"transport='directory'\) does not use buffer_bytes=3"),
-    ({"transport": "tcp"}, r"transport='tcp'\) must be one of 'nccl', 'ipc', 'gloo', 'nccl_m2n', 'directory'"),
-    ({"transport": "directory"}, r"needs directory="),
-    ({"pause_mode": "abort"}, r"pause_mode='abort'\) must be 'wait' or 'keep'"),
+@pytest.mark.parametrize(("build", "error", "match"), [
+    # a transport's options are its fields: another transport's option cannot be built, and the old flat
+    # keyword names the transport that takes it
+    (lambda: RemoteVLLM(URL, directory="/x"), TypeError, r"RemoteVLLM\(directory=...\) is an option of the transport.*"
+     r"transport=Directory\(directory=...\)"),
+    (lambda: RemoteVLLM(URL, transport="nccl", shard_direct=True), TypeError, r"transport=Gloo\(shard_direct=...\)"),
+    (lambda: RemoteVLLM(URL, transport="ipc", master_port=5), TypeError, r"\(NCCL / Gloo / NCCLM2N take it"),
+    (lambda: IPC(master_port=5), TypeError, "master_port"),  # type: ignore[call-arg]
+    (lambda: Gloo(packed=False), TypeError, "packed"),  # type: ignore[call-arg]
+    (lambda: NCCLM2N(buffer_bytes=5), TypeError, "buffer_bytes"),  # type: ignore[call-arg]
+    (lambda: Directory("/x", buffer_bytes=3), TypeError, "buffer_bytes"),  # type: ignore[call-arg]
+    (lambda: Gloo(buffer_bytes=0), ValueError, r"Gloo\(buffer_bytes=0\) must be a positive number of bytes"),
+    (lambda: NCCL(master_port=70000), ValueError, r"NCCL\(master_port=70000\) must be a TCP port"),
+    (lambda: Directory("/x", keep_last=1), ValueError, r"Directory\(keep_last=1\) must be at least 2"),
+    (lambda: RemoteVLLM(URL, transport="tcp"), ValueError, r"transport='tcp'\) must be one of 'nccl', 'ipc', 'gloo',"
+     r" 'nccl_m2n', 'directory'"),
+    (lambda: RemoteVLLM(URL, transport="directory"), ValueError, r"needs the directory: transport=Directory\(PATH\)"),
+    (lambda: RemoteVLLM(URL, pause_mode="abort"), ValueError, r"pause_mode='abort'\) must be 'wait' or 'keep'"),
+    (lambda: RemoteVLLM("127.0.0.1:8000"), ValueError, "base_url='127.0.0.1:8000'"),
+    (lambda: RemoteVLLM(URL, timeout=0), ValueError, "timeout=0"),
 ])
-def test_options_of_another_transport_are_refused(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
-        RemoteVLLM("http://127.0.0.1:8000", **kwargs)
+def test_invalid_transport_options_cannot_be_built(build: Any, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        build()
 
 
 def test_the_default_transport() -> None:
-    assert RemoteVLLM("http://h:1", directory="/x").transport == "directory"
+    assert RemoteVLLM("http://h:1", transport=Directory("/x")).transport == "directory"
+    assert RemoteVLLM("http://h:1", transport="gloo").options == Gloo()
     assert RemoteVLLM(["http://h:1", "http://h:2"]).transport == ("nccl" if torch.cuda.is_available() else "gloo")
     with pytest.raises(ValueError, match="lists a server twice"):
         RemoteVLLM(["http://h:1", "http://h:1"])
@@ -426,7 +443,7 @@ def shard_source() -> Any:
 
 def test_nccl_m2n_drives_vllms_own_m2n_engine_with_our_shard_source(fake_m2n: FakeM2N) -> None:
     stubs = [Stub(world_size=2, backend="nccl_m2n"), Stub(world_size=1, backend="nccl_m2n")]
-    target = RemoteVLLM([s.url for s in stubs], transport="nccl_m2n", master_address="10.0.0.1", master_port=29999)
+    target = RemoteVLLM([s.url for s in stubs], transport=NCCLM2N(master_address="10.0.0.1", master_port=29999))
     assert target.source_layout == "m2n"
     target.setup(Rank(0))
     assert all(s.requests == [] for s in stubs)  # shard-direct: the group is built at the first push, every rank
@@ -451,13 +468,11 @@ def test_nccl_m2n_drives_vllms_own_m2n_engine_with_our_shard_source(fake_m2n: Fa
     target.teardown()
 
 
-def test_shard_direct_options() -> None:
-    assert RemoteVLLM("http://h:1", transport="gloo", shard_direct=True).source_layout == "shards"
+def test_each_transport_says_its_layout() -> None:
+    assert RemoteVLLM("http://h:1", transport=Gloo(shard_direct=True)).source_layout == "shards"
     assert RemoteVLLM("http://h:1", transport="gloo").source_layout == "full"
-    with pytest.raises(ValueError, match=r"transport='nccl'\) does not use shard_direct=True \(a 'gloo' / 'nccl_m2n'"):
-        RemoteVLLM("http://h:1", transport="nccl", shard_direct=True)
-    with pytest.raises(ValueError, match="does not use buffer_bytes=5"):
-        RemoteVLLM("http://h:1", transport="nccl_m2n", buffer_bytes=5)
+    assert RemoteVLLM("http://h:1", transport="nccl_m2n").source_layout == "m2n"  # always every rank's shards
+    assert [cls().every_rank for cls in (NCCL, IPC, Gloo, NCCLM2N)] == [False, False, False, True]
 
 
 # -- defects of issue 22, each fails without its fix ------------------------------------------------------
@@ -466,7 +481,7 @@ def test_shard_direct_options() -> None:
 @pytest.mark.parametrize("mode", ["wait", "keep"])
 def test_the_directory_transport_and_reset_weights_pause_in_the_chosen_mode(tmp_path: Any, mode: str) -> None:
     stub = Stub()
-    target = RemoteVLLM(stub.url, directory=tmp_path, pause_mode=mode)  # type: ignore[arg-type]
+    target = RemoteVLLM(stub.url, transport=Directory(tmp_path), pause_mode=mode)  # type: ignore[arg-type]
     trainer = Rank(0)
     trainer.strategy = type("Strategy", (), {"export_module": None})()  # type: ignore[attr-defined]
     target.setup(trainer)  # type: ignore[arg-type]
@@ -476,11 +491,6 @@ def test_the_directory_transport_and_reset_weights_pause_in_the_chosen_mode(tmp_
     reset = "/reset_prefix_cache?reset_running_requests=true" if mode == "keep" else "/reset_prefix_cache"
     assert stub.paths() == [pause, "/weight_checker", pause, "/collective_rpc", reset, "/update_weight_version",
                             "/resume"]
-
-
-def test_nccl_m2n_accepts_shard_direct_as_it_always_is() -> None:
-    target = RemoteVLLM("http://127.0.0.1:8000", transport="nccl_m2n", shard_direct=True)
-    assert target.source_layout == "m2n"
 
 
 def test_the_strategys_annotations_resolve() -> None:
@@ -505,7 +515,7 @@ def test_every_problem_of_every_server_is_named_with_its_fix(recording_engine: A
     stubs[2].vllm_version = "0.33.0"
     target = RemoteVLLM([s.url for s in stubs], transport="gloo")
     with pytest.raises(ServerError) as err:
-        target._native.connect()  # type: ignore[union-attr]
+        target._round._plan()  # type: ignore[union-attr]
     text = str(err.value)
     assert f"{stubs[0].url} was started without --weight-transfer-config" in text
     assert """restart it with --weight-transfer-config '{"backend": "gloo"}'""" in text

@@ -2,6 +2,7 @@
 
 A target subclasses :class:`WeightTarget` (and the capabilities it has: :class:`ScoresLogprobs`,
 :class:`ExactCheckable`, :class:`LoadsAdapters`, :class:`SleepsDuringCompute`; see :mod:`.base`).
+``RemoteVLLM``'s transports are options objects (:mod:`.transports`): ``Gloo(shard_direct=True)``, ``Directory(path)``.
 """
 
 from lightning_fsdp_export.targets.base import (
@@ -16,6 +17,8 @@ from lightning_fsdp_export.targets.directory import DirectoryTarget, write_safet
 from lightning_fsdp_export.targets.memory import InMemoryTarget
 from lightning_fsdp_export.targets.remote import RemoteVLLM
 from lightning_fsdp_export.targets.transfer import LLMClient
+from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo
 
-__all__ = ["ColocatedVLLM", "DirectoryTarget", "ExactCheckable", "InMemoryTarget", "LLMClient", "LoadsAdapters",
-           "RemoteVLLM", "ScoresLogprobs", "SleepsDuringCompute", "WeightTarget", "write_safetensors"]
+__all__ = ["IPC", "NCCL", "NCCLM2N", "ColocatedVLLM", "Directory", "DirectoryTarget", "ExactCheckable", "Gloo",
+           "InMemoryTarget", "LLMClient", "LoadsAdapters", "RemoteVLLM", "ScoresLogprobs", "SleepsDuringCompute",
+           "WeightTarget", "write_safetensors"]

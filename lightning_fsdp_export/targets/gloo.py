@@ -17,7 +17,7 @@ learn names, dtypes and shapes (``update_weights``), then receive the tensors in
 ``packed_buffer_size_bytes``, each tensor in a fresh buffer, loaded by ``model.load_weights`` inside
 vLLM's layerwise reload. Both sides cut the round into the same chunks from that update info.
 
-Shard-direct mode (``num_trainer_ranks=T > 1``, what ``RemoteVLLM(shard_direct=True)`` uses): all T
+Shard-direct mode (``num_trainer_ranks=T > 1``, what ``RemoteVLLM(transport=Gloo(shard_direct=True))`` uses): all T
 trainer ranks are ranks ``[0, T)`` of the group, the workers follow from ``T``. A tensor the update
 info gives row ``bounds`` for is sent by every trainer rank as its own rows (an FSDP2 shard, never
 gathered), point to point to every worker, which assembles the full tensor; any other tensor trainer

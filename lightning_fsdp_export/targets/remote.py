@@ -8,9 +8,7 @@ their dev-mode routes and trainer rank 0's store port on the trainers' own netwo
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 import torch
@@ -18,50 +16,43 @@ from torch import Tensor
 
 from lightning_fsdp_export.source import ExportSource, SourceLayout
 from lightning_fsdp_export.targets.base import ExactCheckable, ScoresLogprobs, WeightTarget
-from lightning_fsdp_export.targets.directory import DEFAULT_SHARD_BYTES, CheckpointCheck, DirectoryTarget
+from lightning_fsdp_export.targets.directory import CheckpointCheck
 from lightning_fsdp_export.targets.http import Server, on_all
-from lightning_fsdp_export.targets.preflight import check_servers
-from lightning_fsdp_export.targets.transfer import (
-    NativeTransfer,
-    PauseMode,
-    Transport,
-    default_transport,
-    pause_route,
-    reset_prefix_caches,
-)
+from lightning_fsdp_export.targets.transfer import DirectoryReload, NativeTransfer, PauseMode, pause_route
+from lightning_fsdp_export.targets.transports import Directory, Transport, parse_transport
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 __all__ = ["RemoteVLLM"]
 
-_TRANSPORTS = ("nccl", "ipc", "gloo", "nccl_m2n", "directory")
-# Which transports use each transport-specific option; any other transport refuses it.
-_OPTIONS = {"directory": ("directory",), "shard_bytes": ("directory",), "keep_last": ("directory",),
-            "master_address": ("nccl", "gloo", "nccl_m2n"), "master_port": ("nccl", "gloo", "nccl_m2n"),
-            "buffer_bytes": ("nccl", "ipc", "gloo"), "packed": ("nccl", "ipc"), "shard_direct": ("gloo", "nccl_m2n")}
+# The flat keyword arguments RemoteVLLM took before the transports had options objects.
+_MOVED = {"directory": "Directory(path)", "shard_bytes": "Directory", "keep_last": "Directory",
+          "master_address": "NCCL / Gloo / NCCLM2N", "master_port": "NCCL / Gloo / NCCLM2N",
+          "buffer_bytes": "NCCL / IPC / Gloo", "packed": "NCCL / IPC", "shard_direct": "Gloo"}
 
 
 class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
     """Push each version to one or several running vLLM servers (replicas), all in the same sync.
 
-    Transports (``transport=``):
+    Transports (``transport=``, an options object from :mod:`~lightning_fsdp_export.targets.transports`, or
+    its name for its defaults):
 
-    * ``"nccl"``: vLLM's NCCL engine; the servers on other GPUs or nodes, started with
+    * ``NCCL()`` / ``"nccl"``: vLLM's NCCL engine; the servers on other GPUs or nodes, started with
       ``--weight-transfer-config '{"backend": "nccl"}'``. Trainer rank 0 joins the group on its GPU.
-    * ``"ipc"``: vLLM's CUDA-IPC engine, for a server on the trainer's own GPU
+    * ``IPC()`` / ``"ipc"``: vLLM's CUDA-IPC engine, for a server on the trainer's own GPU
       (``'{"backend": "ipc"}'`` and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` on the server).
-    * ``"gloo"``: this package's backend over CPU sockets (``'{"backend": "gloo"}'``; the server's
+    * ``Gloo()`` / ``"gloo"``: this package's backend over CPU sockets (``'{"backend": "gloo"}'``; the server's
       environment must have this package installed, which registers it as a vLLM plugin). With
-      ``shard_direct=True`` every trainer rank sends its own rows of each FSDP2 shard (no all-gather on
+      ``Gloo(shard_direct=True)`` every trainer rank sends its own rows of each FSDP2 shard (no all-gather on
       the trainer; the workers assemble the full tensors); the servers need no other setting.
-    * ``"nccl_m2n"``: vLLM's M2N engine (``'{"backend": "nccl_m2n"}'``; needs NVIDIA's
+    * ``NCCLM2N()`` / ``"nccl_m2n"``: vLLM's M2N engine (``'{"backend": "nccl_m2n"}'``; needs NVIDIA's
       ``nccl-extensions`` on both sides): every trainer rank sends its local shards over NCCL and the
       workers reshard them (``strategy.weight_source(layout="m2n")``). GPU only.
-    * ``"directory"``: rank 0 writes safetensors to ``directory`` (shared with the servers) and each
+    * ``Directory(path)``: rank 0 writes safetensors to ``path`` (shared with the servers) and each
       server reloads them (``/collective_rpc reload_weights``): for setups with no network path.
 
-    Default: ``"directory"`` when ``directory=`` is given, else ``"nccl"`` with CUDA and ``"gloo"`` without.
+    Default: ``NCCL()`` with CUDA, ``Gloo()`` without.
     The network transports rendezvous at fit start (trainer rank 0 hosts a store at
     ``master_address:master_port``; the servers' workers join at ranks after it, one server after the
     other; shard-direct transports at the first sync, with every trainer rank). Each sync then: ``/pause``
@@ -77,34 +68,27 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
         base_url: a server's address (``"http://10.0.0.5:8000"``), or a list of them (replicas). A
             data-parallel deployment behind one address is one entry (its ``/get_world_size`` counts
             every rank).
-        transport: ``"nccl"``, ``"ipc"``, ``"gloo"``, ``"nccl_m2n"`` or ``"directory"``; see above.
-        directory: (``"directory"``) a directory every server reads at the same path.
+        transport: a transport's options object (``Gloo(shard_direct=True)``, ``Directory(path)``, ...) or a
+            network transport's name; see above.
         api_key: sent as ``Authorization: Bearer ...`` (the servers' ``--api-key``).
         dtype: the dtype pushed; default ``torch.bfloat16``.
-        timeout: seconds for each HTTP request (a whole transfer round included) and, with ``"gloo"``,
+        timeout: seconds for each HTTP request (a whole transfer round included) and, with ``Gloo``,
             for the rendezvous and every collective: a peer that dies mid-round ends the round after it.
         pause_mode: ``"wait"`` (running requests finish first) or ``"keep"`` (they freeze during the
             update and are recomputed with the new weights after it; for async RL).
-        master_address: (``nccl``/``gloo``) trainer rank 0's address as the servers reach it; default:
-            ``127.0.0.1`` when every server is local, else the address of this host's name.
-        master_port: (``nccl``/``gloo``) the store's port on rank 0; 0 (default) picks a free one.
-        buffer_bytes: (``nccl``/``gloo``/``ipc``) the packed chunk size; the trainer and every worker
-            hold up to two of them (vLLM's NCCL default: 1 GiB; ``gloo``: 16 MiB, the fastest here).
-        packed: (``nccl``/``ipc``) vLLM's packed transfer (``True``; unpacked IPC holds the whole model
-            on the GPU until the round ends).
-        shard_bytes: (``"directory"``) the largest safetensors file written.
-        keep_last: (``"directory"``) version directories kept on disk (at least 2: the servers read the
-            current one).
-        shard_direct: (``"gloo"``) every trainer rank sends its own shards (see above); ``nccl_m2n`` always does
-            (``shard_direct=True`` is accepted there and changes nothing).
     """
 
-    def __init__(self, base_url: str | Sequence[str], *, transport: str | None = None,
-                 directory: str | os.PathLike[str] | None = None, api_key: str | None = None,
-                 dtype: torch.dtype | None = torch.bfloat16, timeout: float = 300.0, pause_mode: PauseMode = "wait",
-                 master_address: str | None = None, master_port: int = 0, buffer_bytes: int | None = None,
-                 packed: bool = True, shard_bytes: int | None = None, keep_last: int | None = None,
-                 shard_direct: bool = False) -> None:
+    def __init__(self, base_url: str | Sequence[str], *, transport: Transport | str | None = None,
+                 api_key: str | None = None, dtype: torch.dtype | None = torch.bfloat16, timeout: float = 300.0,
+                 pause_mode: PauseMode = "wait", **moved: Any) -> None:
+        if moved:
+            name = next(iter(moved))
+            where = _MOVED.get(name)
+            if where is None:
+                raise TypeError(f"RemoteVLLM() got an unexpected keyword argument {name!r}.")
+            raise TypeError(f"RemoteVLLM({name}=...) is an option of the transport: pass it there, e.g."
+                            f" RemoteVLLM(url, transport={where.split(' / ')[0].split('(')[0]}({name}=...))"
+                            f" ({where} take it; lightning_fsdp_export.targets.transports).")
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
             raise ValueError("RemoteVLLM(base_url=[]) needs at least one server address.")
@@ -114,45 +98,18 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
             raise ValueError(f"RemoteVLLM(timeout={timeout}) must be a positive number of seconds.")
         if pause_mode not in get_args(PauseMode):
             raise ValueError(f"RemoteVLLM(pause_mode={pause_mode!r}) must be 'wait' or 'keep'.")
-        if transport is None:
-            transport = "directory" if directory is not None else default_transport()
-        if transport not in _TRANSPORTS:
-            raise ValueError(f"RemoteVLLM(transport={transport!r}) must be one of {', '.join(map(repr, _TRANSPORTS))}.")
-        given = {"directory": directory, "shard_bytes": shard_bytes, "keep_last": keep_last,
-                 "master_address": master_address, "master_port": master_port or None, "buffer_bytes": buffer_bytes,
-                 "packed": None if packed else False, "shard_direct": shard_direct or None}
-        wrong = [f"{name}={value!r} (a {' / '.join(repr(t) for t in _OPTIONS[name])} option)"
-                 for name, value in given.items() if value is not None and transport not in _OPTIONS[name]]
-        if wrong:
-            raise ValueError(f"RemoteVLLM(transport={transport!r}) does not use {', '.join(wrong)}. Drop it, or choose"
-                             " that transport.")
-        if buffer_bytes is not None and buffer_bytes <= 0:
-            raise ValueError(f"RemoteVLLM(buffer_bytes={buffer_bytes}) must be a positive number of bytes.")
-        if not 0 <= master_port < 65536:
-            raise ValueError(f"RemoteVLLM(master_port={master_port}) must be a TCP port (0: pick a free one).")
-        self.transport = transport
+        self.options = parse_transport(transport)
+        self.transport = self.options.name
         self.servers = [Server(url, api_key=api_key, timeout=timeout) for url in urls]
         self._dtype = dtype
-        self._timeout = timeout
-        self._pause_mode = pause_mode
         self._is_rank_zero = True
         self._checks: list[CheckpointCheck] | None = None
         self.precheck_skipped: list[str] = []
-        self._writer: DirectoryTarget | None = None
-        self._checked_servers = False
-        self._native: NativeTransfer | None = None
-        if transport == "directory":
-            if directory is None:
-                raise ValueError("RemoteVLLM(transport='directory') needs directory=, a path every server can read.")
-            keep = 2 if keep_last is None else keep_last
-            if keep < 2:
-                raise ValueError(f"RemoteVLLM(keep_last={keep}) must be at least 2: the servers read the current one.")
-            self._writer = DirectoryTarget(directory, dtype=dtype, shard_bytes=shard_bytes or DEFAULT_SHARD_BYTES,
-                                           keep_last=keep)
+        self._round: NativeTransfer | DirectoryReload
+        if isinstance(self.options, Directory):
+            self._round = DirectoryReload(self.servers, self.options, dtype=dtype, pause_mode=pause_mode)
         else:
-            self._native = NativeTransfer(self.servers, transport, master_address=master_address,  # type: ignore[arg-type]
-                                          master_port=master_port, buffer_bytes=buffer_bytes, packed=packed,
-                                          timeout=timeout, pause_mode=pause_mode, shard_direct=shard_direct)
+            self._round = NativeTransfer(self.servers, self.options, timeout=timeout, pause_mode=pause_mode)
 
     @property
     def base_url(self) -> str:
@@ -165,19 +122,14 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
 
     @property  # type: ignore[override]
     def source_layout(self) -> SourceLayout:
-        """What ``VLLMWeightSync`` asks the strategy for: ``SHARDS`` for gloo shard-direct, ``M2N`` for
-        ``nccl_m2n``, else ``FULL``."""
-        if self.transport == "nccl_m2n":
-            return SourceLayout.M2N
-        return SourceLayout.SHARDS if self._native is not None and self._native.shard_direct else SourceLayout.FULL
+        """What ``VLLMWeightSync`` asks the strategy for: the transport's layout (``SHARDS`` for
+        ``Gloo(shard_direct=True)``, ``M2N`` for ``NCCLM2N``, else ``FULL``)."""
+        return self.options.layout
 
     def setup(self, trainer: pl.Trainer) -> None:
         """Every rank: the network transports rendezvous here (rank 0 with every server)."""
         self._is_rank_zero = trainer.global_rank == 0
-        if self._writer is not None:
-            self._writer.setup(trainer)
-        if self._native is not None:
-            self._native.setup(trainer.global_rank, trainer.world_size)
+        self._round.setup(trainer)
 
     def check_weights(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
         """Names and shapes the servers' checkpoints would refuse, when rank 0 can read them.
@@ -231,36 +183,20 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
         """Pause every server and zero its weights (``/weight_checker`` reset) before an exact check's push; rank 0
         only. The push resumes them; a push that fails leaves them paused, never serving the zeroed weights."""
         if self._is_rank_zero:
-            on_all(self.servers, lambda s: s.request("POST", pause_route(self._pause_mode)))
+            on_all(self.servers, lambda s: s.request("POST", pause_route(self._round.pause_mode)))
             on_all(self.servers, lambda s: s.request("POST", "/weight_checker", {"action": "reset"}))
 
     def push_source(self, source: ExportSource, *, version: int) -> None:
-        """Send one version from ``source`` (every rank; a collective export pass)."""
-        if self._native is not None:
-            self._native.push(source, version=version)
-        else:
-            self.push(iter(source), version=version)
+        """Send one version from ``source`` (every rank; a collective export pass): one transfer round."""
+        self._round.push(source, version=version)
 
     def push(self, weights: Iterator[tuple[str, Tensor]], *, version: int) -> None:
-        """The ``WeightTarget`` protocol: a plain stream of ``(name, tensor)`` (``"directory"`` only)."""
-        if self._writer is None:
+        """A plain stream of ``(name, tensor)``: only ``Directory`` can take one (network transports need the
+        source's metadata first: :meth:`push_source`, which ``VLLMWeightSync`` calls)."""
+        if not isinstance(self._round, DirectoryReload):
             raise TypeError(f"RemoteVLLM(transport={self.transport!r}) sends from a source: call push_source(), as"
                             " VLLMWeightSync does.")
-        self._writer.push(weights, version=version)
-        if not self._is_rank_zero:
-            return
-        path = os.fspath(Path(self._writer.version_dir(version)).resolve())
-        reload = {"method": "reload_weights", "kwargs": {"weights_path": path}}
-        if not self._checked_servers:
-            check_servers(self.servers, backend=None)  # dev mode and quantization, before the first reload
-            self._checked_servers = True
-        on_all(self.servers, lambda s: s.request("POST", pause_route(self._pause_mode)))
-        try:
-            on_all(self.servers, lambda s: s.request("POST", "/collective_rpc", reload))
-            reset_prefix_caches(self.servers, self._pause_mode)
-            on_all(self.servers, lambda s: s.request("POST", "/update_weight_version", {"new_version": str(version)}))
-        finally:
-            on_all(self.servers, lambda s: s.request("POST", "/resume"))
+        self._round.push(weights, version=version)
 
     def request(self, method: str, route: str, body: dict[str, Any] | None = None) -> Any:
         """One HTTP request to the first server; raises ``ConnectionError`` naming the URL on any failure."""
@@ -268,6 +204,5 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
 
     def teardown(self) -> None:
         """Shut the transfer engine down on every server that answers (network transports)."""
-        if self._native is not None:
-            self._native.disconnect()
+        self._round.disconnect()
 

@@ -22,21 +22,26 @@ and if any did, rank 0 rebuilds the group with every rank.
 
 from __future__ import annotations
 
+import os
 import socket
-from collections.abc import Sequence
+import uuid
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from torch import Tensor
 
 from lightning_fsdp_export._compat import json_safe_update_info, source_metadata
-from lightning_fsdp_export.source import ExportSource
+from lightning_fsdp_export.source import ExportSource, SourceLayout
 from lightning_fsdp_export.targets.http import Server, ServerError, on_all
 from lightning_fsdp_export.targets.preflight import check_servers
+from lightning_fsdp_export.targets.transports import Directory, NetworkTransport
 
-__all__ = ["FanOutClient", "LLMClient", "NativeTransfer", "Transport", "PauseMode", "pause_route", "reset_prefix_caches"]
+__all__ = ["DirectoryReload", "FanOutClient", "LLMClient", "NativeTransfer", "PauseMode", "pause_route",
+           "reset_prefix_caches"]
 
-Transport = Literal["nccl", "ipc", "gloo", "nccl_m2n"]
 PauseMode = Literal["wait", "keep"]
 
 
@@ -114,113 +119,102 @@ class LLMClient:
 
 
 class NativeTransfer:
-    """One transfer group from trainer rank 0 to every worker of ``servers``, and the per-sync round.
+    """One transfer group from the trainer to every worker of ``servers``, and the one round every sync runs.
+
+    The round, whichever the transport: (rank 0) rebuild the group if it is broken or the source's plan
+    changed, then ``/pause`` every server; send (every rank in the group sends its part; others iterate the
+    source so the gathers line up); (rank 0) reset the prefix caches, ``/resume``. A failed round is closed
+    on every server that answers and leaves them paused; the next one rebuilds the group. Where every trainer
+    rank joins the group (``transport.every_rank``: shard-direct), rank 0's decisions (rebuild with what
+    plan, or that it failed) reach the others through a small gloo control group before the send; else rank
+    0 alone knows, and the other ranks' iteration is drained by the sync if rank 0 fails.
 
     Args:
         servers: the servers (replicas) updated by every sync.
-        transport: ``"nccl"`` / ``"ipc"`` / ``"nccl_m2n"`` (vLLM's engines) or ``"gloo"`` (ours).
-        master_address: where the servers reach trainer rank 0's store (``nccl``/``gloo``).
-        master_port: its port; 0 picks a free one at each rendezvous.
-        buffer_bytes: the packed chunk size (``None``: the backend's default).
-        packed: vLLM's ``packed`` wire flag (``nccl``/``ipc``).
-        timeout: seconds for the rendezvous and every collective of the transfer (``gloo``), and per request.
+        transport: a network transport's options (:mod:`~lightning_fsdp_export.targets.transports`).
+        timeout: seconds for the rendezvous and every collective of the transfer (``Gloo``), and per request.
         pause_mode: ``"wait"`` lets running requests finish before the update; ``"keep"`` freezes them
             and preempts them after it (async RL).
-        shard_direct: every trainer rank joins the group and sends its own shards (``gloo``; implied by
-            ``nccl_m2n``). The group is built at the first push, from every rank.
     """
 
-    def __init__(self, servers: Sequence[Server], transport: Transport, *, master_address: str | None,
-                 master_port: int, buffer_bytes: int | None, packed: bool, timeout: float,
-                 pause_mode: PauseMode, shard_direct: bool = False) -> None:
+    def __init__(self, servers: Sequence[Server], transport: NetworkTransport, *, timeout: float,
+                 pause_mode: PauseMode) -> None:
         self.servers = list(servers)
-        self.transport = transport
-        self.master_address = master_address
-        self.master_port = master_port
-        self.buffer_bytes = buffer_bytes
-        self.packed = packed
+        self.options = transport
+        self.transport = transport.name
         self.timeout = timeout
         self.pause_mode = pause_mode
-        self.shard_direct = shard_direct or transport == "nccl_m2n"
+        self.every_rank = transport.every_rank
         self.rank = 0
         self.trainers = 1  # trainer ranks in the transfer group
         self.world_size = 0
-        self._control: Any = None  # shard-direct: the trainer ranks' SyncGroup, for rank 0's decisions
+        self._control: Any = None  # every_rank: the trainer ranks' SyncGroup, for rank 0's decisions
         self._plan_digest = ""  # nccl_m2n: the source's metadata the engine was built for
         self.client: FanOutClient | None = None
         self.engine: Any = None
-        self.source: Any = None  # one FSDP2WeightSource for the engine's lifetime, repointed each sync
-        self.broken = True  # no group yet: the first push (or setup) builds it
+        self.source: Any = None  # one vLLM WeightSource for the engine's lifetime, repointed each sync
+        self.broken = True  # no group yet: setup (rank 0 alone) or the first push (every rank) builds it
 
     # -- setup and teardown ------------------------------------------------------------------------
 
-    def setup(self, rank: int, world_size: int = 1) -> None:
-        """Every rank: build the trainer engine; on rank 0 that is the rendezvous with every server (if one
-        does not answer, a warning, and the first sync tries again inside the ranks' agreement).
-        Shard-direct: build the trainer ranks' control group (collective); the rendezvous is at the first push."""
-        self.rank = rank
-        if self.transport == "gloo":
-            from lightning_fsdp_export.targets.gloo import register
-
-            register()
+    def setup(self, trainer: Any) -> None:
+        """Every rank: rank 0 alone sending: rendezvous here (a server that does not answer: a warning, and the
+        first sync retries inside the ranks' agreement); every rank sending: build the trainer ranks' control
+        group (collective), the rendezvous is at the first push."""
         from lightning_fsdp_export.targets.vllm_source import FSDP2M2NSource, FSDP2WeightSource
 
-        self.source = FSDP2M2NSource(None) if self.transport == "nccl_m2n" else FSDP2WeightSource(None)
-        if self.shard_direct:
+        self.rank = trainer.global_rank
+        self.source = FSDP2M2NSource(None) if self.options.layout is SourceLayout.M2N else FSDP2WeightSource(None)
+        if self.every_rank:
             from lightning_fsdp_export.agreement import SyncGroup
 
-            self.trainers = world_size
-            self._control = SyncGroup(timedelta(seconds=self.timeout))  # collective: a gloo group of every rank
-            self.broken = True
+            self.trainers = trainer.world_size
+            self._control = SyncGroup(timedelta(seconds=self.timeout))
+            return
+        if self.rank != 0:
+            self._connect(None)  # an engine that only iterates the source
             return
         try:
-            self.connect()
+            self._connect(self._plan())
         except ServerError as err:  # only rank 0 knows: the first sync retries, and fails on every rank
             from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
             self.broken = True
             rank_zero_warn(f"RemoteVLLM could not reach every server at setup ({err}); the first sync retries.")
 
-    def connect(self) -> None:
-        """(Re)build the transfer group: rank 0 asks every server's world size, hosts the store, and
-        rendezvouses; other ranks build an engine that only iterates the source."""
+    def _plan(self) -> dict[str, Any]:
+        """Rank 0, before (re)building the group: shut the old engines down, check the servers, ask each one's
+        world size, pick the store's port (and, every rank joining, a fresh group name): all a rank needs."""
+        self.disconnect()
+        check_servers(self.servers, backend=self.transport)  # dev mode, backend, quantization, vLLM minor
+        sizes = on_all(self.servers, lambda s: int(s.request("GET", "/get_world_size")["world_size"]))
+        address = getattr(self.options, "master_address", None) or _default_address(self.servers)
+        port = (getattr(self.options, "master_port", 0) or _free_port(address)) if self.options.rendezvous else 0
+        return {"sizes": sizes, "address": address, "port": port,
+                "group": uuid.uuid4().hex if self.every_rank else ""}
+
+    def _connect(self, plan: dict[str, Any] | None) -> None:
+        """Build this rank's trainer engine from rank 0's ``plan`` (the one place server offsets are computed:
+        each server's workers start after the trainer ranks and the servers before it); ``None``: a rank
+        outside the group, whose engine only iterates the source."""
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-        if self.rank == 0:
-            self.disconnect()
-            check_servers(self.servers, backend=self.transport)  # dev mode, backend, quantization, vLLM minor
-            sizes = on_all(self.servers, lambda s: int(s.request("GET", "/get_world_size")["world_size"]))
-            offsets = [1 + sum(sizes[:i]) for i in range(len(sizes))]
-            self.world_size = 1 + sum(sizes)
-            self.client = FanOutClient(self.servers, offsets)
-        else:
+        if self.engine is not None:
+            self.engine.shutdown()
+        if plan is None:
             self.client = FanOutClient([], [])
-        self.engine = WeightTransferTrainerFactory.trainer_init(self._init_info(), client=self.client, source=self.source)
+            address = getattr(self.options, "master_address", None) or _default_address(self.servers)
+            plan = {"address": address, "port": getattr(self.options, "master_port", 0), "group": ""}
+        else:
+            sizes = plan["sizes"]
+            self.world_size = self.trainers + sum(sizes)
+            offsets = [self.trainers + sum(sizes[:i]) for i in range(len(sizes))]
+            self.client = FanOutClient(self.servers if self.rank == 0 else [], offsets if self.rank == 0 else [])
+        info = self.options.init_info(rank=self.rank, address=plan["address"], port=plan["port"],
+                                      world_size=self.world_size, trainers=self.trainers, group=plan["group"],
+                                      timeout=self.timeout)
+        self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
         self.broken = False
-
-    def _init_info(self, port: int = 0, group: str = "") -> Any:
-        extra = {} if self.buffer_bytes is None else {"packed_buffer_size_bytes": self.buffer_bytes}
-        if self.transport == "ipc":
-            from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
-
-            return IPCTrainerInitInfo(rank=self.rank, packed=self.packed, **extra)
-        address = self.master_address or _default_address(self.servers)
-        port = port or self.master_port or (_free_port(address) if self.rank == 0 else 0)
-        if self.transport == "nccl_m2n":
-            from vllm.distributed.weight_transfer.m2n_trainer import M2NTrainerInitInfo
-
-            return M2NTrainerInitInfo(rank=self.rank, master_address=address, master_port=port,
-                                      world_size=self.world_size, num_trainer_ranks=self.trainers)
-        if self.transport == "nccl":
-            from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
-
-            return NCCLTrainerInitInfo(rank=self.rank, master_address=address, master_port=port,
-                                       world_size=self.world_size, packed=self.packed, **extra)
-        from lightning_fsdp_export.targets.gloo import GlooTrainerInitInfo
-
-        return GlooTrainerInitInfo(rank=self.rank, master_address=address, master_port=port,
-                                   world_size=self.world_size, timeout_s=self.timeout, num_trainer_ranks=self.trainers,
-                                   group=group, **extra)
 
     def disconnect(self) -> None:
         """Rank 0: shut the transfer engine down on every server that answers; drop ours."""
@@ -238,67 +232,27 @@ class NativeTransfer:
     # -- one sync ----------------------------------------------------------------------------------
 
     def push(self, source: ExportSource, *, version: int) -> None:
-        """Send ``source`` as ``version`` to every server; every rank calls it (rank 0 drives the servers)."""
-        self.source.export = source  # the engine was built with this WeightSource once, at setup
-        if self.shard_direct:
-            self._push_shards(source, version)
-            return
-        if self.rank != 0:
-            self.engine.send_weights()  # iterates the source: this rank's part of the gathers
-            return
-        if self.broken:
-            self.connect()
-        assert self.client is not None
-        self.client.version = str(version)
-        paused = False
-        try:
-            on_all(self.servers, lambda s: s.request("POST", pause_route(self.pause_mode)))
-            paused = True
-            self.engine.send_weights()
-            self._reset_prefix_caches()
-        except BaseException:
-            self.broken = True
-            if paused:
-                self._close_round()
-            raise
-        on_all(self.servers, lambda s: s.request("POST", "/resume"))
-
-    def _push_shards(self, source: ExportSource, version: int) -> None:
-        """One shard-direct round, every rank in the group: agree (rebuild the group if any rank's last round
-        broke; rank 0 pauses the servers and tells the others if it could not), send, then rank 0 finishes."""
+        """Send ``source`` as ``version`` to every server: one round; every rank calls it (rank 0 drives the servers)."""
         from lightning_fsdp_export.shards import ShardSource
 
-        if self.transport == "nccl_m2n" and not isinstance(source, ShardSource):
+        if self.options.layout is SourceLayout.M2N and not isinstance(source, ShardSource):
             raise TypeError("RemoteVLLM(transport='nccl_m2n') sends every rank's own shards: give it a ShardSource"
                             " (strategy.export_source(layout='m2n')), as VLLMWeightSync does.")
-        digest = repr(source_metadata(self.source)) if self.transport == "nccl_m2n" else ""
-        rebuild = any(self._control.gather(self.broken or digest != self._plan_digest))
-        decision: dict[str, Any] = {"error": None, "connect": None}
-        paused = False
-        if self.rank == 0:
-            try:
-                if rebuild:
-                    decision["connect"] = self._rendezvous_plan()
-                on_all(self.servers, lambda s: s.request("POST", pause_route(self.pause_mode)))
-                paused = True
-            except Exception as err:  # noqa: BLE001 - every rank learns of it just below
-                decision = {"error": f"{type(err).__name__}: {err}", "connect": None}
-                failure: BaseException = err
-        decision = self._control.broadcast(decision)
-        if decision["error"] is not None:  # nothing was paused by this round (pausing is the last step above)
-            self.broken = True
-            if self.rank == 0:
-                raise failure
-            raise ServerError(f"trainer rank 0 could not start the round: {decision['error']}", self.servers[0].url)
+        self.source.export = source  # the engine was built with this WeightSource once
+        if not self.every_rank and self.rank != 0:
+            self.engine.send_weights()  # iterates the source: this rank's part of the gathers
+            return
+        plan, paused = self._start_round()
         try:
-            if decision["connect"] is not None:
-                self._connect_every_rank(decision["connect"])
-                self._plan_digest = digest
+            if plan is not None:
+                self._connect(plan)
+                self._plan_digest = self._digest()
             if self.rank == 0:
-                self.client.version = str(version)  # type: ignore[union-attr]
+                assert self.client is not None
+                self.client.version = str(version)
             self.engine.send_weights()
             if self.rank == 0:
-                self._reset_prefix_caches()
+                reset_prefix_caches(self.servers, self.pause_mode)
         except BaseException:
             self.broken = True
             if self.rank == 0 and paused:
@@ -307,32 +261,38 @@ class NativeTransfer:
         if self.rank == 0:
             on_all(self.servers, lambda s: s.request("POST", "/resume"))
 
-    def _rendezvous_plan(self) -> dict[str, Any]:
-        """Rank 0, before a shard-direct rebuild: shut the old engines down, ask each server's world size, pick
-        the store's port and a fresh group name; what every rank needs to join."""
-        import uuid
+    def _start_round(self) -> tuple[dict[str, Any] | None, bool]:
+        """Rank 0 rebuilds the group if needed (a broken round on any rank of the group, or a new plan) and
+        pauses the servers; alone in the group it connects before pausing, else the group's other ranks learn
+        the plan (every rank connects after the pause), or rank 0's failure, from its broadcast.
+        Returns ``(plan to connect with or None, whether this rank paused the servers)``."""
+        rebuild = self.broken or self._digest() != self._plan_digest
+        if self.every_rank:
+            rebuild = any(self._control.gather(rebuild))
+        decision: dict[str, Any] = {"error": None, "plan": None}
+        failure: BaseException | None = None
+        if self.rank == 0:
+            try:
+                if rebuild:
+                    plan = self._plan()
+                    if not self.every_rank:  # rank 0 alone in the group: rendezvous while the servers still serve
+                        self._connect(plan)
+                    decision["plan"] = plan if self.every_rank else None
+                on_all(self.servers, lambda s: s.request("POST", pause_route(self.pause_mode)))
+            except Exception as err:  # noqa: BLE001 - every rank of the group learns of it just below
+                decision, failure = {"error": f"{type(err).__name__}: {err}", "plan": None}, err
+        if self.every_rank:
+            decision = self._control.broadcast(decision)
+        if decision["error"] is not None:  # nothing was paused by this round (pausing is the last step above)
+            self.broken = True
+            if failure is not None:
+                raise failure
+            raise ServerError(f"trainer rank 0 could not start the round: {decision['error']}", self.servers[0].url)
+        return decision["plan"], self.rank == 0
 
-        self.disconnect()
-        check_servers(self.servers, backend=self.transport)  # every rank learns of a refusal through the broadcast
-        sizes = on_all(self.servers, lambda s: int(s.request("GET", "/get_world_size")["world_size"]))
-        address = self.master_address or _default_address(self.servers)
-        return {"sizes": sizes, "port": self.master_port or _free_port(address), "group": uuid.uuid4().hex}
-
-    def _connect_every_rank(self, plan: dict[str, Any]) -> None:
-        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
-
-        if self.engine is not None:
-            self.engine.shutdown()
-        sizes = plan["sizes"]
-        offsets = [self.trainers + sum(sizes[:i]) for i in range(len(sizes))]
-        self.world_size = self.trainers + sum(sizes)
-        self.client = FanOutClient(self.servers if self.rank == 0 else [], offsets if self.rank == 0 else [])
-        self.engine = WeightTransferTrainerFactory.trainer_init(self._init_info(plan["port"], plan["group"]),
-                                                                client=self.client, source=self.source)
-        self.broken = False
-
-    def _reset_prefix_caches(self) -> None:
-        reset_prefix_caches(self.servers, self.pause_mode)
+    def _digest(self) -> str:
+        """``nccl_m2n`` builds its engine for one source plan: a new plan (another model, dtype) needs a new group."""
+        return repr(source_metadata(self.source)) if self.options.layout is SourceLayout.M2N else ""
 
     def _close_round(self) -> None:
         """After a failed round: end it on every server that answers, so the next one can start. The
@@ -349,6 +309,54 @@ class NativeTransfer:
                 server.request("POST", "/finish_weight_update", timeout=min(self.timeout, 30.0))
             except ServerError:
                 pass
+
+
+class DirectoryReload:
+    """``Directory``'s round: rank 0 writes the version as safetensors, then on every server ``/pause``,
+    ``reload_weights`` from it, reset the prefix cache, set the version, ``/resume``. A failed reload leaves
+    the servers paused (as a failed network round does), never serving a half-reloaded model; the next
+    sync's full reload resumes them.
+
+    Args:
+        servers: the servers (replicas) updated by every sync.
+        options: the ``Directory`` transport's options.
+        dtype: the dtype written.
+        pause_mode: as :class:`NativeTransfer`'s.
+    """
+
+    def __init__(self, servers: Sequence[Server], options: Directory, *, dtype: torch.dtype | None,
+                 pause_mode: PauseMode) -> None:
+        from lightning_fsdp_export.targets.directory import DEFAULT_SHARD_BYTES, DirectoryTarget
+
+        self.servers = list(servers)
+        self.pause_mode = pause_mode
+        self.rank = 0
+        self._checked = False
+        self.writer = DirectoryTarget(options.path, dtype=dtype, shard_bytes=options.shard_bytes or DEFAULT_SHARD_BYTES,
+                                      keep_last=options.keep_last)
+
+    def setup(self, trainer: Any) -> None:
+        self.rank = trainer.global_rank
+        self.writer.setup(trainer)
+
+    def push(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> None:
+        """Every rank: write (rank 0; the others take part in the gathers), then rank 0 reloads every server."""
+        self.writer.push(iter(weights), version=version)
+        if self.rank != 0:
+            return
+        path = os.fspath(Path(self.writer.version_dir(version)).resolve())
+        reload = {"method": "reload_weights", "kwargs": {"weights_path": path}}
+        if not self._checked:
+            check_servers(self.servers, backend=None)  # dev mode and quantization, before the first reload
+            self._checked = True
+        on_all(self.servers, lambda s: s.request("POST", pause_route(self.pause_mode)))
+        on_all(self.servers, lambda s: s.request("POST", "/collective_rpc", reload))
+        reset_prefix_caches(self.servers, self.pause_mode)
+        on_all(self.servers, lambda s: s.request("POST", "/update_weight_version", {"new_version": str(version)}))
+        on_all(self.servers, lambda s: s.request("POST", "/resume"))
+
+    def disconnect(self) -> None:
+        """Nothing to shut down: a directory holds no group."""
 
 
 def reset_prefix_caches(servers: Sequence[Server], mode: PauseMode) -> None:
@@ -374,8 +382,3 @@ def _free_port(address: str) -> int:
     with socket.socket() as sock:
         sock.bind((address, 0))
         return int(sock.getsockname()[1])
-
-
-def default_transport() -> Transport:
-    """``"nccl"`` when CUDA is available, else ``"gloo"``."""
-    return "nccl" if torch.cuda.is_available() else "gloo"

@@ -24,6 +24,7 @@ from lightning.pytorch import Trainer, seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
+from lightning_fsdp_export.targets import Gloo  # noqa: E402
 from lightning_fsdp_export.testing import family_config, save_word_tokenizer, tiny_family  # noqa: E402
 from tests.scripts.common import CausalLM, run_scenarios, start_script, token_loader  # noqa: E402
 
@@ -219,7 +220,7 @@ def scenario_remote(arch: str, url: str, steps: int = 2) -> dict[str, Any]:
     own rows, and its own experts' checkpoint pieces): exact first sync, then steps."""
     path = checkpoint(arch)
     seed_everything(0)
-    sync = VLLMWeightSync(RemoteVLLM(url, transport="gloo", timeout=120, shard_direct=True), verify="logprobs",
+    sync = VLLMWeightSync(RemoteVLLM(url, transport=Gloo(shard_direct=True), timeout=120), verify="logprobs",
                           verify_tolerance=0.3, exact_first_sync=True)
     record = RemoteRecord(sync)
     trainer = fit_from(path, [sync, record], steps)

@@ -26,6 +26,7 @@ from torch.distributed.tensor import DTensor
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import (  # noqa: E402
     ColocatedVLLM, InMemoryTarget, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync)
+from lightning_fsdp_export.targets import Directory  # noqa: E402
 from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
 from tests.scripts.common import run_scenarios, start_script  # noqa: E402
 from tests.scripts.sync_checks import LM, loader  # noqa: E402
@@ -150,7 +151,7 @@ def scenario_remote_down() -> dict[str, Any]:
     fit_catching(trainer_for([], steps=3), baseline)
     seed_everything(0)
     module = LM()
-    target = RemoteVLLM(url, directory=Path(os.environ["FAULT_ROOT"]) / "remote", timeout=2)
+    target = RemoteVLLM(url, transport=Directory(Path(os.environ["FAULT_ROOT"]) / "remote"), timeout=2)
     sync = VLLMWeightSync(target, on_error="warn")
     result = fit_catching(trainer_for([sync], steps=3), module)
     silent.close()

@@ -41,6 +41,7 @@ from lightning.pytorch import Trainer, seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
+from lightning_fsdp_export.targets import Gloo  # noqa: E402
 from lightning_fsdp_export.shards import ShardSource  # noqa: E402
 from lightning_fsdp_export.source import ExportSource  # noqa: E402
 from lightning_fsdp_export.testing import VOCAB, tiny_llama, tiny_lora_qwen2, tiny_qwen2  # noqa: E402
@@ -154,7 +155,7 @@ class SentBytes(pl.Callback):
 
 def scenario_fit(root: Path, urls: list[str], *, shards: bool = False) -> dict[str, Any]:
     seed_everything(0)
-    sync = VLLMWeightSync(RemoteVLLM(urls, transport="gloo", timeout=TIMEOUT, shard_direct=shards),
+    sync = VLLMWeightSync(RemoteVLLM(urls, transport=Gloo(shard_direct=shards), timeout=TIMEOUT),
                           every_n_train_steps=2, verify="logprobs", verify_tolerance=0.1)
     sent = SentBytes(sync)
     after = AfterSync(sync)
@@ -167,7 +168,7 @@ def scenario_replica_down(root: Path, urls: list[str], model_dir: Path, *, shard
     seed_everything(1)
     port = int(urls[1].rsplit(":", 1)[1])
     events: dict[str, Any] = {}
-    sync = VLLMWeightSync(RemoteVLLM(urls, transport="gloo", timeout=TIMEOUT, shard_direct=shards),
+    sync = VLLMWeightSync(RemoteVLLM(urls, transport=Gloo(shard_direct=shards), timeout=TIMEOUT),
                           every_n_train_steps=1, on_error="warn")
 
     def on_step(trainer: pl.Trainer) -> None:
@@ -263,7 +264,7 @@ def _plain_source(weights: dict[str, torch.Tensor], *, extra: tuple[str, torch.T
 
 def scenario_refused(urls: list[str], *, shards: bool = False) -> dict[str, Any]:
     rank = dist.get_rank()
-    target = RemoteVLLM(urls, transport="gloo", timeout=TIMEOUT, shard_direct=shards)
+    target = RemoteVLLM(urls, transport=Gloo(shard_direct=shards), timeout=TIMEOUT)
     target.setup(SimpleNamespace(global_rank=rank, world_size=dist.get_world_size()))  # type: ignore[arg-type]
     plain_source = partial(_plain_source, shards=shards)
     first = {k: v.to(torch.bfloat16) for k, v in tiny_qwen2(seed=7).state_dict().items()}

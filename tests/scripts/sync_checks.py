@@ -27,6 +27,7 @@ from lightning.pytorch.loggers import CSVLogger
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import (  # noqa: E402
     ColocatedVLLM, DirectoryTarget, InMemoryTarget, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync)
+from lightning_fsdp_export.targets import Directory  # noqa: E402
 from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
 from tests.scripts.common import CausalLM, run_scenarios, start_script, token_loader  # noqa: E402
 
@@ -208,7 +209,7 @@ def scenario_directory(root: Path) -> dict[str, Any]:
 
 def scenario_remote(root: Path, server: str) -> dict[str, Any]:
     seed_everything(0)
-    target = RemoteVLLM(server, directory=root / "remote_versions")
+    target = RemoteVLLM(server, transport=Directory(root / "remote_versions"))
     sync = VLLMWeightSync(target, every_n_train_steps=3)
     trainer = trainer_for([sync], steps=3, root=root)
     trainer.fit(LM(), loader())

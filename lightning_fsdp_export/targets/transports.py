@@ -1,0 +1,239 @@
+"""``RemoteVLLM``'s transports, each named once with its options: ``RemoteVLLM(url, transport=Gloo(shard_direct=True))``.
+
+A transport is a frozen options dataclass: its fields are the only options it takes (a combination that does
+not exist cannot be built), ``name`` is the backend the servers run (``--weight-transfer-config
+'{"backend": NAME}'``), ``layout`` what the sync asks the strategy for, ``every_rank`` whether every trainer
+rank joins the transfer group (shard-direct) or rank 0 alone sends, and ``init_info()`` the trainer
+engine's init info. :data:`TRANSPORTS` maps each name to its class; ``transport="gloo"`` means ``Gloo()``.
+
+Adding a network transport is one class here (with its ``init_info``) and one entry in :data:`TRANSPORTS`;
+the round (:class:`~lightning_fsdp_export.targets.transfer.NativeTransfer`) is the same for all.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from lightning_fsdp_export.source import SourceLayout
+
+__all__ = ["IPC", "NCCL", "TRANSPORTS", "Directory", "Gloo", "NCCLM2N", "NetworkTransport", "Transport",
+           "parse_transport"]
+
+
+def _positive(owner: str, name: str, value: int | None) -> None:
+    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
+        raise ValueError(f"{owner}({name}={value!r}) must be a positive number of bytes.")
+
+
+def _port(owner: str, port: int) -> None:
+    if not isinstance(port, int) or not 0 <= port < 65536:
+        raise ValueError(f"{owner}(master_port={port!r}) must be a TCP port (0: pick a free one).")
+
+
+@dataclass(frozen=True)
+class NetworkTransport:
+    """What every weight-transfer transport is: a vLLM backend name, a source layout, and its init info."""
+
+    name: ClassVar[str]
+
+    @property
+    def layout(self) -> SourceLayout:
+        """What the sync asks the strategy for (``export_source(layout=...)``)."""
+        return SourceLayout.SHARDS if self.every_rank else SourceLayout.FULL
+
+    @property
+    def every_rank(self) -> bool:
+        """Every trainer rank joins the transfer group and sends its own shards (shard-direct)."""
+        return False
+
+    @property
+    def rendezvous(self) -> bool:
+        """The trainer hosts a store the servers' workers join (every backend but IPC)."""
+        return True
+
+    def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
+                  timeout: float) -> Any:
+        """The trainer engine's init info for ``WeightTransferTrainerFactory.trainer_init`` (imports vLLM)."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class NCCL(NetworkTransport):
+    """vLLM's NCCL engine: servers on other GPUs or nodes; trainer rank 0 joins the group on its GPU.
+
+    Args:
+        master_address: trainer rank 0's address as the servers reach it (default: ``127.0.0.1`` when every
+            server is local, else the address of this host's name).
+        master_port: the store's port on rank 0; 0 (default) picks a free one.
+        buffer_bytes: the packed chunk size (vLLM's default: 1 GiB); trainer and workers hold up to two.
+        packed: vLLM's packed transfer.
+    """
+
+    name: ClassVar[str] = "nccl"
+    master_address: str | None = None
+    master_port: int = 0
+    buffer_bytes: int | None = None
+    packed: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(type(self).__name__, "buffer_bytes", self.buffer_bytes)
+        _port(type(self).__name__, self.master_port)
+
+    def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
+                  timeout: float) -> Any:
+        from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
+
+        extra = {} if self.buffer_bytes is None else {"packed_buffer_size_bytes": self.buffer_bytes}
+        return NCCLTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size,
+                                   packed=self.packed, **extra)
+
+
+@dataclass(frozen=True)
+class IPC(NetworkTransport):
+    """vLLM's CUDA-IPC engine, for a server on the trainer's own GPU (``VLLM_ALLOW_INSECURE_SERIALIZATION=1``
+    on the server). Unpacked IPC holds the whole model on the GPU until the round ends.
+
+    Args:
+        buffer_bytes: the packed chunk size.
+        packed: vLLM's packed transfer.
+    """
+
+    name: ClassVar[str] = "ipc"
+    buffer_bytes: int | None = None
+    packed: bool = True
+
+    def __post_init__(self) -> None:
+        _positive(type(self).__name__, "buffer_bytes", self.buffer_bytes)
+
+    @property
+    def rendezvous(self) -> bool:
+        return False
+
+    def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
+                  timeout: float) -> Any:
+        from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
+
+        extra = {} if self.buffer_bytes is None else {"packed_buffer_size_bytes": self.buffer_bytes}
+        return IPCTrainerInitInfo(rank=rank, packed=self.packed, **extra)
+
+
+@dataclass(frozen=True)
+class Gloo(NetworkTransport):
+    """This package's backend over CPU sockets (the servers' environment must have this package installed).
+
+    Args:
+        master_address: as :class:`NCCL`'s.
+        master_port: as :class:`NCCL`'s.
+        buffer_bytes: the packed chunk size (default 16 MiB, the fastest measured here).
+        shard_direct: every trainer rank sends its own rows of each FSDP2 shard (no all-gather on the trainer;
+            the workers assemble full tensors) and its own experts' checkpoint pieces; the servers need no
+            other setting.
+    """
+
+    name: ClassVar[str] = "gloo"
+    master_address: str | None = None
+    master_port: int = 0
+    buffer_bytes: int | None = None
+    shard_direct: bool = False
+
+    def __post_init__(self) -> None:
+        _positive(type(self).__name__, "buffer_bytes", self.buffer_bytes)
+        _port(type(self).__name__, self.master_port)
+
+    @property
+    def every_rank(self) -> bool:
+        return self.shard_direct
+
+    def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
+                  timeout: float) -> Any:
+        from lightning_fsdp_export.targets.gloo import GlooTrainerInitInfo, register
+
+        register()
+        extra = {} if self.buffer_bytes is None else {"packed_buffer_size_bytes": self.buffer_bytes}
+        return GlooTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size,
+                                   timeout_s=timeout, num_trainer_ranks=trainers, group=group, **extra)
+
+
+@dataclass(frozen=True)
+class NCCLM2N(NetworkTransport):
+    """vLLM's M2N engine (NVIDIA's ``nccl-extensions`` on both sides): every trainer rank sends its local shards
+    over NCCL and the workers reshard them. GPU only.
+
+    Args:
+        master_address: as :class:`NCCL`'s.
+        master_port: as :class:`NCCL`'s.
+    """
+
+    name: ClassVar[str] = "nccl_m2n"
+    master_address: str | None = None
+    master_port: int = 0
+
+    def __post_init__(self) -> None:
+        _port(type(self).__name__, self.master_port)
+
+    @property
+    def layout(self) -> SourceLayout:
+        return SourceLayout.M2N
+
+    @property
+    def every_rank(self) -> bool:
+        return True
+
+    def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
+                  timeout: float) -> Any:
+        from vllm.distributed.weight_transfer.m2n_trainer import M2NTrainerInitInfo
+
+        return M2NTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size,
+                                  num_trainer_ranks=trainers)
+
+
+@dataclass(frozen=True)
+class Directory:
+    """No network path: rank 0 writes safetensors under ``path`` (shared with the servers, same path on each) and
+    every server reloads them (``/collective_rpc reload_weights``).
+
+    Args:
+        path: a directory every server reads at the same path.
+        shard_bytes: the largest safetensors file written (default 2 GiB).
+        keep_last: version directories kept on disk (at least 2: the servers read the current one).
+    """
+
+    name: ClassVar[str] = "directory"
+    path: str | os.PathLike[str]
+    shard_bytes: int | None = None
+    keep_last: int = 2
+
+    def __post_init__(self) -> None:
+        _positive("Directory", "shard_bytes", self.shard_bytes)
+        if not isinstance(self.keep_last, int) or self.keep_last < 2:
+            raise ValueError(f"Directory(keep_last={self.keep_last!r}) must be at least 2: the servers read the"
+                             " current one.")
+
+    @property
+    def layout(self) -> SourceLayout:
+        return SourceLayout.FULL
+
+
+Transport = NetworkTransport | Directory
+TRANSPORTS: dict[str, type[Transport]] = {cls.name: cls for cls in (NCCL, IPC, Gloo, NCCLM2N, Directory)}
+
+
+def parse_transport(value: Transport | str | None) -> Transport:
+    """A transport from its options object, its name (its default options) or ``None`` (``NCCL()`` with CUDA,
+    else ``Gloo()``)."""
+    if value is None:
+        return NCCL() if torch.cuda.is_available() else Gloo()
+    if isinstance(value, (NetworkTransport, Directory)):
+        return value
+    names = ", ".join(map(repr, TRANSPORTS))
+    if not isinstance(value, str) or value not in TRANSPORTS:
+        raise ValueError(f"RemoteVLLM(transport={value!r}) must be one of {names}, or an options object such as"
+                         " Gloo(shard_direct=True).")
+    if value == "directory":
+        raise ValueError("RemoteVLLM(transport='directory') needs the directory: transport=Directory(PATH), a path"
+                         " every server can read.")
+    return TRANSPORTS[value]()
