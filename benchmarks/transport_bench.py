@@ -56,7 +56,7 @@ def _status_kib(field: str) -> int:
 
 
 def _sent_bytes(sync: VLLMWeightSync) -> int:
-    native = getattr(sync.target, "_native", None)
+    native = getattr(sync.target, "_round", None)
     return int(getattr(getattr(native, "engine", None), "sent_bytes", 0) or 0)
 
 

@@ -138,7 +138,7 @@ class SentBytes(pl.Callback):
         if self.sync.version == self.seen:
             return
         self.seen = self.sync.version
-        engine = self.sync.target._native.engine  # type: ignore[attr-defined]
+        engine = self.sync.target._round.engine  # type: ignore[attr-defined]
         mine = {"sent_bytes": getattr(engine, "sent_bytes", None),
                 "gathered_bytes": trainer.strategy.last_export.gathered_bytes,
                 "path": trainer.strategy.last_export.path, "bytes": trainer.strategy.last_export.bytes}
