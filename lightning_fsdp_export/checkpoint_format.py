@@ -8,8 +8,9 @@ vLLM and ``pretrained=`` read the checkpoint's layout, so every exported tensor 
 :class:`CheckpointFormat`, built on transformers' own rules (``revert_weight_conversion``, what
 ``save_pretrained`` uses; it works on one tensor at a time):
 
-- :meth:`CheckpointFormat.shapes`: the checkpoint names and shapes an entry becomes, from its shape alone
-  (the rules run on a meta tensor: no collective, no memory), for ``metadata()`` and the pre-checks;
+- :meth:`CheckpointFormat.pieces`: the checkpoint tensors an entry becomes (name, shape, its rows), from its
+  shape alone (the rules run on a meta tensor: no collective, no memory), for a source's ``metadata()`` and
+  the pre-checks (:meth:`CheckpointFormat.shapes` is its names and shapes);
 - :meth:`CheckpointFormat.convert`: the full tensor split/renamed into them, during the export. A fused
   expert tensor is gathered whole, then split by transformers' rules a block of whole experts at a time
   (:meth:`CheckpointFormat.blocks`, at most ``block_elements``), so beside it only one block's pieces

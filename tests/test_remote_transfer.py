@@ -16,6 +16,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from types import SimpleNamespace
 from pathlib import Path
 from typing import Any
 
@@ -167,7 +168,9 @@ _DYING_TRAINER = textwrap.dedent("""
     from lightning_fsdp_export.source import ExportSource
     from lightning_fsdp_export.targets.http import Server
     from lightning_fsdp_export.targets.transfer import NativeTransfer
+    from lightning_fsdp_export.targets.transports import Gloo
     from lightning_fsdp_export.testing import tiny_qwen2
+    from types import SimpleNamespace
 
     items = [(k, v.to(torch.bfloat16)) for k, v in tiny_qwen2(seed=3).state_dict().items()]
     def export():
@@ -177,9 +180,9 @@ _DYING_TRAINER = textwrap.dedent("""
                 time.sleep(600)  # killed here, mid-round
             yield item
     source = ExportSource(lambda: [([n], t) for n, t in items], export, dtype=torch.bfloat16)
-    transfer = NativeTransfer([Server({url!r}, api_key=None, timeout=60)], "gloo", master_address=None,
-                              master_port=0, buffer_bytes=4096, packed=True, timeout={timeout}, pause_mode="wait")
-    transfer.setup(0)
+    transfer = NativeTransfer([Server({url!r}, api_key=None, timeout=60)], Gloo(buffer_bytes=4096),
+                              timeout={timeout}, pause_mode="wait")
+    transfer.setup(SimpleNamespace(global_rank=0, world_size=1))
     transfer.push(source, version=50)
 """)
 
@@ -188,6 +191,7 @@ def test_a_trainer_killed_mid_round_frees_the_server_after_the_timeout(servers: 
     from lightning_fsdp_export.source import ExportSource
     from lightning_fsdp_export.targets.http import Server
     from lightning_fsdp_export.targets.transfer import NativeTransfer
+    from lightning_fsdp_export.targets.transports import Gloo
 
     _, urls = servers
     code = _DYING_TRAINER.format(root=str(ROOT), url=urls[0], timeout=8.0)
@@ -202,10 +206,9 @@ def test_a_trainer_killed_mid_round_frees_the_server_after_the_timeout(servers: 
     assert server.request("GET", "/is_paused")["is_paused"] is True  # the dead trainer had paused it
     items = [(k, v.to(torch.bfloat16)) for k, v in tiny_qwen2(seed=4).state_dict().items()]
     source = ExportSource(lambda: [([n], t) for n, t in items], lambda: iter(items), dtype=torch.bfloat16)
-    transfer = NativeTransfer([server], "gloo", master_address=None, master_port=0, buffer_bytes=None, packed=True,
-                              timeout=60, pause_mode="wait")
+    transfer = NativeTransfer([server], Gloo(), timeout=60, pause_mode="wait")
     start = time.monotonic()
-    transfer.setup(0)  # waits while the worker is still in the dead round (up to its 8 s timeout)
+    transfer.setup(SimpleNamespace(global_rank=0, world_size=1))  # waits while the worker is still in the dead round (up to its 8 s timeout)
     transfer.push(source, version=51)
     assert time.monotonic() - start < 45
     assert server.request("GET", "/weight_info")["weight_version"] == "51"
