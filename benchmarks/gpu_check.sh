@@ -18,7 +18,7 @@ timeout 150 python benchmarks/gpu_check.py --fp32-master --preset 1b --repeats 3
 if python -c "import vllm" 2>/dev/null; then
   MOE_DIR=$(mktemp -d)
   python -c "import sys, torch; sys.path.insert(0, '.'); from lightning_fsdp_export.testing import tiny_family; tiny_family('qwen3_moe').to(torch.bfloat16).save_pretrained(sys.argv[1])" "$MOE_DIR"
-  timeout 180 python tests/scripts/reload_check.py --dir "$MOE_DIR" | grep '^RESULT' || echo "moe reload check failed"
+  timeout 180 python tests/scripts/families_reload.py --dir "$MOE_DIR" | grep '^RESULT' || echo "moe reload check failed"
   # GPT-OSS (experts and sinks written past weight_loader in vLLM 0.32: our fix, installed everywhere) and an MLA
   # model (DeepSeek-V3: the GPU MLA backends process kv_b_proj after loading; two reloads must change nothing)
   OSS_DIR=$(mktemp -d); MLA_DIR=$(mktemp -d)
@@ -26,8 +26,8 @@ if python -c "import vllm" 2>/dev/null; then
 m = tiny_family('gpt_oss')
 [p.data.normal_() for n, p in m.named_parameters() if 'bias' in n or 'sinks' in n]
 m.to(torch.bfloat16).save_pretrained(sys.argv[1]); tiny_family('deepseek_v3').to(torch.bfloat16).save_pretrained(sys.argv[2])" "$OSS_DIR" "$MLA_DIR"
-  timeout 120 python tests/scripts/reload_check.py --dir "$OSS_DIR" --fix gpt_oss | grep '^RESULT' || echo "gpt-oss reload check failed"
-  timeout 120 python tests/scripts/reload_check.py --dir "$MLA_DIR" --fix mla | grep '^RESULT' || echo "mla reload check failed"
+  timeout 120 python tests/scripts/families_reload.py --dir "$OSS_DIR" --fix gpt_oss | grep '^RESULT' || echo "gpt-oss reload check failed"
+  timeout 120 python tests/scripts/families_reload.py --dir "$MLA_DIR" --fix mla | grep '^RESULT' || echo "mla reload check failed"
   # Our WeightSource views and the gloo protocol under the machine's own vLLM (0.33's contract where it has 0.33)
   timeout 120 python -m pytest -q -p no:cacheprovider tests/test_vllm_contracts.py tests/test_gloo_backend.py \
     -k "not llm_in_this_process and not same_tests_pass" 2>&1 | tail -1 || echo "vllm contract tests failed"

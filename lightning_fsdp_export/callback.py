@@ -279,7 +279,7 @@ class VLLMWeightSync(Callback):
         if self._target_ready:
             return
         self.target.setup(trainer)
-        self._group = SyncGroup(self._timeout or strategy._timeout or timedelta(minutes=30))
+        self._group = SyncGroup(self._timeout or strategy.collective_timeout or timedelta(minutes=30))
         self._target_ready = True
 
     @property

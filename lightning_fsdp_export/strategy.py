@@ -150,6 +150,11 @@ class LazyExportFSDP2(ModelParallelStrategy):
                 move_optimizer_state(optimizer, None)  # next to each parameter, wherever it lives
         self._phases.start_run()  # a new run starts in the rollout phase (even after a validate/predict)
 
+    @property
+    def collective_timeout(self) -> timedelta | None:
+        """The ``timeout`` of the strategy's collectives (its process group, every export's gathers)."""
+        return self._timeout
+
     # -- phases and offload ---------------------------------------------------------------------------
 
     @property

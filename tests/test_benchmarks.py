@@ -8,7 +8,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.conftest import ROOT
+
+pytestmark = pytest.mark.distributed  # starts real ranks (torchrun, or a multi-process Trainer)
 
 
 def test_export_bench_tiny(tmp_path: Path) -> None:

@@ -11,6 +11,8 @@ import pytest
 
 from tests.conftest import ROOT, free_port
 
+pytestmark = pytest.mark.distributed  # starts real ranks (torchrun, or a multi-process Trainer)
+
 
 @pytest.mark.vllm
 def test_grpo_tiny_reward_rises(tmp_path: Path) -> None:

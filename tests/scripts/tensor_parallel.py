@@ -111,6 +111,8 @@ def main() -> None:
     dist.all_gather_object(everyone, report)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(everyone, default=str))
+    dist.barrier()
+    dist.destroy_process_group()  # else a rank may abort at exit ("terminate called without an active exception")
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from lightning_fsdp_export import (  # noqa: E402
 from lightning_fsdp_export.targets import Directory  # noqa: E402
 from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
 from tests.scripts.common import run_scenarios, start_script  # noqa: E402
-from tests.scripts.sync_checks import LM, loader  # noqa: E402
+from tests.scripts.sync import LM, loader  # noqa: E402
 
 
 class FailingTarget(InMemoryTarget):

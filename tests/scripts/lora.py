@@ -24,7 +24,7 @@ from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, VLLMWeightSync
 from lightning_fsdp_export._compat import list_loras  # noqa: E402
 from lightning_fsdp_export.testing import tiny_lora_qwen2, tiny_qwen2  # noqa: E402
 from tests.scripts.common import CausalLM, run_scenarios, start_script, token_loader  # noqa: E402
-from tests.scripts.sync_checks import PROMPTS, reference_logprobs, vllm_scores  # noqa: E402
+from tests.scripts.sync import PROMPTS, reference_logprobs, vllm_scores  # noqa: E402
 
 
 def loader() -> torch.utils.data.DataLoader:

