@@ -27,9 +27,11 @@ if TYPE_CHECKING:
 __all__ = ["RemoteVLLM"]
 
 # The flat keyword arguments RemoteVLLM took before the transports had options objects.
-_MOVED = {"directory": "Directory(path)", "shard_bytes": "Directory", "keep_last": "Directory",
-          "master_address": "NCCL / Gloo / NCCLM2N", "master_port": "NCCL / Gloo / NCCLM2N",
-          "buffer_bytes": "NCCL / IPC / Gloo", "packed": "NCCL / IPC", "shard_direct": "Gloo"}
+_MOVED = {"directory": ("Directory", "path"), "shard_bytes": ("Directory", "shard_bytes"),
+          "keep_last": ("Directory", "keep_last"), "shard_direct": ("Gloo", "shard_direct"),
+          "master_address": ("NCCL / Gloo / NCCLM2N", "master_address"),
+          "master_port": ("NCCL / Gloo / NCCLM2N", "master_port"),
+          "buffer_bytes": ("NCCL / IPC / Gloo", "buffer_bytes"), "packed": ("NCCL / IPC", "packed")}
 
 
 class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
@@ -83,12 +85,12 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
                  pause_mode: PauseMode = "wait", **moved: Any) -> None:
         if moved:
             name = next(iter(moved))
-            where = _MOVED.get(name)
-            if where is None:
+            if name not in _MOVED:
                 raise TypeError(f"RemoteVLLM() got an unexpected keyword argument {name!r}.")
+            classes, field = _MOVED[name]
             raise TypeError(f"RemoteVLLM({name}=...) is an option of the transport: pass it there, e.g."
-                            f" RemoteVLLM(url, transport={where.split(' / ')[0].split('(')[0]}({name}=...))"
-                            f" ({where} take it; lightning_fsdp_export.targets.transports).")
+                            f" RemoteVLLM(url, transport={classes.split(' / ')[0]}({field}=...)) ({classes} take it;"
+                            " lightning_fsdp_export.targets.transports).")
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
             raise ValueError("RemoteVLLM(base_url=[]) needs at least one server address.")

@@ -37,7 +37,8 @@ from lightning_fsdp_export._compat import json_safe_update_info, source_metadata
 from lightning_fsdp_export.source import ExportSource, SourceLayout
 from lightning_fsdp_export.targets.http import Server, ServerError, on_all
 from lightning_fsdp_export.targets.preflight import check_servers
-from lightning_fsdp_export.targets.transports import Directory, NetworkTransport
+from lightning_fsdp_export.targets.directory import DirectoryTarget
+from lightning_fsdp_export.targets.transports import Directory, NetworkTransport, RendezvousTransport
 
 __all__ = ["DirectoryReload", "FanOutClient", "LLMClient", "NativeTransfer", "PauseMode", "pause_route",
            "reset_prefix_caches"]
@@ -188,8 +189,9 @@ class NativeTransfer:
         self.disconnect()
         check_servers(self.servers, backend=self.transport)  # dev mode, backend, quantization, vLLM minor
         sizes = on_all(self.servers, lambda s: int(s.request("GET", "/get_world_size")["world_size"]))
-        address = getattr(self.options, "master_address", None) or _default_address(self.servers)
-        port = (getattr(self.options, "master_port", 0) or _free_port(address)) if self.options.rendezvous else 0
+        address, port = self._store_address()
+        if isinstance(self.options, RendezvousTransport):
+            port = port or _free_port(address)
         return {"sizes": sizes, "address": address, "port": port,
                 "group": uuid.uuid4().hex if self.every_rank else ""}
 
@@ -203,8 +205,8 @@ class NativeTransfer:
             self.engine.shutdown()
         if plan is None:
             self.client = FanOutClient([], [])
-            address = getattr(self.options, "master_address", None) or _default_address(self.servers)
-            plan = {"address": address, "port": getattr(self.options, "master_port", 0), "group": ""}
+            address, port = self._store_address()
+            plan = {"address": address, "port": port, "group": ""}
         else:
             sizes = plan["sizes"]
             self.world_size = self.trainers + sum(sizes)
@@ -215,6 +217,12 @@ class NativeTransfer:
                                       timeout=self.timeout)
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
         self.broken = False
+
+    def _store_address(self) -> tuple[str, int]:
+        """Where the servers reach trainer rank 0's store: the transport's ``master_address`` (default: loopback
+        for local servers, else this host's name's address) and ``master_port`` (0: picked by rank 0)."""
+        given = self.options if isinstance(self.options, RendezvousTransport) else RendezvousTransport()
+        return given.master_address or _default_address(self.servers), given.master_port
 
     def disconnect(self) -> None:
         """Rank 0: shut the transfer engine down on every server that answers; drop ours."""
@@ -326,13 +334,11 @@ class DirectoryReload:
 
     def __init__(self, servers: Sequence[Server], options: Directory, *, dtype: torch.dtype | None,
                  pause_mode: PauseMode) -> None:
-        from lightning_fsdp_export.targets.directory import DEFAULT_SHARD_BYTES, DirectoryTarget
-
         self.servers = list(servers)
         self.pause_mode = pause_mode
         self.rank = 0
         self._checked = False
-        self.writer = DirectoryTarget(options.path, dtype=dtype, shard_bytes=options.shard_bytes or DEFAULT_SHARD_BYTES,
+        self.writer = DirectoryTarget(options.path, dtype=dtype, shard_bytes=options.shard_bytes,
                                       keep_last=options.keep_last)
 
     def setup(self, trainer: Any) -> None:

@@ -19,19 +19,21 @@ from typing import Any, ClassVar
 import torch
 
 from lightning_fsdp_export.source import SourceLayout
+from lightning_fsdp_export.targets.directory import DEFAULT_SHARD_BYTES
 
-__all__ = ["IPC", "NCCL", "TRANSPORTS", "Directory", "Gloo", "NCCLM2N", "NetworkTransport", "Transport",
-           "parse_transport"]
-
-
-def _positive(owner: str, name: str, value: int | None) -> None:
-    if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value <= 0):
-        raise ValueError(f"{owner}({name}={value!r}) must be a positive number of bytes.")
+__all__ = ["IPC", "NCCL", "TRANSPORTS", "Directory", "Gloo", "NCCLM2N", "NetworkTransport", "RendezvousTransport",
+           "Transport", "parse_transport"]
 
 
-def _port(owner: str, port: int) -> None:
-    if not isinstance(port, int) or not 0 <= port < 65536:
-        raise ValueError(f"{owner}(master_port={port!r}) must be a TCP port (0: pick a free one).")
+def _check_buffer(owner: object, buffer_bytes: int | None) -> None:
+    if buffer_bytes is not None and (not isinstance(buffer_bytes, int) or isinstance(buffer_bytes, bool)
+                                     or buffer_bytes <= 0):
+        raise ValueError(f"{type(owner).__name__}(buffer_bytes={buffer_bytes!r}) must be a positive number of bytes.")
+
+
+def _packed(buffer_bytes: int | None) -> dict[str, int]:
+    """vLLM's packed chunk size argument, when one was given (else the backend's default)."""
+    return {} if buffer_bytes is None else {"packed_buffer_size_bytes": buffer_bytes}
 
 
 @dataclass(frozen=True)
@@ -50,11 +52,6 @@ class NetworkTransport:
         """Every trainer rank joins the transfer group and sends its own shards (shard-direct)."""
         return False
 
-    @property
-    def rendezvous(self) -> bool:
-        """The trainer hosts a store the servers' workers join (every backend but IPC)."""
-        return True
-
     def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
                   timeout: float) -> Any:
         """The trainer engine's init info for ``WeightTransferTrainerFactory.trainer_init`` (imports vLLM)."""
@@ -62,34 +59,49 @@ class NetworkTransport:
 
 
 @dataclass(frozen=True)
-class NCCL(NetworkTransport):
-    """vLLM's NCCL engine: servers on other GPUs or nodes; trainer rank 0 joins the group on its GPU.
+class RendezvousTransport(NetworkTransport):
+    """A transport whose servers' workers join a store trainer rank 0 hosts (every backend but IPC).
 
     Args:
         master_address: trainer rank 0's address as the servers reach it (default: ``127.0.0.1`` when every
             server is local, else the address of this host's name).
         master_port: the store's port on rank 0; 0 (default) picks a free one.
+    """
+
+    master_address: str | None = None
+    master_port: int = 0
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.master_port, int) or not 0 <= self.master_port < 65536:
+            raise ValueError(f"{type(self).__name__}(master_port={self.master_port!r}) must be a TCP port (0: pick a"
+                             " free one).")
+
+
+@dataclass(frozen=True)
+class NCCL(RendezvousTransport):
+    """vLLM's NCCL engine: servers on other GPUs or nodes; trainer rank 0 joins the group on its GPU.
+
+    Args:
+        master_address: see :class:`RendezvousTransport`.
+        master_port: see :class:`RendezvousTransport`.
         buffer_bytes: the packed chunk size (vLLM's default: 1 GiB); trainer and workers hold up to two.
         packed: vLLM's packed transfer.
     """
 
     name: ClassVar[str] = "nccl"
-    master_address: str | None = None
-    master_port: int = 0
     buffer_bytes: int | None = None
     packed: bool = True
 
     def __post_init__(self) -> None:
-        _positive(type(self).__name__, "buffer_bytes", self.buffer_bytes)
-        _port(type(self).__name__, self.master_port)
+        super().__post_init__()
+        _check_buffer(self, self.buffer_bytes)
 
     def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
                   timeout: float) -> Any:
         from vllm.distributed.weight_transfer.nccl_engine import NCCLTrainerInitInfo
 
-        extra = {} if self.buffer_bytes is None else {"packed_buffer_size_bytes": self.buffer_bytes}
         return NCCLTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size,
-                                   packed=self.packed, **extra)
+                                   packed=self.packed, **_packed(self.buffer_bytes))
 
 
 @dataclass(frozen=True)
@@ -107,27 +119,22 @@ class IPC(NetworkTransport):
     packed: bool = True
 
     def __post_init__(self) -> None:
-        _positive(type(self).__name__, "buffer_bytes", self.buffer_bytes)
-
-    @property
-    def rendezvous(self) -> bool:
-        return False
+        _check_buffer(self, self.buffer_bytes)
 
     def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
                   timeout: float) -> Any:
         from vllm.distributed.weight_transfer.ipc_engine import IPCTrainerInitInfo
 
-        extra = {} if self.buffer_bytes is None else {"packed_buffer_size_bytes": self.buffer_bytes}
-        return IPCTrainerInitInfo(rank=rank, packed=self.packed, **extra)
+        return IPCTrainerInitInfo(rank=rank, packed=self.packed, **_packed(self.buffer_bytes))
 
 
 @dataclass(frozen=True)
-class Gloo(NetworkTransport):
+class Gloo(RendezvousTransport):
     """This package's backend over CPU sockets (the servers' environment must have this package installed).
 
     Args:
-        master_address: as :class:`NCCL`'s.
-        master_port: as :class:`NCCL`'s.
+        master_address: see :class:`RendezvousTransport`.
+        master_port: see :class:`RendezvousTransport`.
         buffer_bytes: the packed chunk size (default 16 MiB, the fastest measured here).
         shard_direct: every trainer rank sends its own rows of each FSDP2 shard (no all-gather on the trainer;
             the workers assemble full tensors) and its own experts' checkpoint pieces; the servers need no
@@ -135,14 +142,12 @@ class Gloo(NetworkTransport):
     """
 
     name: ClassVar[str] = "gloo"
-    master_address: str | None = None
-    master_port: int = 0
     buffer_bytes: int | None = None
     shard_direct: bool = False
 
     def __post_init__(self) -> None:
-        _positive(type(self).__name__, "buffer_bytes", self.buffer_bytes)
-        _port(type(self).__name__, self.master_port)
+        super().__post_init__()
+        _check_buffer(self, self.buffer_bytes)
 
     @property
     def every_rank(self) -> bool:
@@ -153,27 +158,22 @@ class Gloo(NetworkTransport):
         from lightning_fsdp_export.targets.gloo import GlooTrainerInitInfo, register
 
         register()
-        extra = {} if self.buffer_bytes is None else {"packed_buffer_size_bytes": self.buffer_bytes}
         return GlooTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size,
-                                   timeout_s=timeout, num_trainer_ranks=trainers, group=group, **extra)
+                                   timeout_s=timeout, num_trainer_ranks=trainers, group=group,
+                                   **_packed(self.buffer_bytes))
 
 
 @dataclass(frozen=True)
-class NCCLM2N(NetworkTransport):
+class NCCLM2N(RendezvousTransport):
     """vLLM's M2N engine (NVIDIA's ``nccl-extensions`` on both sides): every trainer rank sends its local shards
     over NCCL and the workers reshard them. GPU only.
 
     Args:
-        master_address: as :class:`NCCL`'s.
-        master_port: as :class:`NCCL`'s.
+        master_address: see :class:`RendezvousTransport`.
+        master_port: see :class:`RendezvousTransport`.
     """
 
     name: ClassVar[str] = "nccl_m2n"
-    master_address: str | None = None
-    master_port: int = 0
-
-    def __post_init__(self) -> None:
-        _port(type(self).__name__, self.master_port)
 
     @property
     def layout(self) -> SourceLayout:
@@ -204,11 +204,12 @@ class Directory:
 
     name: ClassVar[str] = "directory"
     path: str | os.PathLike[str]
-    shard_bytes: int | None = None
+    shard_bytes: int = DEFAULT_SHARD_BYTES
     keep_last: int = 2
 
     def __post_init__(self) -> None:
-        _positive("Directory", "shard_bytes", self.shard_bytes)
+        if not isinstance(self.shard_bytes, int) or self.shard_bytes <= 0:
+            raise ValueError(f"Directory(shard_bytes={self.shard_bytes!r}) must be a positive number of bytes.")
         if not isinstance(self.keep_last, int) or self.keep_last < 2:
             raise ValueError(f"Directory(keep_last={self.keep_last!r}) must be at least 2: the servers read the"
                              " current one.")
