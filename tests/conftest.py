@@ -31,7 +31,7 @@ def run_torchrun(script: str, out: Path, *args: str, nproc: int = 2, timeout: in
     cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
            str(ROOT / "tests" / "scripts" / script), "--out", str(out), *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, **(env or {})})
+                          env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})  # an abort shows its stack
     if proc.returncode != 0 or not out.exists():
         raise AssertionError(f"{script} failed (rc={proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}")
     return json.loads(out.read_text())

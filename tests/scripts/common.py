@@ -77,6 +77,15 @@ def start_script(default_only: str, work: str) -> tuple[argparse.Namespace, Path
     return args, root
 
 
+def end_script() -> None:
+    """Leave the gloo group together: a barrier, then ``destroy_process_group``. A rank that tears its group
+    down while the other is still in its last collective can abort at exit ("terminate called without an
+    active exception", SIGABRT: seen once in CI on gather_distributed.py, which destroyed without a barrier)."""
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def run_scenarios(runs: dict[str, Callable[[], Any]], names: list[str]) -> dict[str, Any]:
     """Run the named scenarios in order; a crash is recorded (for the test to show), not raised."""
     results: dict[str, Any] = {}

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export.export import ExportReport, gather_full, lazy_export, plan_export  # noqa: E402
 from lightning_fsdp_export.lora import merged_in_place, staged_merged_export  # noqa: E402
 from lightning_fsdp_export.testing import tiny_llama, tiny_lora_qwen2, tiny_qwen2  # noqa: E402
-from tests.scripts.common import OddNet, start_script  # noqa: E402
+from tests.scripts.common import OddNet, end_script, start_script  # noqa: E402
 
 MODES = [dict(bucket_bytes=b, prefetch=p) for b, p in itertools.product([0, 1 << 10, 1 << 20], [0, 1])]
 
@@ -133,7 +133,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
-    dist.destroy_process_group()
+    end_script()
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from lightning_fsdp_export import InMemoryTarget, LazyExportFSDP2, VLLMWeightSync  # noqa: E402
 from lightning_fsdp_export.testing import qwen2_config, tiny_qwen2  # noqa: E402
-from tests.scripts.common import token_loader  # noqa: E402
+from tests.scripts.common import end_script, token_loader  # noqa: E402
 
 PLAN = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
@@ -111,8 +111,7 @@ def main() -> None:
     dist.all_gather_object(everyone, report)
     if dist.get_rank() == 0:
         out.write_text(json.dumps(everyone, default=str))
-    dist.barrier()
-    dist.destroy_process_group()  # else a rank may abort at exit ("terminate called without an active exception")
+    end_script()
 
 
 if __name__ == "__main__":
