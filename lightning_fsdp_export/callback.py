@@ -125,6 +125,9 @@ class VLLMWeightSync(Callback):
         self._sync_on_train_start = sync_on_train_start
         self._dtype = dtype
         self.version = 0
+        self.served_version: int | None = None
+        """The version the target holds, as of this rank's last sync that succeeded on every rank; None
+        while a sync is in flight, after a failed one and before the first one of a fit."""
         self.last_synced_step = -1
         self.stale = True
         self._resumed = False
@@ -137,6 +140,16 @@ class VLLMWeightSync(Callback):
         # Stable across a resume, even one that swaps the target (a new server); unique per mode, so one
         # Trainer may sync a merged and an adapter engine side by side.
         return self._generate_state_key(lora=self._lora)
+
+    @property
+    def every_n_train_steps(self) -> int | None:
+        """Steps between syncs (None when syncing by epochs)."""
+        return self._every_n_steps
+
+    @property
+    def syncs_on_train_start(self) -> bool:
+        """Whether the fit's first push happens at train start (``sync_on_train_start``, or a resumed run)."""
+        return self._sync_on_train_start or self._resumed
 
     # -- when -------------------------------------------------------------------------------------------
 
@@ -211,6 +224,7 @@ class VLLMWeightSync(Callback):
         strategy = _require_strategy(trainer)
         self._ensure_target(trainer, strategy)
         self.version += 1
+        self.served_version = None
         start = time.perf_counter()
         try:
             sources = self._sync(trainer, strategy)
@@ -223,6 +237,7 @@ class VLLMWeightSync(Callback):
             return
         self.stale = False
         self._base_pushed = True
+        self.served_version = self.version
         self.last_synced_step = trainer.global_step
         self._log(trainer, time.perf_counter() - start, sources)
 

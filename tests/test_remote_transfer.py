@@ -274,3 +274,54 @@ def test_bad_servers_are_named_with_their_fix_within_seconds_on_every_rank(bad_s
                              r" \1\.weight is \(1024, 256\)", one["error"]), one
         for one in (no_dev, no_backend, vocab, directory, plain):  # never the 60 s timeout (fit start included)
             assert one["seconds"] < 40, one
+
+
+# -- asynchronous RL (AsyncRollouts) on the same servers; last, since its replica_dies scenario leaves the second
+# -- server out of the transfer group --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def async_results(servers: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    _, urls = servers
+    return run_torchrun("async_rollouts.py", tmp_path_factory.mktemp("async") / "results.json",
+                        "--server", ",".join(urls))
+
+
+def test_async_tokens_carry_the_versions_that_made_them_within_the_bound(async_results: dict[str, Any]) -> None:
+    got = scenario(async_results, "async")
+    first, resumed = got["first"], got["resumed"]
+    for fit in (first, resumed):
+        assert fit["spans_cover"], fit  # a version on every token, all among the pushed ones
+        assert all(0 <= s <= 2 for h in fit["history"] for s in h["staleness"]), fit["history"]  # K = 2
+        assert fit["threads_after"] == [] and not any(s["paused"] for s in fit["servers_after"]), fit
+        assert not fit["errors"], fit["errors"]
+    assert set(first["labels"]) <= {1, 2, 3} and set(resumed["labels"]) <= {5, 6, 7}  # the versions pushed
+    assert first["produced_multi_version"] + resumed["produced_multi_version"] >= 1, (first, resumed)
+    # token truth: each span scored with the version it names (bf16 server vs fp32 trainer: measured <= 0.02);
+    # a neighbouring version is off by more than 1 (lr 3e-2)
+    truth = first["token_truth"]
+    assert truth["spans"] >= 12 and truth["unscored"] == 0, truth
+    assert truth["right_gap"] < LOGPROB_TOLERANCE < 1.0 < truth["other_gaps_min"], truth
+    # the resumed fit: versions continue (the resume push is 5), prompts go on from where the first stopped
+    assert resumed["history"][0]["version"] == first["version"] + 1 == 5
+    first_prompts = {i for b in first["prompt_indices"] for i in b}
+    assert not first_prompts & {i for b in resumed["prompt_indices"] for i in b}, (first_prompts, resumed)
+    assert min(i for b in resumed["prompt_indices"] for i in b) >= 2 * resumed["saved_positions"][0]
+
+
+def test_async_with_bound_zero_is_on_policy(async_results: dict[str, Any]) -> None:
+    got = scenario(async_results, "on_policy")
+    assert got["single_version_equal_to_trainer"] and got["dropped"] == 0, got
+    assert [h["version"] for h in got["history"]] == [1, 2, 3]
+
+
+def test_async_a_dying_replica_is_named_by_the_next_sync_and_nothing_is_left_running(
+        async_results: dict[str, Any]) -> None:
+    got = scenario(async_results, "replica_dies")
+    assert got["error"] is not None and got["proxy"] in got["error"], got
+    assert got["error_after_death_seconds"] < 20, got  # RemoteVLLM(timeout=20)
+    assert got["threads_after"] == [], got
+    # requests on the dead replica failed (named) and were sent again to the other server
+    assert got["request_errors"] and all(got["proxy"] in e for e in got["request_errors"]), got
+    assert got["steps_done"] >= 2 and got["proxy"] not in got["servers_used"][-1:], got
+    assert got["first_server_after"]["paused"], got  # left paused by the failed sync (resumed by the script)

