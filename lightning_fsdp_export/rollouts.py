@@ -399,16 +399,18 @@ class AsyncRollouts(Callback):
         deadline = start + self.batch_timeout
         version = self.sync.version
         with self._lock:
-            consumed, anchor_version, at_version = self._anchor
+            _, anchor_version, at_version = self._anchor
             at_version = at_version if anchor_version == version else 0
             while len(batch.groups) < self.batch_size:
                 while self._ready and len(batch.groups) < self.batch_size:
                     group = self._ready.popleft()
                     if version - group.min_version > self.max_staleness:
-                        self.dropped += 1
-                    else:
-                        batch.groups.append(group)
-                        self._done.add(group.prompt_index)
+                        self.dropped += 1  # its place goes to a new group, admitted for this step
+                        continue
+                    batch.groups.append(group)
+                    self._done.add(group.prompt_index)
+                    self._consumed += 1  # counted at once: the pacing never sees a taken group as a free place
+                    self._anchor = (self._consumed, version, at_version + len(batch.groups))
                 if len(batch.groups) == self.batch_size:
                     break
                 if self._errors and not self._in_flight and self._all_down():
@@ -416,9 +418,8 @@ class AsyncRollouts(Callback):
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise RolloutError(self._timeout_message(version, len(batch.groups)))
+                self._lock.notify_all()  # places freed by drops: admission goes on
                 self._lock.wait(timeout=min(left, 1.0))
-            self._consumed += self.batch_size
-            self._anchor = (self._consumed, version, at_version + self.batch_size)
             self._lock.notify_all()  # the pacing moved: admission may go on
         batch.version = version
         batch.waited = time.monotonic() - start

