@@ -280,6 +280,18 @@ def test_bad_servers_are_named_with_their_fix_within_seconds_on_every_rank(bad_s
 # -- server out of the transfer group --------------------------------------------------------------------------
 
 
+def test_the_async_grpo_example_learns_on_these_servers(servers: Any, tmp_path: Path) -> None:
+    """examples/grpo_async.py as a user runs it (its own server replaced by this module's two)."""
+    _, urls = servers
+    proc = subprocess.run([sys.executable, "examples/grpo_async.py", "--steps", "10", "--server", ",".join(urls),
+                           "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    rewards = [float(m) for m in re.findall(r"mean reward ([0-9.]+)", proc.stdout)]
+    assert proc.returncode == 0 and len(rewards) == 10, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # Measured: 0.49 -> 0.83 over these 10 steps (max_staleness=1); stale rollouts would leave it near 0.5.
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
+    assert re.search(r"staleness max [01] ", proc.stdout) and "staleness max 2" not in proc.stdout, proc.stdout
+
+
 @pytest.fixture(scope="module")
 def async_results(servers: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     _, urls = servers
@@ -318,10 +330,14 @@ def test_async_with_bound_zero_is_on_policy(async_results: dict[str, Any]) -> No
 def test_async_a_dying_replica_is_named_by_the_next_sync_and_nothing_is_left_running(
         async_results: dict[str, Any]) -> None:
     got = scenario(async_results, "replica_dies")
-    assert got["error"] is not None and got["proxy"] in got["error"], got
-    assert got["error_after_death_seconds"] < 20, got  # RemoteVLLM(timeout=20)
+    assert got["error"] is not None and got["proxy"] in got["error"], got  # the sync's warning names it
+    # the next batch could not fill (no version served): every rank raised, naming each server's state
+    error = got["rollout_error"]
+    assert error is not None and "rank 0:" in error and "rank 1:" in error, got
+    assert "paused=True" in error and f"{got['proxy']}: unreachable" in error, error
+    assert got["error_after_death_seconds"] < 20 + 8 + 30, got  # RemoteVLLM(timeout=20), batch_timeout=8
     assert got["threads_after"] == [], got
     # requests on the dead replica failed (named) and were sent again to the other server
     assert got["request_errors"] and all(got["proxy"] in e for e in got["request_errors"]), got
-    assert got["steps_done"] >= 2 and got["proxy"] not in got["servers_used"][-1:], got
+    assert got["steps_done"] >= 2, got
     assert got["first_server_after"]["paused"], got  # left paused by the failed sync (resumed by the script)

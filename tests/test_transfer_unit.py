@@ -340,7 +340,7 @@ def test_the_precheck_is_skipped_when_the_checkpoint_is_not_readable_here(record
     (lambda: RemoteVLLM(URL, transport="tcp"), ValueError, r"transport='tcp'\) must be one of 'nccl', 'ipc', 'gloo',"
      r" 'nccl_m2n', 'directory'"),
     (lambda: RemoteVLLM(URL, transport="directory"), ValueError, r"needs the directory: transport=Directory\(PATH\)"),
-    (lambda: RemoteVLLM(URL, pause_mode="abort"), ValueError, r"pause_mode='abort'\) must be 'wait' or 'keep'"),
+    (lambda: RemoteVLLM(URL, pause_mode="abort"), ValueError, r"pause_mode='abort'\) must be 'wait', 'keep' or 'keep_old_kv'"),
     (lambda: RemoteVLLM("127.0.0.1:8000"), ValueError, "base_url='127.0.0.1:8000'"),
     (lambda: RemoteVLLM(URL, timeout=0), ValueError, "timeout=0"),
 ])
@@ -478,7 +478,7 @@ def test_each_transport_says_its_layout() -> None:
 # -- defects of issue 22, each fails without its fix ------------------------------------------------------
 
 
-@pytest.mark.parametrize("mode", ["wait", "keep"])
+@pytest.mark.parametrize("mode", ["wait", "keep", "keep_old_kv"])
 def test_the_directory_transport_and_reset_weights_pause_in_the_chosen_mode(tmp_path: Any, mode: str) -> None:
     stub = Stub()
     target = RemoteVLLM(stub.url, transport=Directory(tmp_path), pause_mode=mode)  # type: ignore[arg-type]
@@ -487,9 +487,10 @@ def test_the_directory_transport_and_reset_weights_pause_in_the_chosen_mode(tmp_
     target.setup(trainer)  # type: ignore[arg-type]
     target.reset_weights()
     target.push(iter([("model.layers.0.q.weight", torch.ones(2, 2))]), version=3)
-    pause = "/pause?mode=keep&clear_cache=false" if mode == "keep" else "/pause?mode=wait"
-    reset = "/reset_prefix_cache?reset_running_requests=true" if mode == "keep" else "/reset_prefix_cache"
-    assert stub.paths() == [pause, "/weight_checker", pause, "/collective_rpc", reset, "/update_weight_version",
+    pause = "/pause?mode=wait" if mode == "wait" else "/pause?mode=keep&clear_cache=false"
+    reset = {"keep": ["/reset_prefix_cache?reset_running_requests=true"], "wait": ["/reset_prefix_cache"],
+             "keep_old_kv": []}[mode]  # keep_old_kv: the frozen requests keep their KV; clients salt per version
+    assert stub.paths() == [pause, "/weight_checker", pause, "/collective_rpc", *reset, "/update_weight_version",
                             "/resume"]
 
 

@@ -8,6 +8,7 @@ their dev-mode routes and trainer rank 0's store port on the trainers' own netwo
 
 from __future__ import annotations
 
+import uuid
 from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -76,8 +77,10 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
         dtype: the dtype pushed; default ``torch.bfloat16``.
         timeout: seconds for each HTTP request (a whole transfer round included) and, with ``Gloo``,
             for the rendezvous and every collective: a peer that dies mid-round ends the round after it.
-        pause_mode: ``"wait"`` (running requests finish first) or ``"keep"`` (they freeze during the
-            update and are recomputed with the new weights after it; for async RL).
+        pause_mode: ``"wait"`` (running requests finish first), ``"keep"`` (they freeze during the
+            update and are recomputed with the new weights after it; for async RL) or ``"keep_old_kv"``
+            (they freeze and keep the old weights' KV: no recompute, no prefix-cache reset; every client must
+            then salt its prefix cache per version, as ``AsyncRollouts`` does).
     """
 
     def __init__(self, base_url: str | Sequence[str], *, transport: Transport | str | None = None,
@@ -99,7 +102,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
         if timeout <= 0:
             raise ValueError(f"RemoteVLLM(timeout={timeout}) must be a positive number of seconds.")
         if pause_mode not in get_args(PauseMode):
-            raise ValueError(f"RemoteVLLM(pause_mode={pause_mode!r}) must be 'wait' or 'keep'.")
+            raise ValueError(f"RemoteVLLM(pause_mode={pause_mode!r}) must be 'wait', 'keep' or 'keep_old_kv'.")
         self.options = parse_transport(transport)
         self.transport = self.options.name
         self.servers = [Server(url, api_key=api_key, timeout=timeout) for url in urls]
@@ -168,7 +171,8 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
 
         def score(server: Server) -> list[float]:
             model = server.request("GET", "/v1/models")["data"][0]["id"]
-            body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0}
+            body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0,
+                    "cache_salt": uuid.uuid4().hex}  # never a cached prefix of older weights (keep_old_kv)
             rows = server.request("POST", "/v1/completions", body)["choices"][0]["prompt_logprobs"][1:]
             return [row[str(token)]["logprob"] for row, token in zip(rows, token_ids[1:])]
 

@@ -44,13 +44,14 @@ from lightning_fsdp_export.targets.transports import Directory, NetworkTransport
 __all__ = ["DirectoryReload", "FanOutClient", "LLMClient", "NativeTransfer", "PauseMode", "pause_route",
            "reset_prefix_caches"]
 
-PauseMode = Literal["wait", "keep"]
+PauseMode = Literal["wait", "keep", "keep_old_kv"]
 
 
 def pause_route(mode: PauseMode) -> str:
-    """The ``/pause`` request of every round: ``wait`` drains running requests; ``keep`` freezes them and keeps
-    their KV (``clear_cache=false``), to be recomputed after the prefix cache reset with the new weights."""
-    return "/pause?mode=keep&clear_cache=false" if mode == "keep" else "/pause?mode=wait"
+    """The ``/pause`` request of every round: ``wait`` drains running requests; ``keep`` and ``keep_old_kv``
+    freeze them and keep their KV (``clear_cache=false``); with ``keep`` it is recomputed with the new weights
+    after the prefix cache reset, with ``keep_old_kv`` it stays (see :func:`reset_prefix_caches`)."""
+    return "/pause?mode=wait" if mode == "wait" else "/pause?mode=keep&clear_cache=false"
 
 
 class FanOutClient:
@@ -136,7 +137,7 @@ class NativeTransfer:
         transport: a network transport's options (:mod:`~lightning_fsdp_export.targets.transports`).
         timeout: seconds for the rendezvous and every collective of the transfer (``Gloo``), and per request.
         pause_mode: ``"wait"`` lets running requests finish before the update; ``"keep"`` freezes them
-            and preempts them after it (async RL).
+            and preempts them after it (async RL); ``"keep_old_kv"`` freezes them and keeps their KV.
     """
 
     def __init__(self, servers: Sequence[Server], transport: NetworkTransport, *, timeout: float,
@@ -376,7 +377,14 @@ class DirectoryReload:
 
 def reset_prefix_caches(servers: Sequence[Server], mode: PauseMode) -> None:
     """After an update: drop every server's prefix cache (with ``keep``, the kept requests' blocks too, so they
-    are recomputed with the new weights); a server answering ``{"success": false}`` fails the round."""
+    are recomputed with the new weights); a server answering ``{"success": false}`` fails the round.
+
+    ``keep_old_kv`` resets nothing: the frozen requests hold blocks (vLLM would answer ``{"success": false}``)
+    and keep their old KV by choice; the prefix cache must then be isolated per version by the clients
+    (``cache_salt``: ``AsyncRollouts`` salts every request with the version it starts at, and
+    ``RemoteVLLM.prompt_logprobs`` salts every probe afresh)."""
+    if mode == "keep_old_kv":
+        return
     reset = "/reset_prefix_cache?reset_running_requests=true" if mode == "keep" else "/reset_prefix_cache"
     answers = on_all(servers, lambda s: (s, s.request("POST", reset)))
     refused = [s.url for s, answer in answers if not (isinstance(answer, dict) and answer.get("success"))]
