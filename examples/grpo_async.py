@@ -15,6 +15,7 @@ reward is the share of generated tokens below ``VOCAB / 2``; it rises only if th
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -53,6 +54,8 @@ class AsyncGRPO(pl.LightningModule):
         self.waited = 0.0
         self.paused: list[float] = []
         self.pushes: list[float] = []
+        self.timeline: dict[str, Any] = {"steps": [], "requests": {}}
+        self._fill_end = 0.0
 
     def training_step(self, batch: RolloutBatch, batch_idx: int) -> torch.Tensor:
         t = batch.tensors()
@@ -68,6 +71,11 @@ class AsyncGRPO(pl.LightningModule):
 
     def on_train_start(self) -> None:
         self.started = time.monotonic()
+        self.timeline["start"] = time.time()
+
+    def on_train_batch_start(self, batch: RolloutBatch, batch_idx: int) -> None:
+        self._fill_end = time.time()  # AsyncRollouts (a callback) filled the batch just before this hook
+        self._batch = batch
 
     def on_train_batch_end(self, *args: Any) -> None:
         if self.global_rank == 0:
@@ -75,6 +83,13 @@ class AsyncGRPO(pl.LightningModule):
             self.waited += waited
             self.paused.append(self.sync.target.last_paused_seconds or 0.0)
             self.pushes.append(self.sync.last_metrics.get("weight_sync/seconds", 0.0))
+            end = time.time()
+            self.timeline["steps"].append({"fill_start": self._fill_end - self._batch.waited, "fill_end": self._fill_end,
+                                           "sync_start": end - self.pushes[-1], "end": end,
+                                           "paused": self.sync.target.last_pause})
+            for group in self._batch.groups:
+                self.timeline["requests"].setdefault(group.samples[0].server, []).append(
+                    (group.admitted_at, group.finished_at))
             print(f"step {self.global_step:3d}  mean reward {r:.3f}  staleness max {self.stats[:, 1].max():.0f}"
                   f"  waited {waited * 1e3:6.0f} ms  (version {self.version})", flush=True)
 
@@ -82,6 +97,7 @@ class AsyncGRPO(pl.LightningModule):
         if self.global_rank == 0:
             minutes = (time.monotonic() - self.started) / 60
             total = time.monotonic() - self.started
+            self.timeline["end"] = time.time()
             print(f"steps per minute {self.trainer.global_step / minutes:.1f}  trainer waiting {self.waited / total:.0%}"
                   f"  paused per sync {1e3 * sum(self.paused) / len(self.paused):.0f} ms"
                   f"  sync {1e3 * sum(self.pushes) / len(self.pushes):.0f} ms", flush=True)
@@ -126,6 +142,7 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--server", default=None, help="running server(s), comma-separated; default: start one")
     parser.add_argument("--workdir", default="runs/grpo_async")
+    parser.add_argument("--timeline", default=None, help="write rank 0's timestamps here (JSON, for the benchmark)")
     args = parser.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -145,8 +162,11 @@ def main() -> None:
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(), max_steps=args.steps,
                          callbacks=[sync, rollouts], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(workdir))
+    policy = AsyncGRPO(sync)
     try:
-        trainer.fit(AsyncGRPO(sync), rollouts.dataloader())
+        trainer.fit(policy, rollouts.dataloader())
+        if trainer.global_rank == 0 and args.timeline:
+            Path(args.timeline).write_text(json.dumps(policy.timeline))
         if trainer.global_rank == 0:
             print(f"dropped {rollouts.dropped}  samples across versions {rollouts.multi_version_samples}", flush=True)
     finally:

@@ -129,7 +129,13 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
     def last_paused_seconds(self) -> float | None:
         """Rank 0: how long the last completed sync kept the servers paused (``/pause`` to ``/resume``); with
         ``pause_mode="keep"`` the only time generation stops for a sync. None elsewhere and before one."""
-        return self._round.last_paused_seconds
+        pause = self._round.last_pause
+        return None if pause is None else pause[1] - pause[0]
+
+    @property
+    def last_pause(self) -> tuple[float, float] | None:
+        """Rank 0: wall-clock times (``time.time()``) of the last completed sync's ``/pause`` and ``/resume``."""
+        return self._round.last_pause
 
     @property  # type: ignore[override]
     def source_layout(self) -> SourceLayout:

@@ -147,8 +147,8 @@ class NativeTransfer:
         self.transport = transport.name
         self.timeout = timeout
         self.pause_mode = pause_mode
-        self.last_paused_seconds: float | None = None
-        """Rank 0: seconds between the last round's ``/pause`` and ``/resume`` (None before one completes)."""
+        self.last_pause: tuple[float, float] | None = None
+        """Rank 0: wall-clock times (``time.time()``) of the last completed round's ``/pause`` and ``/resume``."""
         self.every_rank = transport.every_rank
         self.rank = 0
         self.trainers = 1  # trainer ranks in the transfer group
@@ -255,7 +255,7 @@ class NativeTransfer:
             self.engine.send_weights()  # iterates the source: this rank's part of the gathers
             return
         plan, paused = self._start_round()
-        paused_at = time.monotonic()
+        paused_at = time.time()
         try:
             if plan is not None:
                 self._connect(plan)
@@ -273,7 +273,7 @@ class NativeTransfer:
             raise
         if self.rank == 0:
             on_all(self.servers, lambda s: s.request("POST", "/resume"))
-            self.last_paused_seconds = time.monotonic() - paused_at
+            self.last_pause = (paused_at, time.time())
 
     def _start_round(self) -> tuple[dict[str, Any] | None, bool]:
         """Rank 0 rebuilds the group if needed (a broken round on any rank of the group, or a new plan) and
@@ -342,8 +342,8 @@ class DirectoryReload:
                  pause_mode: PauseMode) -> None:
         self.servers = list(servers)
         self.pause_mode = pause_mode
-        self.last_paused_seconds: float | None = None
-        """Rank 0: seconds between the last reload's ``/pause`` and ``/resume``."""
+        self.last_pause: tuple[float, float] | None = None
+        """Rank 0: wall-clock times of the last reload's ``/pause`` and ``/resume``."""
         self.rank = 0
         self._checked = False
         self.writer = DirectoryTarget(options.path, dtype=dtype, shard_bytes=options.shard_bytes,
@@ -364,12 +364,12 @@ class DirectoryReload:
             check_servers(self.servers, backend=None)  # dev mode and quantization, before the first reload
             self._checked = True
         on_all(self.servers, lambda s: s.request("POST", pause_route(self.pause_mode)))
-        paused_at = time.monotonic()
+        paused_at = time.time()
         on_all(self.servers, lambda s: s.request("POST", "/collective_rpc", reload))
         reset_prefix_caches(self.servers, self.pause_mode)
         on_all(self.servers, lambda s: s.request("POST", "/update_weight_version", {"new_version": str(version)}))
         on_all(self.servers, lambda s: s.request("POST", "/resume"))
-        self.last_paused_seconds = time.monotonic() - paused_at
+        self.last_pause = (paused_at, time.time())
 
     def disconnect(self) -> None:
         """Nothing to shut down: a directory holds no group."""
