@@ -97,3 +97,18 @@ def test_spans_become_per_token_versions_and_unknown_labels_are_oldest() -> None
     assert s.versions == [-1, 4, 4] and s.logprobs == [-1.0, -2.0, -3.0] and s.min_version == -1
     with pytest.raises(ValueError, match="returned no weight_versions"):
         r._sample(0, [1], {**choice, "weight_versions": None}, server)
+
+
+def test_the_benchmarks_timeline_is_a_picture_of_every_interval() -> None:
+    import xml.dom.minidom
+
+    from benchmarks.async_bench import timeline_svg
+
+    steps = [{"fill_start": 0.0, "fill_end": 1.0, "sync_start": 2.0, "end": 3.0, "paused": [2.2, 2.8]}]
+    run = {"start": 0.0, "end": 3.0, "steps": steps, "requests": {URL: [[0.0, 1.0], [0.5, 1.5], [1.2, 2.0]]}}
+    svg = xml.dom.minidom.parseString(timeline_svg({"max_staleness=0": run}))
+    kinds = [r.getElementsByTagName("title")[0].firstChild.data.split()[0] for r in svg.getElementsByTagName("rect")
+             if r.getElementsByTagName("title")]
+    assert kinds == ["wait", "step", "sync", "paused", "generate", "generate", "generate"]
+    heights = {r.getAttribute("y") for r in svg.getElementsByTagName("rect") if r.getAttribute("height") == "3.0"}
+    assert len(heights) == 2  # the overlapping requests stacked in two rows, the third reuses the first
