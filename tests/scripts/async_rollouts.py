@@ -145,7 +145,9 @@ def score(batches: list[RolloutBatch], versions: dict[int, dict[str, torch.Tenso
                 neighbours = [w for w in (v - 1, v + 1) if w in logps]
                 if neighbours:
                     other.append(max(max(abs(s.logprobs[i] - logps[w][i]) for i in idx) for w in neighbours))
-    return {"right_gap": right, "other_gaps_min": min(other, default=None), "spans": spans, "unscored": unscored}
+    other.sort()
+    return {"right_gap": right, "other_gaps_min": other[0] if other else None,
+            "other_gaps_median": other[len(other) // 2] if other else None, "spans": spans, "unscored": unscored}
 
 
 def summary(rollouts: AsyncRollouts, sync: VLLMWeightSync, batches: list[RolloutBatch]) -> dict[str, Any]:
