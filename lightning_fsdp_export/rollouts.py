@@ -48,7 +48,7 @@ from typing_extensions import override
 
 from lightning_fsdp_export.agreement import SyncGroup
 from lightning_fsdp_export.callback import VLLMWeightSync
-from lightning_fsdp_export.targets.http import Server, ServerError
+from lightning_fsdp_export.targets.http import Server, ServerError, interrupt
 from lightning_fsdp_export.targets.remote import RemoteVLLM
 
 if TYPE_CHECKING:
@@ -247,14 +247,14 @@ class AsyncRollouts(Callback):
         self._ready: deque[SampleGroup] = deque()
         self._in_flight: dict[str, tuple[Server, int]] = {}  # request id -> (server, prompt index)
         self._threads: list[threading.Thread] = []
+        self._connections: dict[str, Any] = {}  # request id -> its HTTP connection (stop() interrupts it)
         self._ranks: SyncGroup | None = None  # built at train start
         self._stop = threading.Event()
         self._errors: list[str] = []
         self._down: dict[str, float] = {}  # server url -> when it last failed
         self._sent: dict[str, int] = {}  # server url -> requests sent to it
         self._next = 0  # this rank's next prompt (its position in its share)
-        self._restored: list[int] | None = None
-        self._restored_done: list[set[int]] = []
+        self._restored: dict[str, Any] | None = None  # a checkpoint's state, applied at the next train start
         self._done: set[int] = set()  # prompts consumed (pruned below the first pending one at each save)
         self._consumed = 0  # groups consumed this fit
         self._retry: deque[int] = deque()  # prompts whose request failed: sent again, to another server
@@ -297,9 +297,13 @@ class AsyncRollouts(Callback):
                                  " per sync), the pacing needs it.")
             self._versions_every = every * trainer.accumulate_grad_batches
         if self._restored is not None:
-            self._next = self._restored[self._rank] if self._rank < len(self._restored) else self._restored[0]
+            saved = len(self._restored["positions"])
+            if saved != self._world:
+                raise ValueError(f"AsyncRollouts: the checkpoint holds the prompt positions of {saved} rank(s), this fit"
+                                 f" has {self._world}; resume on as many ranks, or build a new AsyncRollouts.")
+            self._next = self._restored["positions"][self._rank]
+            self._done = set(self._restored["consumed_after"][self._rank])
             self._retry.clear()
-            self._done = self._restored_done[self._rank] if self._rank < len(self._restored_done) else set()
             self._restored = None
         self._consumed = 0
         self._anchor = (0, self.sync.version, 0)
@@ -332,18 +336,14 @@ class AsyncRollouts(Callback):
                            batch_idx: int) -> None:
         if not isinstance(batch, RolloutBatch):
             return
-        staleness = batch.staleness()
-        tokens: dict[int, int] = {}
-        for s in batch.samples:
-            for v in s.versions:
-                tokens[v] = tokens.get(v, 0) + 1
+        filled = self.history[-1]  # written by the fill of this batch
+        staleness = filled["staleness"]
         with self._lock:
             in_flight = len(self._in_flight)
         metrics = {"rollouts/staleness_min": float(min(staleness)), "rollouts/staleness_max": float(max(staleness)),
-                        "rollouts/staleness_mean": sum(staleness) / len(staleness),
-                        "rollouts/dropped": float(self.dropped), "rollouts/in_flight": float(in_flight),
-                        "rollouts/wait_seconds": batch.waited,
-                        "rollouts/versions_in_batch": float(len(tokens))}
+                   "rollouts/staleness_mean": sum(staleness) / len(staleness),
+                   "rollouts/dropped": float(self.dropped), "rollouts/in_flight": float(in_flight),
+                   "rollouts/wait_seconds": batch.waited, "rollouts/versions_in_batch": float(len(filled["versions"]))}
         paused = self.sync.target.last_paused_seconds
         if paused is not None:
             metrics["rollouts/server_paused_seconds"] = paused
@@ -376,9 +376,8 @@ class AsyncRollouts(Callback):
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self._restored = list(state_dict["positions"])
-        self._restored_done = [set(c) for c in state_dict.get("consumed_after", [[] for _ in self._restored])]
-        self.dropped = state_dict.get("dropped", 0)
+        self._restored = state_dict
+        self.dropped = state_dict["dropped"]
 
     def stop(self) -> None:
         """Stop admitting, abort what is in flight on every server, join every client thread."""
@@ -393,6 +392,9 @@ class AsyncRollouts(Callback):
                 server.request("POST", "/inference/v1/abort_requests", {"request_ids": ids}, timeout=10.0)
             except ServerError:
                 pass  # a dead server has nothing running
+        # a paused server (a failed sync) answers nothing, aborted requests included: stop waiting for them
+        for conn in list(self._connections.values()):
+            interrupt(conn)
         for thread in self._threads:
             thread.join(timeout=self.request_timeout)
         alive = [t.name for t in self._threads if t.is_alive()]
@@ -402,6 +404,7 @@ class AsyncRollouts(Callback):
             self._retry.extend(sorted(unconsumed))
             self._ready.clear()
             self._in_flight.clear()
+            self._connections.clear()
         if alive:
             raise RolloutError(f"AsyncRollouts: client threads {alive} did not stop within {self.request_timeout}s.")
 
@@ -465,9 +468,15 @@ class AsyncRollouts(Callback):
                 " error said why); raise batch_timeout if generation is just slow."
                 + (f" Last request errors: {'; '.join(self._errors[-3:])}" if self._errors else ""))
 
+    DOWN_SECONDS = 5.0
+    """A server whose request failed gets no new request for this long (unless every server failed)."""
+
+    def _is_down(self, server: Server, now: float) -> bool:
+        return now - self._down.get(server.url, -math.inf) < self.DOWN_SECONDS
+
     def _all_down(self) -> bool:
         now = time.monotonic()
-        return all(now - self._down.get(s.url, -math.inf) < 5.0 for s in self.servers)
+        return all(self._is_down(s, now) for s in self.servers)
 
     # -- the client threads ------------------------------------------------------------------------------
 
@@ -485,7 +494,7 @@ class AsyncRollouts(Callback):
                     self._next += 1
                     if index in self._done:  # consumed before the checkpoint this run resumed from
                         continue
-                admitted_version = self._served()
+                admitted_version = self.sync.served_version
                 server = self._pick()
                 rid = f"lfe-{self._rank}-{index}-{time.monotonic_ns()}"
                 self._in_flight[rid] = (server, index)
@@ -509,22 +518,18 @@ class AsyncRollouts(Callback):
     def _may_admit(self) -> bool:
         if len(self._in_flight) >= self.max_in_flight:
             return False
-        served = self._served()
+        served = self.sync.served_version  # None while a push is in flight: admit nothing against it
         if served is None:
             return False
         position = self._consumed + len(self._in_flight) + len(self._ready)  # its place in the consumption order
         return served >= self._consumed_at(position) - self.max_staleness
-
-    def _served(self) -> int | None:
-        """The version the servers hold (the sync's last successful push), None while a push is in flight."""
-        return self.sync.served_version
 
     def _pick(self) -> Server:
         now = time.monotonic()
         load = {s.url: 0 for s in self.servers}
         for server, _ in self._in_flight.values():
             load[server.url] += 1
-        up = [s for s in self.servers if now - self._down.get(s.url, -math.inf) >= 5.0] or self.servers
+        up = [s for s in self.servers if not self._is_down(s, now)] or self.servers
         server = min(up, key=lambda s: (load[s.url], self._sent.get(s.url, 0)))  # ties: the one sent least
         self._sent[server.url] = self._sent.get(server.url, 0) + 1
         return server
@@ -541,10 +546,14 @@ class AsyncRollouts(Callback):
                 "cache_salt": f"lfe-v{admitted_version}"}
         admitted = time.time()
         try:
-            answer = server.request("POST", GENERATE_ROUTE, body, timeout=self.request_timeout)
+            answer = server.post_interruptible(GENERATE_ROUTE, body, timeout=self.request_timeout,
+                                               opened=lambda conn: self._opened(rid, conn))
             samples = [self._sample(index, prompt, choice, server) for choice in answer["choices"]]
         except (ServerError, KeyError, TypeError, ValueError) as err:
             with self._lock:
+                self._connections.pop(rid, None)
+                if self._stop.is_set():
+                    return None  # interrupted by stop()
                 self._down[server.url] = time.monotonic()
                 hint = ""
                 if isinstance(err, ServerError) and " 404" in str(err):
@@ -552,6 +561,8 @@ class AsyncRollouts(Callback):
                             " returns the weight version of every token)")
                 self._errors.append(f"{server.url}: {err}{hint}")
             return None
+        with self._lock:
+            self._connections.pop(rid, None)
         if any(s.finish_reason == "abort" for s in samples):
             return None
         for s in samples:
@@ -560,6 +571,13 @@ class AsyncRollouts(Callback):
             self.produced_samples += len(samples)
             self.multi_version_samples += sum(s.min_version != s.max_version for s in samples)
         return SampleGroup(index, samples, admitted_version, admitted, time.time())
+
+    def _opened(self, rid: str, conn: Any) -> None:
+        with self._lock:
+            self._connections[rid] = conn
+            stopping = self._stop.is_set()
+        if stopping:  # stop() ran between this request's admission and its connection
+            interrupt(conn)
 
     def _sample(self, index: int, prompt: list[int], choice: dict[str, Any], server: Server) -> Sample:
         tokens = list(choice.get("token_ids") or [])

@@ -112,3 +112,44 @@ def test_the_benchmarks_timeline_is_a_picture_of_every_interval() -> None:
     assert kinds == ["wait", "step", "sync", "paused", "generate", "generate", "generate"]
     heights = {r.getAttribute("y") for r in svg.getElementsByTagName("rect") if r.getAttribute("height") == "3.0"}
     assert len(heights) == 2  # the overlapping requests stacked in two rows, the third reuses the first
+
+
+def test_a_checkpoint_of_another_world_size_is_refused_naming_both() -> None:
+    r = rollouts()
+    r.load_state_dict({"positions": [3, 4], "consumed_after": [[], []], "dropped": 1})
+    trainer = type("T", (), {"global_rank": 0, "world_size": 1, "accumulate_grad_batches": 1})()
+    with pytest.raises(ValueError, match=r"prompt positions of 2 rank\(s\), this fit has 1"):
+        r.on_train_start(trainer, None)  # type: ignore[arg-type]
+
+
+def test_a_request_to_a_server_that_never_answers_is_interrupted_at_once() -> None:
+    """What stop() does to requests on a paused server (a failed sync): vLLM answers none of them, aborted or not,
+    until it resumes; measured on a real paused server: the wait ends 1.2 s after a 1 s pause."""
+    import socket
+    import threading
+    import time
+
+    from lightning_fsdp_export.targets.http import Server, ServerError, interrupt
+
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(1)  # accepts, reads, never answers
+    server = Server(f"http://127.0.0.1:{listener.getsockname()[1]}", api_key=None, timeout=60)
+    opened: list[object] = []
+    failed: list[BaseException] = []
+
+    def call() -> None:
+        try:
+            server.post_interruptible("/inference/v1/generate", {"token_ids": [1]}, timeout=60, opened=opened.append)
+        except ServerError as err:
+            failed.append(err)
+
+    thread = threading.Thread(target=call)
+    thread.start()
+    while not opened:
+        time.sleep(0.01)
+    start = time.monotonic()
+    interrupt(opened[0])  # type: ignore[arg-type]
+    thread.join(5)
+    listener.close()
+    assert not thread.is_alive() and time.monotonic() - start < 2 and failed and server.url in str(failed[0])

@@ -340,7 +340,7 @@ def test_the_precheck_is_skipped_when_the_checkpoint_is_not_readable_here(record
     (lambda: RemoteVLLM(URL, transport="tcp"), ValueError, r"transport='tcp'\) must be one of 'nccl', 'ipc', 'gloo',"
      r" 'nccl_m2n', 'directory'"),
     (lambda: RemoteVLLM(URL, transport="directory"), ValueError, r"needs the directory: transport=Directory\(PATH\)"),
-    (lambda: RemoteVLLM(URL, pause_mode="abort"), ValueError, r"pause_mode='abort'\) must be 'wait', 'keep' or 'keep_old_kv'"),
+    (lambda: RemoteVLLM(URL, pause_mode="abort"), ValueError, r"pause_mode='abort'\) must be one of 'wait', 'keep', 'keep_old_kv'"),
     (lambda: RemoteVLLM("127.0.0.1:8000"), ValueError, "base_url='127.0.0.1:8000'"),
     (lambda: RemoteVLLM(URL, timeout=0), ValueError, "timeout=0"),
 ])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import http.client
 import json
+import socket
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Sequence
@@ -10,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-__all__ = ["Server", "ServerError", "on_all"]
+__all__ = ["Server", "ServerError", "interrupt", "on_all"]
 
 T = TypeVar("T")
 
@@ -39,11 +41,8 @@ class Server:
                 timeout: float | None = None) -> Any:
         """One request; raises :class:`ServerError` naming the URL on any failure, the server's answer included."""
         url = self.url + route
-        headers = {"Content-Type": "application/json"}
-        if self._api_key:
-            headers["Authorization"] = f"Bearer {self._api_key}"
         data = None if body is None else json.dumps(body).encode()
-        req = urllib.request.Request(url, data=data, headers=headers, method=method)
+        req = urllib.request.Request(url, data=data, headers=self._headers(), method=method)
         try:
             with urllib.request.urlopen(req, timeout=timeout or self.timeout) as resp:
                 text = resp.read().decode() or "null"
@@ -66,8 +65,46 @@ class Server:
         except json.JSONDecodeError:
             return text
 
+    def post_interruptible(self, route: str, body: dict[str, Any], *, timeout: float,
+                           opened: Callable[[http.client.HTTPConnection], None]) -> Any:
+        """A POST whose wait for the answer another thread can end at once: ``opened(connection)`` is called
+        before the wait; :func:`interrupt` on that connection makes this raise :class:`ServerError`. (urllib
+        gives no handle before the answer's headers arrive, and vLLM sends them only when a generation ends.)"""
+        parts = urlsplit(self.url)
+        cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+        conn = cls(parts.hostname or "", parts.port, timeout=timeout)
+        try:
+            conn.connect()
+            opened(conn)
+            conn.request("POST", route, body=json.dumps(body).encode(), headers=self._headers())
+            resp = conn.getresponse()
+            text = resp.read().decode(errors="replace")
+        except (OSError, http.client.HTTPException) as err:
+            raise ServerError(f"vLLM server POST {self.url + route} failed: {err}. Is the server up and reachable"
+                              " from this trainer?", self.url) from err
+        finally:
+            conn.close()
+        if resp.status != 200:
+            raise ServerError(f"vLLM server POST {self.url + route} answered {resp.status}: {text[:500]}", self.url)
+        return json.loads(text)
+
+    def _headers(self) -> dict[str, str]:
+        headers = {"Content-Type": "application/json"}
+        if self._api_key:
+            headers["Authorization"] = f"Bearer {self._api_key}"
+        return headers
+
     def __repr__(self) -> str:
         return f"Server({self.url!r})"
+
+
+def interrupt(conn: http.client.HTTPConnection) -> None:
+    """End a :meth:`Server.post_interruptible` wait from another thread (its socket shut down)."""
+    if conn.sock is not None:
+        try:
+            conn.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
 
 
 def on_all(servers: Sequence[Server], call: Callable[[Server], T]) -> list[T]:

@@ -102,7 +102,8 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
         if timeout <= 0:
             raise ValueError(f"RemoteVLLM(timeout={timeout}) must be a positive number of seconds.")
         if pause_mode not in get_args(PauseMode):
-            raise ValueError(f"RemoteVLLM(pause_mode={pause_mode!r}) must be 'wait', 'keep' or 'keep_old_kv'.")
+            modes = ", ".join(map(repr, get_args(PauseMode)))
+            raise ValueError(f"RemoteVLLM(pause_mode={pause_mode!r}) must be one of {modes}.")
         self.options = parse_transport(transport)
         self.transport = self.options.name
         self.servers = [Server(url, api_key=api_key, timeout=timeout) for url in urls]
