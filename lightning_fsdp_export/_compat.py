@@ -8,9 +8,12 @@ run. The FSDP2 internals used by the pinned host pool are at the end, covered by
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from types import ModuleType
 from typing import Any
+
+from torch.distributed.fsdp import FSDPModule
 
 
 def import_vllm() -> ModuleType:
@@ -46,8 +49,6 @@ def weight_source_contract() -> str:
     ``nccl_m2n`` takes ``m2n_source.M2NWeightSource``). Covered by ``tests/test_vllm_contracts.py``, which runs
     against both (0.33's pure-Python weight-transfer modules taken from its wheel by ``make vllm033``).
     """
-    import inspect
-
     from vllm.distributed.weight_transfer.base import WeightSource
 
     return "0.33" if isinstance(inspect.getattr_static(WeightSource, "metadata"), property) else "0.32"
@@ -129,8 +130,6 @@ def list_loras(llm: Any) -> set[int]:
 
 def fsdp_params(module: Any) -> list[Any]:
     """Every ``FSDPParam`` of every ``fully_shard``-ed module inside ``module``, in module order."""
-    from torch.distributed.fsdp import FSDPModule
-
     out = []
     for sub in module.modules():
         if isinstance(sub, FSDPModule):

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.fsdp import FSDPModule
+from transformers import PreTrainedModel
 
 from lightning_fsdp_export.names import export_name, is_lora_name, is_peft_model
 from lightning_fsdp_export.sharding import chunk_bounds, unsharded_class
@@ -53,8 +55,6 @@ class Piece:
 
 def find_pretrained_model(module: nn.Module) -> nn.Module | None:
     """The ``transformers.PreTrainedModel`` whose conversion rules apply: ``module`` or a peft model's base."""
-    from transformers import PreTrainedModel
-
     if is_peft_model(module):
         module = module.get_base_model()  # type: ignore[operator]
     return module if isinstance(module, PreTrainedModel) else None
@@ -388,8 +388,6 @@ class _unsharded_class_names:
     """Within the block, every ``fully_shard``-ed module has its original class again (names only matter)."""
 
     def __init__(self, model: nn.Module) -> None:
-        from torch.distributed.fsdp import FSDPModule
-
         self._swapped = [(m, type(m)) for m in model.modules() if isinstance(m, FSDPModule)]
 
     def __enter__(self) -> None:

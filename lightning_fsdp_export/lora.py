@@ -22,9 +22,11 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Literal
 
 import torch
+from safetensors.torch import save_file
 from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
@@ -161,10 +163,6 @@ def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torc
 
 def write_adapter(weights: Iterator[tuple[str, Tensor]], module: nn.Module, directory: str) -> None:
     """Write a peft-format adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
-    from pathlib import Path
-
-    from safetensors.torch import save_file
-
     tensors = {name: tensor.contiguous() for name, tensor in weights}
     path = Path(directory)
     path.mkdir(parents=True, exist_ok=True)

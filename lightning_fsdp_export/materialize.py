@@ -33,6 +33,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
+from transformers import PreTrainedModel
 
 from lightning_fsdp_export.sharding import outermost, unsharded_class
 
@@ -184,10 +185,6 @@ def _fallback_init(module: nn.Module) -> None:
 
 
 def _outermost_hf_models(root: nn.Module) -> list[nn.Module]:
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:
-        return []
     return [model for _, model in outermost(root, lambda m: isinstance(m, PreTrainedModel))]
 
 

@@ -16,6 +16,8 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
+from lightning_fsdp_export._compat import fsdp_params, install_sharded_storage, sharded_storage
+
 __all__ = ["HostPool", "OffloadMode", "move_module", "move_optimizer_state"]
 
 
@@ -87,8 +89,6 @@ class HostPool:
 
     def offload(self, module: nn.Module) -> None:
         """Copy every shard into its host buffer and make that buffer the shard's storage."""
-        from lightning_fsdp_export._compat import fsdp_params, install_sharded_storage, sharded_storage
-
         staged = []
         for fsdp_param in fsdp_params(module):
             data = sharded_storage(fsdp_param)
@@ -109,8 +109,6 @@ class HostPool:
 
     def load(self, module: nn.Module, device: torch.device) -> None:
         """Copy every shard back into new device memory (the host buffer stays for the next offload)."""
-        from lightning_fsdp_export._compat import fsdp_params, install_sharded_storage, sharded_storage
-
         for fsdp_param in fsdp_params(module):
             data = sharded_storage(fsdp_param)
             if data.device != device or data.data_ptr() == self._buffer_ptr(fsdp_param):

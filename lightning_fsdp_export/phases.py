@@ -23,6 +23,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from lightning_fsdp_export.offload import HostPool, OffloadMode, move_module, move_optimizer_state
 from lightning_fsdp_export.sharding import outermost
@@ -124,8 +125,6 @@ class ComputePhases:
     def hook_first_forward(self, model: nn.Module) -> None:
         """A ``prepend=True`` pre-forward hook on every top-level FSDP module: it runs before FSDP2's own
         (which gathers the parameters), so the shards are back on the device before any gather."""
-        from torch.distributed.fsdp import FSDPModule
-
         for _, module in outermost(model, lambda m: isinstance(m, FSDPModule)):
             module.register_forward_pre_hook(self._on_forward, prepend=True)
 

@@ -18,6 +18,8 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.tensor import DTensor
+from transformers import PreTrainedModel
 
 from lightning_fsdp_export.lora import is_peft_model
 from lightning_fsdp_export.materialize import materialize_meta
@@ -182,8 +184,6 @@ def validate_pretrained(pretrained: Any, name: str) -> dict[str | None, Path] | 
 
 
 def _is_export_candidate(module: nn.Module) -> bool:
-    from transformers import PreTrainedModel
-
     return isinstance(module, PreTrainedModel) or is_peft_model(module)
 
 
@@ -215,8 +215,6 @@ def _find_export_module(root: nn.Module, name: str | None) -> nn.Module:
 
 def move_unsharded(module: nn.Module, device: torch.device) -> None:
     """Move plain (non-DTensor) parameters and buffers to ``device``, leaving FSDP2's host shards alone."""
-    from torch.distributed.tensor import DTensor
-
     with torch.no_grad():
         for sub in module.modules():
             for key, param in sub._parameters.items():

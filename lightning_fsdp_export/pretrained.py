@@ -16,6 +16,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
@@ -29,8 +30,6 @@ __all__ = ["checkpoint_shapes", "load_hf_checkpoint"]
 
 def checkpoint_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
     """``{tensor name: shape}`` of every ``*.safetensors`` file in ``path``, from the headers only."""
-    from safetensors import safe_open
-
     files = sorted(Path(path).glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(
@@ -102,8 +101,6 @@ def load_hf_checkpoint(module: nn.Module, path: str | os.PathLike[str]) -> list[
 
 def _load_converted(converted: list[tuple[str, Tensor]], fmt: CheckpointFormat, path: Path) -> None:
     """Fill each converted tensor's local shard from the checkpoint pieces of its own rows."""
-    from safetensors import safe_open
-
     files: dict[str, Path] = {}
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:

@@ -38,21 +38,19 @@ from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
 from lightning_fsdp_export.agreement import SyncGroup
 from lightning_fsdp_export.callback import VLLMWeightSync
 from lightning_fsdp_export.targets.http import Server, ServerError, interrupt
 from lightning_fsdp_export.targets.remote import RemoteVLLM
-
-if TYPE_CHECKING:
-    from torch.utils.data import DataLoader
 
 __all__ = ["AsyncRollouts", "RolloutBatch", "RolloutError", "Sample", "SampleGroup", "staleness_mask",
            "truncated_importance_weights"]
@@ -272,8 +270,6 @@ class AsyncRollouts(Callback):
 
     def dataloader(self, steps: int | None = None) -> DataLoader:
         """One empty :class:`RolloutBatch` per step (filled before ``training_step``); endless unless ``steps``."""
-        from torch.utils.data import DataLoader, IterableDataset
-
         class _Batches(IterableDataset):
             def __iter__(self) -> Iterator[RolloutBatch]:
                 counter = itertools.count() if steps is None else range(steps)

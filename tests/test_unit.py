@@ -176,3 +176,35 @@ def test_the_package_has_no_import_cycle() -> None:
 
     for module in graph:
         visit(module, [])
+
+
+# What a function-local import may guard: an optional dependency (vLLM; our modules that import vLLM at their top; the
+# vLLM plugin module, which imports this package), peft (only peft models need it; it costs seconds to import), and APIs of a version newer than the
+# package's minimum (transformers 5's conversion rules, torch's HuggingFaceStorageReader).
+LAZY_IMPORTS = ("vllm", "lightning_fsdp_export.targets.vllm_source", "lightning_fsdp_export.targets.gloo",
+                "lightning_fsdp_export_plugin", "peft", "transformers.core_model_loading",
+                "transformers.conversion_mapping", "torch.distributed.checkpoint")
+
+
+def test_function_local_imports_only_guard_optional_dependencies() -> None:
+    import ast
+    from pathlib import Path
+
+    import lightning_fsdp_export
+
+    root = Path(lightning_fsdp_export.__file__).parent
+    found = []
+    for path in sorted(root.rglob("*.py")):
+        for func in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                continue
+            for node in ast.walk(func):
+                if isinstance(node, ast.Import):
+                    modules = [alias.name for alias in node.names]
+                elif isinstance(node, ast.ImportFrom):
+                    modules = [node.module or ""]
+                else:
+                    continue
+                found += [f"{path.relative_to(root)}:{node.lineno} {m}" for m in modules
+                          if not any(m == lazy or m.startswith(lazy + ".") for lazy in LAZY_IMPORTS)]
+    assert not found, "function-local imports of required modules (move them to the top): " + ", ".join(found)

@@ -8,7 +8,9 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_fsdp_export._compat import (
@@ -18,11 +20,10 @@ from lightning_fsdp_export._compat import (
     engine_runs_in_process,
     import_vllm,
     install_reload_fixes,
+    released_mla_weights,
     remove_lora,
     set_weight_version,
 )
-from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,
     LoadsAdapters,
@@ -31,6 +32,7 @@ from lightning_fsdp_export.targets.base import (
     WeightTarget,
 )
 from lightning_fsdp_export.targets.directory import CheckpointCheck
+from lightning_fsdp_export.targets.preflight import engine_quantization_problem
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -138,9 +140,6 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
 
     def _refuse_unupdatable(self) -> None:
         """Engines a push cannot update: quantized ones, and an ``AMX_MLA`` engine built before our fix."""
-        from lightning_fsdp_export._compat import released_mla_weights
-        from lightning_fsdp_export.targets.preflight import engine_quantization_problem
-
         problem = engine_quantization_problem(self._engine)
         if problem:
             raise ValueError(f"ColocatedVLLM: {problem}")
@@ -298,8 +297,6 @@ def _preserved_rng() -> Iterator[None]:
     state = (random.getstate(), torch.get_rng_state(),
              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
     try:
-        import numpy as np
-
         np_state = np.random.get_state()
     except ImportError:  # pragma: no cover
         np_state = None
@@ -311,6 +308,4 @@ def _preserved_rng() -> Iterator[None]:
         if state[2] is not None:
             torch.cuda.set_rng_state_all(state[2])
         if np_state is not None:
-            import numpy as np
-
             np.random.set_state(np_state)

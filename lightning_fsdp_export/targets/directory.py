@@ -4,14 +4,17 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
 
+from lightning_fsdp_export.agreement import compare_shapes
 from lightning_fsdp_export.pretrained import checkpoint_shapes
 from lightning_fsdp_export.targets.base import WeightTarget
 
@@ -65,8 +68,6 @@ def write_safetensors(weights: Iterator[tuple[str, Tensor]], directory: Path, *,
 
 
 def _finish_names(directory: Path, files: list[str]) -> None:
-    from safetensors import safe_open
-
     if len(files) == 1:
         os.replace(directory / files[0], directory / "model.safetensors")
         return
@@ -129,8 +130,6 @@ class DirectoryTarget(WeightTarget):
     def _prune(self, version: int) -> None:
         if self._keep_last is None:
             return
-        import shutil
-
         for old in sorted(self.directory.glob("v[0-9]*")):
             if old.is_dir() and int(old.name[1:]) <= version - self._keep_last:
                 shutil.rmtree(old, ignore_errors=True)
@@ -156,8 +155,6 @@ class CheckpointCheck:
 
     def problems(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
         """Where ``exported`` disagrees with the checkpoint; empty when they agree or it is not readable."""
-        from lightning_fsdp_export.agreement import compare_shapes
-
         if self._expected is None:
             self._expected = checkpoint_shapes(self.path) if self.readable else {}
             config = self.path / "config.json"

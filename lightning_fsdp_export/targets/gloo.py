@@ -61,8 +61,8 @@ from lightning_fsdp_export.targets.gloo_protocol import (
     abort_message,
     aligned,
     exchange_header,
-    join_group,
     exchange_status,
+    join_group,
     unpack_chunk,
 )
 

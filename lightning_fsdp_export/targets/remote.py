@@ -13,6 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import TYPE_CHECKING, Any, get_args
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_fsdp_export.source import ExportSource, SourceLayout
@@ -163,8 +164,6 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
             self._checks = [CheckpointCheck(root) for root in roots]
             self.precheck_skipped = [s.url for s, c in zip(self.servers, self._checks) if not c.readable]
             if self.precheck_skipped:
-                from lightning.pytorch.utilities.rank_zero import rank_zero_info
-
                 rank_zero_info(f"RemoteVLLM: the checkpoints of {self.precheck_skipped} are not readable here; names and"
                                " shapes are not checked before sending (the servers' load checks them).")
         return [f"{s.url}: {line}" for s, check in zip(self.servers, self._checks) for line in check.problems(exported)]

@@ -32,13 +32,16 @@ from pathlib import Path
 from typing import Any, Literal
 
 import torch
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_fsdp_export._compat import json_safe_update_info, source_metadata
+from lightning_fsdp_export.agreement import SyncGroup
+from lightning_fsdp_export.shards import ShardSource
 from lightning_fsdp_export.source import ExportSource, SourceLayout
+from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.targets.http import Server, ServerError, on_all
 from lightning_fsdp_export.targets.preflight import check_servers
-from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.targets.transports import Directory, NetworkTransport, RendezvousTransport
 
 __all__ = ["DirectoryReload", "FanOutClient", "LLMClient", "NativeTransfer", "PauseMode", "pause_route",
@@ -171,8 +174,6 @@ class NativeTransfer:
         self.rank = trainer.global_rank
         self.source = FSDP2M2NSource(None) if self.options.layout is SourceLayout.M2N else FSDP2WeightSource(None)
         if self.every_rank:
-            from lightning_fsdp_export.agreement import SyncGroup
-
             self.trainers = trainer.world_size
             self._control = SyncGroup(timedelta(seconds=self.timeout))
             return
@@ -182,8 +183,6 @@ class NativeTransfer:
         try:
             self._connect(self._plan())
         except ServerError as err:  # only rank 0 knows: the first sync retries, and fails on every rank
-            from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-
             self.broken = True
             rank_zero_warn(f"RemoteVLLM could not reach every server at setup ({err}); the first sync retries.")
 
@@ -245,8 +244,6 @@ class NativeTransfer:
 
     def push(self, source: ExportSource, *, version: int) -> None:
         """Send ``source`` as ``version`` to every server: one round; every rank calls it (rank 0 drives the servers)."""
-        from lightning_fsdp_export.shards import ShardSource
-
         if self.options.layout is SourceLayout.M2N and not isinstance(source, ShardSource):
             raise TypeError("RemoteVLLM(transport='nccl_m2n') sends every rank's own shards: give it a ShardSource"
                             " (strategy.export_source(layout='m2n')), as VLLMWeightSync does.")
@@ -316,8 +313,8 @@ class NativeTransfer:
                 server.request("POST", "/finish_weight_update", timeout=min(self.timeout, 30.0))
                 continue
             except ServerError as err:
-                if "without a matching" not in str(err) or self.transport == "gloo":
-                    continue  # down, or our gloo worker already closed its round when it failed
+                if "without a matching" not in str(err) or self.options.closes_failed_rounds:
+                    continue  # down, or the worker already closed its round when it failed
             try:  # vLLM's engines leave the layerwise reload open after a failed update: close it empty
                 server.request("POST", "/start_weight_update", timeout=min(self.timeout, 30.0))
                 server.request("POST", "/finish_weight_update", timeout=min(self.timeout, 30.0))

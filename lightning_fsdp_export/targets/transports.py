@@ -41,6 +41,9 @@ class NetworkTransport:
     """What every weight-transfer transport is: a vLLM backend name, a source layout, and its init info."""
 
     name: ClassVar[str]
+    closes_failed_rounds: ClassVar[bool] = False
+    """The servers' workers end a round that failed on their side themselves (our gloo backend); vLLM's engines leave
+    the layerwise reload open, and the round closes it empty."""
 
     @property
     def layout(self) -> SourceLayout:
@@ -142,6 +145,7 @@ class Gloo(RendezvousTransport):
     """
 
     name: ClassVar[str] = "gloo"
+    closes_failed_rounds: ClassVar[bool] = True
     buffer_bytes: int | None = None
     shard_direct: bool = False
 

