@@ -9,6 +9,7 @@ sync's own timeout, naming the ranks.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +17,6 @@ import torch.distributed as dist
 
 if TYPE_CHECKING:
     from lightning_fsdp_export.source import ExportSource
-    from lightning_fsdp_export.targets.base import WeightTarget
 
 __all__ = ["SyncGroup", "WeightSyncError", "agree_before", "compare_shapes", "plan_digest"]
 
@@ -100,8 +100,8 @@ def compare_shapes(exported: list[tuple[str, tuple[int, ...]]], expected: dict[s
     return lines
 
 
-def agree_before(group: SyncGroup, version: int, sources: list[ExportSource], target: WeightTarget, *,
-                 check_finite: bool) -> None:
+def agree_before(group: SyncGroup, version: int, sources: list[ExportSource],
+                 check: Callable[[str, list[tuple[str, tuple[int, ...]]]], list[str]], *, check_finite: bool) -> None:
     """Before any gather: every rank here, the same sources, finite weights, names and shapes the engine knows.
 
     Reads only the sources' metadata (no collective besides this group's small messages); raises
@@ -111,7 +111,8 @@ def agree_before(group: SyncGroup, version: int, sources: list[ExportSource], ta
         group: the sync's control group.
         version: the sync's version (for messages).
         sources: this sync's :class:`~lightning_fsdp_export.source.ExportSource` s, in push order.
-        target: its ``check_weights(shapes)`` gets the non-adapter sources' names and shapes.
+        check: ``check(kind, shapes)``, the target's refusals of one source's names and shapes (its
+            ``check_weights``, or a ``LoadsAdapters``' ``check_adapter`` for the adapter).
         check_finite: refuse NaN or Inf in this rank's local shards.
     """
     try:
@@ -125,11 +126,10 @@ def agree_before(group: SyncGroup, version: int, sources: list[ExportSource], ta
         if bad:
             problems.append(f"NaN or Inf in {', '.join(bad[:5])} (check_finite=False pushes them anyway)")
     for source, plan in zip(sources, shapes):
-        if source.kind != "adapter":
-            try:
-                problems += target.check_weights(plan)
-            except Exception as err:  # noqa: BLE001 - a server down: reported with the others below
-                problems.append(f"checking names and shapes failed: {type(err).__name__}: {err}")
+        try:
+            problems += check(source.kind, plan)
+        except Exception as err:  # noqa: BLE001 - a server down: reported with the others below
+            problems.append(f"checking names and shapes failed: {type(err).__name__}: {err}")
     everyone = group.gather((plan_digest(shapes), problems))
     digests = {digest for digest, _ in everyone}
     if len(digests) > 1:

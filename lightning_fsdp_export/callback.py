@@ -245,7 +245,7 @@ class VLLMWeightSync(Callback):
         pushes = plan_pushes(strategy, self.target, lora=self._lora, base_pushed=self._base_pushed,
                              dtype=self._dtype or self.target.dtype, version=self.version, rank=trainer.global_rank,
                              adapter_dir=self._adapter_root, show_progress=trainer.is_global_zero)
-        agree_before(self._ranks, self.version, [p.source for p in pushes], self.target,
+        agree_before(self._ranks, self.version, [p.source for p in pushes], self._refusals,
                      check_finite=self._check_finite)
         exact, self._exact_pending = self._exact_pending, False
         baseline, mine = self._consume(pushes, exact)
@@ -264,6 +264,12 @@ class VLLMWeightSync(Callback):
             self.last_verify_diff = diff if diff is not None else self.last_verify_diff
             agree_after(self._ranks, self.version, mine, "Weight sync of version {version} did not verify ({lines}).")
         return [p.source for p in pushes]
+
+    def _refusals(self, kind: str, shapes: list[tuple[str, tuple[int, ...]]]) -> list[str]:
+        """What the target would refuse of one source (names and full shapes), before any gather."""
+        if kind != "adapter":
+            return self.target.check_weights(shapes)
+        return self.target.check_adapter(shapes) if isinstance(self.target, LoadsAdapters) else []
 
     def _consume(self, pushes: list[Push], exact: bool) -> tuple[dict[str, dict[str, str]], str | None]:
         """Every source into the target (the exact check zeroes the engine first); this rank's failure, if any.

@@ -58,9 +58,9 @@ def plan_pushes(strategy: LazyExportFSDP2, target: WeightTarget, *, lora: str, b
 
     if lora == "merged":
         return [Push(source("merged"), to_target)]
-    pushes = [] if base_pushed else [Push(source("base"), to_target)]
     assert isinstance(target, LoadsAdapters), "VLLMWeightSync(lora='adapter') refuses other targets"
     loader, module = target, strategy.export_module
+    pushes = [] if base_pushed else [Push(source("base"), lambda src: loader.push_base(src, version=version))]
     return pushes + [Push(source("adapter"), lambda src: _push_adapter(src, loader, module, adapter_dir() /
                                                                        f"rank{rank}", version))]
 

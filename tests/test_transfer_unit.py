@@ -570,3 +570,52 @@ def test_a_colocated_quantized_engine_is_refused() -> None:
     assert "the colocated vLLM engine serves a fp8-quantized" in engine_quantization_problem(llm("fp8", {"x": 1}))
     assert engine_quantization_problem(llm("fp8", None)) is None  # online quantization
     assert engine_quantization_problem(llm(None, None)) is None
+
+
+def test_an_adapter_sync_holds_the_servers_paused_between_base_and_adapter_and_a_failed_load_leaves_all_paused(
+        recording_engine: Any, tmp_path: Any) -> None:
+    # vLLM's NCCL engine cannot carry an adapter: the servers read the directory the sync wrote (shared filesystem).
+    stubs = [Stub(), Stub()]
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl", adapter_name="pi")
+    target.setup(Rank(0))
+    adapter = tmp_path / "rank0" / "v000005"
+    adapter.mkdir(parents=True)
+    target.push_base(source(), version=5)
+    target.push_adapter(adapter, version=5)
+    load = {"lora_name": "pi", "lora_path": str(adapter.resolve()), "load_inplace": True}
+    for stub in stubs:  # one pause: no new base weights served beside the old adapter
+        assert stub.paths()[2:] == [*ROUND[:-1], "/v1/load_lora_adapter", "/reset_prefix_cache",
+                                    "/update_weight_version", "/resume"]
+        assert stub.body("/finish_weight_update") == [{"weight_version": "5"}]  # set again with the adapter
+        assert stub.body("/v1/load_lora_adapter") == [load] and stub.body("/update_weight_version") == [
+            {"new_version": "5"}]
+    assert target.adapter_version == 5 and target.last_paused_seconds is not None
+    for stub in stubs:
+        stub.requests.clear()
+    stubs[1].fail["/v1/load_lora_adapter"] = (500, {"error": "cannot load"})
+    with pytest.raises(ServerError, match="cannot load"):
+        target.push_adapter(tmp_path / "rank0" / "v000006", version=6)
+    assert all("/resume" not in s.paths() and s.paths()[0] == "/pause?mode=wait" for s in stubs)
+    assert target.adapter_version is None
+
+
+def test_an_adapter_round_tells_the_gloo_workers_where_to_write_it() -> None:
+    from lightning_fsdp_export.targets.gloo import GlooWeightTransferUpdateInfo, write_adapter_dir
+
+    with pytest.raises(ValueError, match="absolute adapter_dir"):
+        GlooWeightTransferUpdateInfo(names=[], dtype_names=[], shapes=[], adapter_dir="relative/v1",
+                                     adapter_config="{}")
+    with pytest.raises(ValueError, match="absolute adapter_dir"):
+        GlooWeightTransferUpdateInfo(names=[], dtype_names=[], shapes=[], adapter_dir="/abs/v1")
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    root = Path(tempfile.mkdtemp())
+    for version in (1, 2, 3):
+        write_adapter_dir(str(root / f"v{version:06d}"), {"a.lora_A.weight": torch.full((2, 3), float(version))},
+                          '{"r": 2}')
+    assert sorted(p.name for p in root.iterdir()) == ["v000002", "v000003"]  # the current and the one before
+    assert sorted(p.name for p in (root / "v000003").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert load_file(str(root / "v000003" / "adapter_model.safetensors"))["a.lora_A.weight"][0, 0] == 3.0

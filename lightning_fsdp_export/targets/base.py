@@ -8,7 +8,7 @@ target lacks is refused there, naming both):
 - :class:`ScoresLogprobs` (``prompt_logprobs``): for ``verify="logprobs"``;
 - :class:`ExactCheckable` (``checkpoint_path``, ``weight_checksums``, ``reset_weights``): for
   ``exact_first_sync=True``;
-- :class:`LoadsAdapters` (``push_adapter``): for ``lora="adapter"``;
+- :class:`LoadsAdapters` (``push_adapter``; ``push_base``, ``check_adapter`` with defaults): for ``lora="adapter"``;
 - :class:`SleepsDuringCompute` (``before_compute``, ``after_compute``, ``weights_discarded``,
   ``sleep_level``): told of the strategy's compute phases (a colocated engine sleeps through them).
 
@@ -100,11 +100,25 @@ class ExactCheckable(ABC):
 
 
 class LoadsAdapters(ABC):
-    """A target that loads peft adapter directories (``VLLMWeightSync(lora="adapter")``)."""
+    """A target that loads peft adapter directories (``VLLMWeightSync(lora="adapter")``).
+
+    A sync of such a target pushes the base weights (its first, and any after a failure or a resume:
+    :meth:`push_base`) and then the adapter (:meth:`push_adapter`), or the adapter alone."""
 
     @abstractmethod
     def push_adapter(self, path: str | os.PathLike[str], *, version: int) -> None:
-        """Load the adapter directory ``path`` as version ``version`` (later requests use it)."""
+        """Load the adapter directory ``path`` (this rank's copy) as version ``version`` (later requests use it)."""
+
+    def push_base(self, source: ExportSource, *, version: int) -> None:
+        """The base weights of a sync whose adapter follows at once; default: :meth:`WeightTarget.push_source`. A
+        target serving others may hold them stopped until the adapter is in (never new base, old adapter)."""
+        assert isinstance(self, WeightTarget)
+        self.push_source(source, version=version)
+
+    def check_adapter(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
+        """What the receiver would refuse of the adapter ``(name, shape)`` list, checked before any gather or push
+        (one line per problem); default: nothing is checked here."""
+        return []
 
 
 class SleepsDuringCompute(ABC):

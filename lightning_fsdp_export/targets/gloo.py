@@ -32,16 +32,20 @@ worker that fails finalizes the layerwise reload before it re-raises, so the nex
 
 from __future__ import annotations
 
+import os
+import shutil
 import time
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from vllm.distributed.weight_transfer.base import (
     TrainerInitInfo,
     TrainerWeightTransferEngine,
@@ -78,6 +82,7 @@ __all__ = [
     "GlooWeightTransferInitInfo",
     "GlooWeightTransferUpdateInfo",
     "register",
+    "write_adapter_dir",
 ]
 
 BACKEND = "gloo"
@@ -152,6 +157,11 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     dtype_names: list[str]
     shapes: list[list[int]]
     bounds: list[list[int] | None] | None = None
+    adapter_dir: str | None = None
+    """A LoRA adapter round: the tensors are a peft adapter's, written with ``adapter_config`` (its
+    ``adapter_config.json`` text) as a peft directory at this absolute path on the worker's host instead of
+    loaded into the model (the trainer then loads it with ``/v1/load_lora_adapter``)."""
+    adapter_config: str | None = None
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -163,6 +173,10 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         if bad:
             raise ValueError(f"gloo update_info: {bad[0][1]!r} (for {bad[0][0]!r}) is not a torch dtype name such as"
                              " 'bfloat16'.")
+        if (self.adapter_dir is None) != (self.adapter_config is None) or (
+                self.adapter_dir is not None and not os.path.isabs(self.adapter_dir)):
+            raise ValueError(f"gloo update_info: an adapter round needs an absolute adapter_dir and the adapter_config"
+                             f" (got adapter_dir={self.adapter_dir!r}).")
 
 
 def _logger() -> Any:
@@ -198,6 +212,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.trainers = 1
         self.timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
         self._reloading = False
+        self._adapter: dict[str, torch.Tensor] | None = None  # an adapter round's tensors
         self.times = {"round": 0.0, "waiting": 0.0, "loading": 0.0}  # the last round's, in seconds
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
@@ -215,6 +230,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                                         init_info.group, init_info.timeout_s, host=False)
 
     def start_weight_update(self) -> None:
+        """Nothing yet: the round's update info says whether it reloads the model (the layerwise reload starts at
+        its first ``update_weights``) or writes an adapter."""
+
+    def _start_reload(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         initialize_layerwise_reload(self.model)
@@ -234,7 +253,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU-only torch;
         # gloo is synchronous, so there is nothing to wait for.
         try:
-            self.receive_weights(self.parse_update_info(update_info))
+            info = self.parse_update_info(update_info)
+            if info.adapter_dir is None and not self._reloading:
+                self._start_reload()
+            self.receive_weights(info)
         except BaseException:
             self.finish_weight_update()  # leaves the model loadable: the next round can start
             raise
@@ -247,6 +269,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         plan = Plan.of(update_info, self.trainers, self.buffer_bytes)
         error: BaseException | None = None
         held: _Received | None = None  # the last chunk received: loaded while the next one arrives
+        self._adapter: dict[str, torch.Tensor] | None = None if update_info.adapter_dir is None else {}
         self.times = {"round": time.perf_counter(), "waiting": 0.0, "loading": 0.0}
         with disable_mtp_completeness_check():
             for index, chunk in enumerate(plan.chunks):
@@ -268,6 +291,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                     raise RuntimeError(abort_message(origin))
             if held is not None:
                 self._load(held, error or RuntimeError("the round ended early"))  # its sends complete
+        if error is None and self._adapter is not None:
+            try:
+                assert update_info.adapter_dir is not None and update_info.adapter_config is not None
+                write_adapter_dir(update_info.adapter_dir, self._adapter, update_info.adapter_config)
+            except Exception as err:  # noqa: BLE001 - the whole group learns of it in the status
+                error = err
         failed = exchange_status(self.group, error is not None)
         times = self.times
         _logger().info("gloo weight update: %d tensors, %.1f MB from %d trainer rank(s) in %.3f s (waiting for the"
@@ -310,7 +339,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             return error  # kept receiving so the trainer ranks' sends complete; reported at the end
         try:  # a refused tensor is named in the error, with its shape and the engine's
             pairs = unpack_chunk(held.chunk, held.parts, held.trainers)
-            load_naming_refusals(self.model.load_weights, self.model, pairs)
+            if self._adapter is not None:  # an adapter round: kept for its files, the model untouched
+                self._adapter.update((name, tensor.clone()) for name, tensor in pairs)
+            else:
+                load_naming_refusals(self.model.load_weights, self.model, pairs)
         except Exception as err:  # noqa: BLE001 - the whole group learns of it in the status
             return err
         finally:
@@ -340,6 +372,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self._store: dist.TCPStore | None = None  # rank 0 hosts it for the group's lifetime
         self.workers: list[int] = []
         self.sent_bytes = 0
+        self.adapter: tuple[str, str] | None = None
+        """``(adapter_dir, adapter_config)`` for the next round: the source holds a peft adapter's tensors, which the
+        workers write as a peft directory at ``adapter_dir`` on their hosts (see ``GlooWeightTransferUpdateInfo``)."""
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -388,7 +423,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         info = GlooWeightTransferUpdateInfo(names=[m.name for m in meta],
                                             dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
                                             shapes=[list(m.shape) for m in meta],
-                                            bounds=None if all(b is None for b in bounds) else bounds)
+                                            bounds=None if all(b is None for b in bounds) else bounds,
+                                            adapter_dir=self.adapter[0] if self.adapter else None,
+                                            adapter_config=self.adapter[1] if self.adapter else None)
         plan = Plan.of(info, self.trainers, self.buffer_bytes)
         if self.rank != 0:
             self._stream(plan, self._checked(source, meta), None)
@@ -482,6 +519,23 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     def shutdown(self) -> None:
         self.group = self._store = None
+
+
+def write_adapter_dir(path: str, tensors: dict[str, torch.Tensor], config: str) -> None:
+    """Write a peft adapter directory at ``path`` (``adapter_model.safetensors``, ``adapter_config.json``), each file
+    replaced atomically (workers of one server on one host write the same files); version directories beside it
+    older than the one before are removed (vLLM keeps a loaded adapter in memory)."""
+    target = Path(path)
+    target.mkdir(parents=True, exist_ok=True)
+    tmp = f".tmp{os.getpid()}"
+    save_file(tensors, str(target / f"adapter_model.safetensors{tmp}"), metadata={"format": "pt"})
+    (target / f"adapter_config.json{tmp}").write_text(config)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        os.replace(target / f"{name}{tmp}", target / name)
+    versions = sorted(p for p in target.parent.glob("v[0-9]*") if p.is_dir() and p.name[1:].isdigit())
+    for old in versions[:-2]:
+        if old != target:
+            shutil.rmtree(old, ignore_errors=True)
 
 
 def _bounds(meta: Any, trainers: int) -> list[int] | None:

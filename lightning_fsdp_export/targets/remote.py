@@ -8,8 +8,10 @@ their dev-mode routes and trainer rank 0's store port on the trainers' own netwo
 
 from __future__ import annotations
 
+import os
 import uuid
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
 import torch
@@ -17,7 +19,8 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 
 from lightning_fsdp_export.source import ExportSource, SourceLayout
-from lightning_fsdp_export.targets.base import ExactCheckable, ScoresLogprobs, WeightTarget
+from lightning_fsdp_export.targets.adapters import AdapterFiles, adapter_problems, adapter_rank
+from lightning_fsdp_export.targets.base import ExactCheckable, LoadsAdapters, ScoresLogprobs, WeightTarget
 from lightning_fsdp_export.targets.directory import CheckpointCheck
 from lightning_fsdp_export.targets.http import Server, on_all
 from lightning_fsdp_export.targets.transfer import DirectoryReload, NativeTransfer, PauseMode, pause_route
@@ -36,7 +39,7 @@ _MOVED = {"directory": ("Directory", "path"), "shard_bytes": ("Directory", "shar
           "buffer_bytes": ("NCCL / IPC / Gloo", "buffer_bytes"), "packed": ("NCCL / IPC", "packed")}
 
 
-class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
+class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
     """Push each version to one or several running vLLM servers (replicas), all in the same sync.
 
     Transports (``transport=``, an options object from :mod:`~lightning_fsdp_export.targets.transports`, or
@@ -82,11 +85,22 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
             update and are recomputed with the new weights after it; for async RL) or ``"keep_old_kv"``
             (they freeze and keep the old weights' KV: no recompute, no prefix-cache reset; every client must
             then salt its prefix cache per version, as ``AsyncRollouts`` does).
+        adapter_name: the name every server serves the adapter under with ``VLLMWeightSync(lora="adapter")``
+            (clients ask for ``model=<adapter_name>``); each version replaces it in place.
+
+    LoRA adapters (``VLLMWeightSync(lora="adapter")``; the servers started with ``--enable-lora --max-lora-rank R``
+    and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, checked before anything is sent): the first sync (and any after
+    a failure or a resume) pushes the base weights, holding the servers paused, then the adapter; later syncs push
+    only the adapter, loaded under ``adapter_name`` (``/v1/load_lora_adapter``, in place, a new path per version),
+    then the prefix caches are reset and the version set. ``Gloo`` carries the adapter itself (its workers write it
+    on their hosts: no shared filesystem); ``Directory(path)`` copies it under ``path/adapters``; with the other
+    transports the servers read the directory ``VLLMWeightSync`` wrote (its ``adapter_dir``, which must then be on
+    a filesystem they share, at the same path). A server that cannot load it leaves every server paused.
     """
 
     def __init__(self, base_url: str | Sequence[str], *, transport: Transport | str | None = None,
                  api_key: str | None = None, dtype: torch.dtype | None = torch.bfloat16, timeout: float = 300.0,
-                 pause_mode: PauseMode = "wait", **moved: Any) -> None:
+                 pause_mode: PauseMode = "wait", adapter_name: str = "policy", **moved: Any) -> None:
         if moved:
             name = next(iter(moved))
             if name not in _MOVED:
@@ -105,6 +119,12 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
         if pause_mode not in get_args(PauseMode):
             modes = ", ".join(map(repr, get_args(PauseMode)))
             raise ValueError(f"RemoteVLLM(pause_mode={pause_mode!r}) must be one of {modes}.")
+        if not isinstance(adapter_name, str) or not adapter_name or "/" in adapter_name:
+            raise ValueError(f"RemoteVLLM(adapter_name={adapter_name!r}) must be a non-empty name without '/'"
+                             " (clients ask for model=<adapter_name>).")
+        self.adapter_name = adapter_name
+        self.adapter_version: int | None = None
+        """Rank 0: the adapter version the servers serve under ``adapter_name`` (None: none loaded by this target)."""
         self.options = parse_transport(transport)
         self.transport = self.options.name
         self.servers = [Server(url, api_key=api_key, timeout=timeout) for url in urls]
@@ -168,15 +188,36 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
                                " shapes are not checked before sending (the servers' load checks them).")
         return [f"{s.url}: {line}" for s, check in zip(self.servers, self._checks) for line in check.problems(exported)]
 
+    def check_adapter(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
+        """Rank 0, before anything of a ``lora="adapter"`` sync is sent: every server loads adapters of this rank
+        at run time (``--enable-lora``, ``--max-lora-rank``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``)."""
+        if not self._is_rank_zero:
+            return []
+        return adapter_problems(self.servers, adapter_rank(exported))
+
+    def push_base(self, source: ExportSource, *, version: int) -> None:
+        """The base weights of an adapter sync: one transfer round that leaves the servers paused, so they never
+        serve the new base with the previous adapter; :meth:`push_adapter` resumes them."""
+        self.adapter_version = None
+        self._round.push(source, version=version, resume=False)
+
+    def push_adapter(self, path: str | os.PathLike[str], *, version: int) -> None:
+        """Load this version's adapter (the peft directory ``path`` the sync wrote on this rank) on every server as
+        ``adapter_name``; every rank calls it (over ``Gloo`` it is a transfer round)."""
+        self.adapter_version = None
+        self._round.push_adapter(AdapterFiles(Path(path)), version=version, name=self.adapter_name)
+        self.adapter_version = version
+
     def prompt_logprobs(self, token_ids: list[int]) -> dict[str, list[float]]:
         """Each server's logprob of each token of ``token_ids`` given the ones before it, by URL (for
-        ``VLLMWeightSync(verify="logprobs")``); asked from rank 0 only (``{}`` on other ranks). A server
-        started with ``--skip-tokenizer-init`` cannot return logprobs (HTTP 400)."""
+        ``VLLMWeightSync(verify="logprobs")``), with the adapter once one is loaded; asked from rank 0 only (``{}``
+        on other ranks). A server started with ``--skip-tokenizer-init`` cannot return logprobs (HTTP 400)."""
         if not self._is_rank_zero:
             return {}
 
         def score(server: Server) -> list[float]:
-            model = server.request("GET", "/v1/models")["data"][0]["id"]
+            model = self.adapter_name if self.adapter_version is not None else (
+                server.request("GET", "/v1/models")["data"][0]["id"])
             body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0,
                     "cache_salt": uuid.uuid4().hex}  # never a cached prefix of older weights (keep_old_kv)
             rows = server.request("POST", "/v1/completions", body)["choices"][0]["prompt_logprobs"][1:]
@@ -206,6 +247,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable):
 
     def push_source(self, source: ExportSource, *, version: int) -> None:
         """Send one version from ``source`` (every rank; a collective export pass): one transfer round."""
+        self.adapter_version = None
         self._round.push(source, version=version)
 
     def push(self, weights: Iterator[tuple[str, Tensor]], *, version: int) -> None:

@@ -23,6 +23,7 @@ and if any did, rank 0 rebuilds the group with every rank.
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import time
 import uuid
@@ -39,6 +40,7 @@ from lightning_fsdp_export._compat import json_safe_update_info, source_metadata
 from lightning_fsdp_export.agreement import SyncGroup
 from lightning_fsdp_export.shards import ShardSource
 from lightning_fsdp_export.source import ExportSource, SourceLayout
+from lightning_fsdp_export.targets.adapters import SERVER_ADAPTER_ROOT, AdapterFiles, AdapterTensors, load_adapter
 from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.targets.http import Server, ServerError, on_all
 from lightning_fsdp_export.targets.preflight import check_servers
@@ -162,6 +164,8 @@ class NativeTransfer:
         self.engine: Any = None
         self.source: Any = None  # one vLLM WeightSource for the engine's lifetime, repointed each sync
         self.broken = True  # no group yet: setup (rank 0 alone) or the first push (every rank) builds it
+        self._held_since: float | None = None  # rank 0: a base round left the servers paused for its adapter
+        self._run = uuid.uuid4().hex[:12]  # names this fit's adapter directories on the servers' hosts
 
     # -- setup and teardown ------------------------------------------------------------------------
 
@@ -242,9 +246,20 @@ class NativeTransfer:
 
     # -- one sync ----------------------------------------------------------------------------------
 
-    def push(self, source: ExportSource, *, version: int) -> None:
-        """Send ``source`` as ``version`` to every server: one round; every rank calls it (rank 0 drives the servers)."""
-        if self.options.layout is SourceLayout.M2N and not isinstance(source, ShardSource):
+    def push(self, source: ExportSource | AdapterTensors, *, version: int, resume: bool = True,
+             adapter: tuple[str, str] | None = None) -> None:
+        """Send ``source`` as ``version`` to every server: one round; every rank calls it (rank 0 drives the servers).
+
+        Args:
+            source: the sync's source, or (``adapter``) an adapter's tensors.
+            version: the version the servers report after it.
+            resume: resume the servers at the end (``False``: they stay paused for the adapter round that follows,
+                so they never serve new base weights with an old adapter).
+            adapter: ``(name, adapter_config text)``: ``source`` is a peft adapter, which the workers write as a
+                directory on their hosts (transports that carry adapters: ``closes_failed_rounds``' gloo) and
+                every server then loads as ``name``.
+        """
+        if self.options.layout is SourceLayout.M2N and not isinstance(source, (ShardSource, AdapterTensors)):
             raise TypeError("RemoteVLLM(transport='nccl_m2n') sends every rank's own shards: give it a ShardSource"
                             " (strategy.export_source(layout='m2n')), as VLLMWeightSync does.")
         self.source.export = source  # the engine was built with this WeightSource once
@@ -252,25 +267,64 @@ class NativeTransfer:
             self.engine.send_weights()  # iterates the source: this rank's part of the gathers
             return
         plan, paused = self._start_round()
-        paused_at = time.time()
+        paused_at = self._held_since or time.time()
+        server_dir = "" if adapter is None else f"{SERVER_ADAPTER_ROOT}/{self._run}/{adapter[0]}/v{version:06d}"
         try:
             if plan is not None:
                 self._connect(plan)
                 self._plan_digest = self._digest()
             if self.rank == 0:
                 assert self.client is not None
-                self.client.version = str(version)
-            self.engine.send_weights()
+                self.client.version = None if adapter else str(version)
+            if adapter is None:
+                self.engine.send_weights()
+            else:  # our gloo trainer engine (``carries_adapters``): the workers write what it sends
+                self.engine.adapter = (server_dir, adapter[1])
+                try:
+                    self.engine.send_weights()
+                finally:
+                    self.engine.adapter = None
             if self.rank == 0:
+                if adapter is not None:
+                    load_adapter(self.servers, adapter[0], server_dir)
                 reset_prefix_caches(self.servers, self.pause_mode)
+                if adapter is not None:
+                    set_versions(self.servers, version)
         except BaseException:
             self.broken = True
+            self._held_since = None
             if self.rank == 0 and paused:
                 self._close_round()
             raise
-        if self.rank == 0:
-            on_all(self.servers, lambda s: s.request("POST", "/resume"))
-            self.last_pause = (paused_at, time.time())
+        self._finish(paused_at, resume)
+
+    def push_adapter(self, files: AdapterFiles, *, version: int, name: str) -> None:
+        """Load one adapter version on every server as ``name``: over the transport where it carries adapters
+        (the workers write it on their hosts; every rank of the group takes part), else from ``files.path``,
+        which every server must read at that path (a shared filesystem)."""
+        if self.options.carries_adapters:
+            self.push(AdapterTensors(files.tensors()), version=version, adapter=(name, files.config))
+            return
+        if self.rank != 0:
+            return
+        paused_at = self._held_since or time.time()
+        try:
+            load_adapter_round(self.servers, self.pause_mode, name, os.fspath(files.path.resolve()), version,
+                               paused=self._held_since is not None)
+        finally:
+            self._held_since = None
+        self.last_pause = (paused_at, time.time())
+
+    def _finish(self, paused_at: float, resume: bool) -> None:
+        """Rank 0 after a round that succeeded: resume the servers (and time the pause), or hold them paused."""
+        if self.rank != 0:
+            return
+        if not resume:
+            self._held_since = paused_at
+            return
+        on_all(self.servers, lambda s: s.request("POST", "/resume"))
+        self._held_since = None
+        self.last_pause = (paused_at, time.time())
 
     def _start_round(self) -> tuple[dict[str, Any] | None, bool]:
         """Rank 0 rebuilds the group if needed (a broken round on any rank of the group, or a new plan) and
@@ -343,6 +397,7 @@ class DirectoryReload:
         """Rank 0: wall-clock times of the last reload's ``/pause`` and ``/resume``."""
         self.rank = 0
         self._checked = False
+        self._held_since: float | None = None  # rank 0: a base reload left the servers paused for its adapter
         self.writer = DirectoryTarget(options.path, dtype=dtype, shard_bytes=options.shard_bytes,
                                       keep_last=options.keep_last)
 
@@ -350,8 +405,9 @@ class DirectoryReload:
         self.rank = trainer.global_rank
         self.writer.setup(trainer)
 
-    def push(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> None:
-        """Every rank: write (rank 0; the others take part in the gathers), then rank 0 reloads every server."""
+    def push(self, weights: Iterable[tuple[str, Tensor]], *, version: int, resume: bool = True) -> None:
+        """Every rank: write (rank 0; the others take part in the gathers), then rank 0 reloads every server
+        (``resume=False``: they stay paused for the adapter that follows)."""
         self.writer.push(iter(weights), version=version)
         if self.rank != 0:
             return
@@ -364,12 +420,52 @@ class DirectoryReload:
         paused_at = time.time()
         on_all(self.servers, lambda s: s.request("POST", "/collective_rpc", reload))
         reset_prefix_caches(self.servers, self.pause_mode)
-        on_all(self.servers, lambda s: s.request("POST", "/update_weight_version", {"new_version": str(version)}))
+        set_versions(self.servers, version)
+        if not resume:
+            self._held_since = paused_at
+            return
         on_all(self.servers, lambda s: s.request("POST", "/resume"))
+        self.last_pause = (paused_at, time.time())
+
+    def push_adapter(self, files: AdapterFiles, *, version: int, name: str) -> None:
+        """Rank 0: copy the adapter under the shared directory (``<path>/adapters/<name>/v<version>``) and load it
+        on every server as ``name``."""
+        if self.rank != 0:
+            return
+        target = self.writer.directory / "adapters" / name / f"v{version:06d}"
+        if target.exists():
+            shutil.rmtree(target)
+        shutil.copytree(files.path, target)
+        for old in sorted(p for p in target.parent.glob("v[0-9]*") if p.name[1:].isdigit())[:-2]:
+            shutil.rmtree(old, ignore_errors=True)
+        paused_at = self._held_since or time.time()
+        try:
+            load_adapter_round(self.servers, self.pause_mode, name, os.fspath(target.resolve()), version,
+                               paused=self._held_since is not None)
+        finally:
+            self._held_since = None
         self.last_pause = (paused_at, time.time())
 
     def disconnect(self) -> None:
         """Nothing to shut down: a directory holds no group."""
+
+
+def set_versions(servers: Sequence[Server], version: int) -> None:
+    """Every server reports ``version`` from now on (its requests' ``weight_versions``)."""
+    on_all(servers, lambda s: s.request("POST", "/update_weight_version", {"new_version": str(version)}))
+
+
+def load_adapter_round(servers: Sequence[Server], mode: PauseMode, name: str, path: str, version: int, *,
+                       paused: bool) -> None:
+    """An adapter version read from ``path`` by every server: pause them (unless a base round left them paused),
+    load it as ``name``, reset the prefix caches, set the version, resume. A server that fails leaves every server
+    paused (none serves another adapter than the others) until the next full push resumes them."""
+    if not paused:
+        on_all(servers, lambda s: s.request("POST", pause_route(mode)))
+    load_adapter(servers, name, path)
+    reset_prefix_caches(servers, mode)
+    set_versions(servers, version)
+    on_all(servers, lambda s: s.request("POST", "/resume"))
 
 
 def reset_prefix_caches(servers: Sequence[Server], mode: PauseMode) -> None:

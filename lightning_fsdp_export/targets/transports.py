@@ -41,6 +41,9 @@ class NetworkTransport:
     """What every weight-transfer transport is: a vLLM backend name, a source layout, and its init info."""
 
     name: ClassVar[str]
+    carries_adapters: ClassVar[bool] = False
+    """A LoRA adapter can travel over the transport itself (our gloo workers write it on their hosts); else the
+    servers read it from a directory they share with the trainer."""
     closes_failed_rounds: ClassVar[bool] = False
     """The servers' workers end a round that failed on their side themselves (our gloo backend); vLLM's engines leave
     the layerwise reload open, and the round closes it empty."""
@@ -145,6 +148,7 @@ class Gloo(RendezvousTransport):
     """
 
     name: ClassVar[str] = "gloo"
+    carries_adapters: ClassVar[bool] = True
     closes_failed_rounds: ClassVar[bool] = True
     buffer_bytes: int | None = None
     shard_direct: bool = False

@@ -104,10 +104,11 @@ def run_scenarios(runs: dict[str, Callable[[], Any]], names: list[str]) -> dict[
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
 
 
-def start_server(model_dir: Path, port: int, *, backend: str | None = "gloo", env: dict[str, str] | None = None) -> Any:
+def start_server(model_dir: Path, port: int, *, backend: str | None = "gloo", env: dict[str, str] | None = None,
+                 args: list[str] | None = None) -> Any:
     """Start ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1:``port`` (no wait); its log and
     pid go to ``model_dir/server{port}.log|.pid`` (the pid file lets whoever restarts it be cleaned up).
-    ``backend=None``: no ``--weight-transfer-config``; ``env`` overrides ``SERVER_ENV``."""
+    ``backend=None``: no ``--weight-transfer-config``; ``env`` overrides ``SERVER_ENV``; ``args`` are appended."""
     import os
     import subprocess
     import sys
@@ -117,6 +118,7 @@ def start_server(model_dir: Path, port: int, *, backend: str | None = "gloo", en
            "--max-logprobs", "1", "--enable-scale-out"]
     if backend:
         cmd += ["--weight-transfer-config", '{"backend": "%s"}' % backend]
+    cmd += args or []
     log = open(model_dir / f"server{port}.log", "a")
     proc = subprocess.Popen(cmd, env={**os.environ, **SERVER_ENV, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)

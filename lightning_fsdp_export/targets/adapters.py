@@ -1,0 +1,106 @@
+"""LoRA adapters into vLLM servers: the checks before a push, the load, and an adapter as a transfer source.
+
+vLLM's OpenAI server loads adapters at run time (``POST /v1/load_lora_adapter`` with ``lora_name``,
+``lora_path``, ``load_inplace``) when started with ``--enable-lora --max-lora-rank R`` and the environment
+variable ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``. ``RemoteVLLM`` loads every version under one stable name
+(clients keep asking for ``model=<that name>``), from a new path per version: vLLM's prefix cache keys an
+adapter's blocks by its path, so no cached prompt of an older adapter is reused.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from torch import Tensor
+
+from lightning_fsdp_export.targets.http import Server, ServerError, on_all
+
+__all__ = ["AdapterFiles", "AdapterTensors", "adapter_problems", "adapter_rank", "load_adapter"]
+
+SERVER_ADAPTER_ROOT = "/tmp/lightning_fsdp_export/adapters"
+"""Where our gloo workers write adapters sent over the transport, on each server's host."""
+
+
+@dataclass(frozen=True)
+class AdapterFiles:
+    """One version of a peft adapter directory as the sync wrote it on this rank."""
+
+    path: Path
+
+    @property
+    def config(self) -> str:
+        """``adapter_config.json``'s text."""
+        return (self.path / "adapter_config.json").read_text()
+
+    def tensors(self) -> list[tuple[str, Tensor]]:
+        """``adapter_model.safetensors``' tensors, in name order."""
+        return sorted(load_file(str(self.path / "adapter_model.safetensors")).items())
+
+
+@dataclass(frozen=True)
+class _Meta:
+    name: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class AdapterTensors:
+    """An adapter's tensors as a transfer source (what ``FSDP2WeightSource`` wraps): no collective, every rank
+    holds the same tensors, so every pass yields them all."""
+
+    kind = "adapter"
+
+    def __init__(self, tensors: Sequence[tuple[str, Tensor]]) -> None:
+        self._tensors = list(tensors)
+        self.passes = 0
+
+    def metadata(self) -> list[_Meta]:
+        return [_Meta(name, t.dtype, tuple(t.shape)) for name, t in self._tensors]
+
+    def __iter__(self) -> Iterator[tuple[str, Tensor]]:
+        self.passes += 1
+        return iter(self._tensors)
+
+    def drain(self) -> None:
+        """Nothing to finish: no pass holds a collective."""
+
+
+def adapter_rank(shapes: Sequence[tuple[str, tuple[int, ...]]]) -> int:
+    """The adapter's LoRA rank: the largest first dimension of its ``lora_A`` tensors (0: none)."""
+    return max((shape[0] for name, shape in shapes if ".lora_A." in name and shape), default=0)
+
+
+def adapter_problems(servers: Sequence[Server], rank: int) -> list[str]:
+    """What keeps each server from loading a rank-``rank`` adapter at run time, one line per problem with its fix:
+    LoRA off, a smaller ``--max-lora-rank``, or runtime updating off (its route answers 404)."""
+    def check(server: Server) -> list[str]:
+        info = server.request("GET", "/server_info?config_format=json")
+        lora = (info.get("vllm_config") or {}).get("lora_config")  # None without --enable-lora
+        problems = []
+        if not lora:
+            problems.append(f"{server.url} was started without --enable-lora: restart it with --enable-lora"
+                            f" --max-lora-rank {rank} (or more)")
+        elif lora.get("max_lora_rank") is not None and int(lora["max_lora_rank"]) < rank:
+            problems.append(f"{server.url} takes LoRA ranks up to --max-lora-rank {lora['max_lora_rank']}, and this"
+                            f" adapter has rank {rank}: restart it with --max-lora-rank {rank} (or more)")
+        try:  # an empty body: 400/422 from the route, or 404 without runtime updating
+            server.request("POST", "/v1/load_lora_adapter", {})
+        except ServerError as err:
+            if " answered 404" in str(err):
+                problems.append(f"{server.url} does not load adapters at run time (POST /v1/load_lora_adapter answered"
+                                " 404): start it with the environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+        return problems
+
+    return [line for lines in on_all(servers, check) for line in lines]
+
+
+def load_adapter(servers: Sequence[Server], name: str, path: str) -> None:
+    """Every server loads the peft directory ``path`` (on its host) as ``name``, replacing the adapter of that name in
+    place; a server that cannot is named with vLLM's reason (its previous adapter stays loaded)."""
+    body = {"lora_name": name, "lora_path": os.fspath(path), "load_inplace": True}
+    on_all(servers, lambda s: s.request("POST", "/v1/load_lora_adapter", body))
