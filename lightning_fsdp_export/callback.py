@@ -142,6 +142,12 @@ class VLLMWeightSync(Callback):
         return self._generate_state_key(lora=self._lora)
 
     @property
+    def lora(self) -> str:
+        """The mode: ``"merged"``, or ``"adapter"`` (the target serves the trained adapter, e.g. under
+        ``RemoteVLLM.adapter_name``)."""
+        return self._lora
+
+    @property
     def every_n_train_steps(self) -> int | None:
         """Steps between syncs (None when syncing by epochs)."""
         return self._every_n_steps

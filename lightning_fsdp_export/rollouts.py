@@ -540,6 +540,8 @@ class AsyncRollouts(Callback):
         # a prefix cache per version: with pause_mode="keep_old_kv" the servers keep blocks of older weights
         body = {"request_id": rid, "token_ids": prompt, "sampling_params": self._sampling,
                 "cache_salt": f"lfe-v{admitted_version}"}
+        if self.sync.lora == "adapter":  # the policy is the adapter the sync loads, not the base model
+            body["model"] = self.sync.target.adapter_name
         admitted = time.time()
         try:
             answer = server.post_interruptible(GENERATE_ROUTE, body, timeout=self.request_timeout,

