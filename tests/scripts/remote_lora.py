@@ -8,6 +8,8 @@ checkpoint (the trainer's ``pretrained=``). Scenarios:
   adapter), ``exact_first_sync`` (the base push) and ``verify="logprobs"`` (scored with the adapter); after every
   sync the server, asked for ``model="policy"``, is scored against the trainer's merged weights (prompt and its
   own greedy continuation); the weights one sync old are scored too (a stale adapter would match them);
+* ``gloo_shards``: the same over ``Gloo(shard_direct=True)`` (every trainer rank in the group; the base weights as
+  each rank's own rows, the adapter whole from rank 0);
 * ``directory``: the same over ``Directory(path)`` (the servers read the adapter under ``path/adapters``);
 * ``merged``: the same model pushed merged (``lora="merged"``), for the bytes and seconds beside the adapter's;
 * ``refused``: an adapter for a server without LoRA, and one of rank 32 for a server taking 16: each refused
@@ -120,6 +122,10 @@ def scenario_gloo(root: Path, url: str, model_dir: Path) -> dict[str, Any]:
     return out
 
 
+def scenario_gloo_shards(root: Path, url: str, model_dir: Path) -> dict[str, Any]:
+    return fit(RemoteVLLM(url, transport=Gloo(shard_direct=True), timeout=60.0), model_dir, 2, "adapter", root)
+
+
 def scenario_directory(root: Path, url: str, model_dir: Path) -> dict[str, Any]:
     target = RemoteVLLM(url, transport=Directory(root / "shared"), timeout=60.0)
     out = fit(target, model_dir, 2, "adapter", root)
@@ -155,10 +161,11 @@ def scenario_refused(root: Path, lora_url: str, plain_url: str, model_dir: Path)
 
 
 def main() -> None:
-    args, root = start_script("gloo,directory,merged,refused", "remote_lora_work")
+    args, root = start_script("gloo,gloo_shards,directory,merged,refused", "remote_lora_work")
     lora_url, plain_url = args.server.split(",")
     model_dir = Path(os.environ["LFE_MODEL_DIR"])
     runs = {"gloo": lambda: scenario_gloo(root / "gloo", lora_url, model_dir),
+            "gloo_shards": lambda: scenario_gloo_shards(root / "gloo_shards", lora_url, model_dir),
             "directory": lambda: scenario_directory(root / "directory", lora_url, model_dir),
             "merged": lambda: scenario_merged(root / "merged", lora_url, model_dir),
             "refused": lambda: scenario_refused(root / "refused", lora_url, plain_url, model_dir)}
