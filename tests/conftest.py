@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from lightning_fsdp_export.testing import save_word_tokenizer, tiny_qwen2
-from tests.scripts.common import start_server, stop_server, wait_for_server
+from tests.scripts.common import LORA_ARGS, LORA_ENV, start_server, stop_server, wait_for_server
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -74,8 +74,6 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 
 _RUNNING: dict[str, list[int]] = {}
-LORA_ARGS = ["--enable-lora", "--max-lora-rank", "16"]
-LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
 def stop_servers(model_dir: Path) -> None:

@@ -44,6 +44,8 @@ def worker_engine(model: Model) -> gloo.GlooWeightTransferEngine:
     engine.group = None
     engine._store = None
     engine._reloading = False
+    engine._start_reload = lambda: None  # vLLM's layerwise reload needs a real model; Model records its loads
+    engine._adapter = None
     engine.buffer_bytes = gloo.DEFAULT_BUFFER_BYTES
     engine.trainers = 1
     return engine
@@ -134,6 +136,24 @@ def test_a_round_reaches_every_worker_bit_exact_in_small_chunks() -> None:
         assert list(model.loaded) == list(tensors)
         for name, tensor in tensors.items():
             assert model.loaded[name].dtype == tensor.dtype and torch.equal(model.loaded[name], tensor), name
+
+
+def test_an_adapter_round_writes_the_adapter_on_every_worker_and_loads_nothing(tmp_path: Any) -> None:
+    from safetensors.torch import load_file
+
+    tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 8),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(8, 4)}
+    engine, models, client = connect(2, tensors, buffer_bytes=100)
+    engine.adapter = (str(tmp_path / "policy" / "v000003"), '{"r": 4}')
+    engine.send_weights()
+    assert client.calls == ["init", "start", "update", "finish"]
+    assert all(model.loaded == {} for model in models)  # the model is untouched: the server loads the files
+    written = load_file(str(tmp_path / "policy" / "v000003" / "adapter_model.safetensors"))
+    assert sorted(written) == sorted(tensors) and all(torch.equal(written[n], t) for n, t in tensors.items())
+    assert (tmp_path / "policy" / "v000003" / "adapter_config.json").read_text() == '{"r": 4}'
+    engine.adapter = None
+    engine.send_weights()  # the next full round loads the model again
+    assert all(list(model.loaded) == list(tensors) for model in models)
 
 
 def test_a_refused_tensor_fails_the_round_on_the_trainer_and_every_worker_quickly() -> None:

@@ -527,7 +527,7 @@ def write_adapter_dir(path: str, tensors: dict[str, torch.Tensor], config: str) 
     older than the one before are removed (vLLM keeps a loaded adapter in memory)."""
     target = Path(path)
     target.mkdir(parents=True, exist_ok=True)
-    tmp = f".tmp{os.getpid()}"
+    tmp = f".tmp{uuid.uuid4().hex}"  # per writer: workers of one server (or one process) write side by side
     save_file(tensors, str(target / f"adapter_model.safetensors{tmp}"), metadata={"format": "pt"})
     (target / f"adapter_config.json{tmp}").write_text(config)
     for name in ("adapter_model.safetensors", "adapter_config.json"):

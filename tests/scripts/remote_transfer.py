@@ -45,7 +45,8 @@ from lightning_fsdp_export.targets import Gloo  # noqa: E402
 from lightning_fsdp_export.shards import ShardSource  # noqa: E402
 from lightning_fsdp_export.source import ExportSource  # noqa: E402
 from lightning_fsdp_export.testing import VOCAB, tiny_llama, tiny_lora_qwen2, tiny_qwen2  # noqa: E402
-from tests.scripts.common import CausalLM, run_scenarios, start_server, stop_server, token_loader, wait_for_server  # noqa: E402
+from tests.scripts.common import (LORA_ARGS, LORA_ENV, CausalLM, run_scenarios, start_server,  # noqa: E402
+                                 stop_server, token_loader, wait_for_server)
 
 PROMPT = [(7 * j + 3) % VOCAB for j in range(40)]
 GEN = 8
@@ -179,7 +180,7 @@ def scenario_replica_down(root: Path, urls: list[str], model_dir: Path, *, shard
             if trainer.global_rank == 0:
                 events["first_server_after_failure"] = state(sync.target, first=1)[0]  # the other one is down
                 start = time.monotonic()
-                start_server(model_dir, port)
+                start_server(model_dir, port, args=LORA_ARGS, env=LORA_ENV)  # as tests/conftest.py started it
                 wait_for_server(urls[1], model_dir / f"server{port}.log")
                 events["restart_seconds"] = time.monotonic() - start
 

@@ -1,8 +1,8 @@
 """Run under ``torchrun --nproc-per-node 2``: a fit against a server that cannot take the pushes, one per scenario.
 
 ``--server kind=URL,...``: ``no_dev_mode`` (started without ``VLLM_SERVER_DEV_MODE=1``), ``no_backend`` (dev mode,
-no ``--weight-transfer-config``), ``other_vocab`` (a model of another vocabulary, its checkpoint not readable
-here, so only the server's loader can refuse); a kind ending in ``_directory`` uses the directory transport
+no ``--weight-transfer-config``), ``other_vocab_directory`` (a model of another vocabulary, its checkpoint not
+readable here, so only the server's loader can refuse); a kind ending in ``_directory`` uses the directory transport
 instead, one ending in ``_plain`` gloo without shard-direct (rank 0 alone talks to the servers and sends). Each rank fits one step with ``RemoteVLLM(url, transport=Gloo(shard_direct=True), timeout=60)`` (or
 ``RemoteVLLM(url, transport=Directory(...))``) and records the error and the seconds from the fit's start to it; each rank
 writes its own JSON (``--out`` and ``--out.rank1``).
