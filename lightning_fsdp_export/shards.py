@@ -172,7 +172,10 @@ class ShardSource(ExportSource):
         export: starts one pass yielding, per tensor, what ``layout`` says.
         layout: :func:`row_bounds` with this model's format and world bound.
         world: the trainer ranks.
-        dtype, show_progress, checkpoint_format, kind: as for ``ExportSource``.
+        dtype: as for ``ExportSource``.
+        show_progress: as for ``ExportSource``.
+        checkpoint_format: as for ``ExportSource``.
+        kind: as for ``ExportSource``.
     """
 
     def __init__(self, entries: Callable[[], Entries], export: Callable[[], Iterator[tuple[str, Tensor]]], *,

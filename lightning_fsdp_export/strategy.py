@@ -77,8 +77,9 @@ class LazyExportFSDP2(ModelParallelStrategy):
             tensor (each costs one more tensor of memory). Default 1; 0: none. Measured: BENCHMARKS.md.
         data_parallel_size: ranks to shard over. Default: the whole world (pure FSDP).
         tensor_parallel_size: tensor-parallel ranks, applied by your own ``configure_model``. Default 1.
-        save_distributed_checkpoint, process_group_backend, timeout: as in ``ModelParallelStrategy``; ``timeout``
-            also bounds every collective of an export.
+        save_distributed_checkpoint: as in ``ModelParallelStrategy``.
+        process_group_backend: as in ``ModelParallelStrategy`` (``"gloo"`` on CPU, ``"nccl"`` on CUDA).
+        timeout: as in ``ModelParallelStrategy``; also bounds every collective of an export.
     """
 
     strategy_name = "lazy_fsdp2"
@@ -289,7 +290,8 @@ class LazyExportFSDP2(ModelParallelStrategy):
         it to the end, or calls ``drain()``), in vLLM's layerwise order; torch only.
 
         Args:
-            dtype, lora: as in :meth:`export_weights`; ``metadata()`` reports the dtype.
+            dtype: as in :meth:`export_weights`; ``metadata()`` reports it.
+            lora: as in :meth:`export_weights`.
             show_progress: a progress bar on this rank for passes longer than ~2 s.
             layout: a :class:`~lightning_fsdp_export.source.SourceLayout` (or its value): ``"full"`` tensors,
                 each rank's own ``"shards"`` rows (:class:`~lightning_fsdp_export.shards.ShardSource`), or
