@@ -7,7 +7,6 @@ builds the same list, in the same order (each pass is a collective).
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -18,6 +17,7 @@ import torch
 
 from lightning_fsdp_export.lora import write_adapter
 from lightning_fsdp_export.source import ExportSource, SourceLayout
+from lightning_fsdp_export.targets.adapters import prune_versions
 from lightning_fsdp_export.targets.base import LoadsAdapters, WeightTarget
 
 if TYPE_CHECKING:
@@ -70,9 +70,7 @@ def _push_adapter(source: ExportSource, target: LoadsAdapters, module: Any, rank
     path = rank_dir / f"v{version:06d}"
     write_adapter(iter(source), module, str(path))
     target.push_adapter(path, version=version)
-    for old in rank_dir.glob("v[0-9]*"):  # the engine holds loaded adapters in memory
-        if int(old.name[1:]) < version - 1:
-            shutil.rmtree(old, ignore_errors=True)
+    prune_versions(rank_dir)
 
 
 def temporary_adapter_dir() -> Path:

@@ -10,6 +10,7 @@ adapter's blocks by its path, so no cached prompt of an older adapter is reused.
 from __future__ import annotations
 
 import os
+import shutil
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,7 @@ from torch import Tensor
 
 from lightning_fsdp_export.targets.http import Server, ServerError, on_all
 
-__all__ = ["AdapterFiles", "AdapterTensors", "adapter_problems", "adapter_rank", "load_adapter"]
+__all__ = ["AdapterFiles", "AdapterTensors", "adapter_problems", "adapter_rank", "load_adapter", "prune_versions"]
 
 SERVER_ADAPTER_ROOT = "/tmp/lightning_fsdp_export/adapters"
 """Where our gloo workers write adapters sent over the transport, on each server's host."""
@@ -53,17 +54,13 @@ class AdapterTensors:
     """An adapter's tensors as a transfer source (what ``FSDP2WeightSource`` wraps): no collective, every rank
     holds the same tensors, so every pass yields them all."""
 
-    kind = "adapter"
-
     def __init__(self, tensors: Sequence[tuple[str, Tensor]]) -> None:
         self._tensors = list(tensors)
-        self.passes = 0
 
     def metadata(self) -> list[_Meta]:
         return [_Meta(name, t.dtype, tuple(t.shape)) for name, t in self._tensors]
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
-        self.passes += 1
         return iter(self._tensors)
 
     def drain(self) -> None:
@@ -104,3 +101,12 @@ def load_adapter(servers: Sequence[Server], name: str, path: str) -> None:
     place; a server that cannot is named with vLLM's reason (its previous adapter stays loaded)."""
     body = {"lora_name": name, "lora_path": os.fspath(path), "load_inplace": True}
     on_all(servers, lambda s: s.request("POST", "/v1/load_lora_adapter", body))
+
+
+def prune_versions(parent: Path, keep: int = 2) -> None:
+    """Remove the adapter version directories (``v<number>``) in ``parent`` but the ``keep`` newest: the current one
+    and the one before (a server may still be loading it; vLLM holds a loaded adapter in memory)."""
+    versions = sorted((p for p in parent.glob("v[0-9]*") if p.is_dir() and p.name[1:].isdigit()),
+                      key=lambda p: int(p.name[1:]))
+    for old in versions[:-keep]:
+        shutil.rmtree(old, ignore_errors=True)

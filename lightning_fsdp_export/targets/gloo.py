@@ -33,7 +33,6 @@ worker that fails finalizes the layerwise reload before it re-raises, so the nex
 from __future__ import annotations
 
 import os
-import shutil
 import time
 import uuid
 from collections.abc import Iterator
@@ -57,6 +56,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from lightning_fsdp_export._compat import iter_full, load_naming_refusals, source_metadata
+from lightning_fsdp_export.targets.adapters import prune_versions
 from lightning_fsdp_export.targets.gloo_protocol import (
     ABORT,
     END,
@@ -532,10 +532,7 @@ def write_adapter_dir(path: str, tensors: dict[str, torch.Tensor], config: str) 
     (target / f"adapter_config.json{tmp}").write_text(config)
     for name in ("adapter_model.safetensors", "adapter_config.json"):
         os.replace(target / f"{name}{tmp}", target / name)
-    versions = sorted(p for p in target.parent.glob("v[0-9]*") if p.is_dir() and p.name[1:].isdigit())
-    for old in versions[:-2]:
-        if old != target:
-            shutil.rmtree(old, ignore_errors=True)
+    prune_versions(target.parent)
 
 
 def _bounds(meta: Any, trainers: int) -> list[int] | None:

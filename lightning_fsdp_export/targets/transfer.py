@@ -40,7 +40,13 @@ from lightning_fsdp_export._compat import json_safe_update_info, source_metadata
 from lightning_fsdp_export.agreement import SyncGroup
 from lightning_fsdp_export.shards import ShardSource
 from lightning_fsdp_export.source import ExportSource, SourceLayout
-from lightning_fsdp_export.targets.adapters import SERVER_ADAPTER_ROOT, AdapterFiles, AdapterTensors, load_adapter
+from lightning_fsdp_export.targets.adapters import (
+    SERVER_ADAPTER_ROOT,
+    AdapterFiles,
+    AdapterTensors,
+    load_adapter,
+    prune_versions,
+)
 from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.targets.http import Server, ServerError, on_all
 from lightning_fsdp_export.targets.preflight import check_servers
@@ -126,7 +132,53 @@ class LLMClient:
         self.llm.finish_weight_update(weight_version)
 
 
-class NativeTransfer:
+class _Pauses:
+    """What both rounds share: the servers' pause, held across a base round into its adapter round, and its timing."""
+
+    servers: list[Server]
+    pause_mode: PauseMode
+    rank: int
+
+    def _init_pauses(self, servers: Sequence[Server], pause_mode: PauseMode) -> None:
+        self.servers = list(servers)
+        self.pause_mode = pause_mode
+        self.rank = 0
+        self.last_pause: tuple[float, float] | None = None
+        """Rank 0: wall-clock times (``time.time()``) of the last completed sync's ``/pause`` and ``/resume``."""
+        self._held_since: float | None = None  # rank 0: a base round left the servers paused for its adapter
+
+    def _pause(self) -> float:
+        """Rank 0: pause every server unless a base round holds them paused; when the pause began."""
+        if self._held_since is None:
+            on_all(self.servers, lambda s: s.request("POST", pause_route(self.pause_mode)))
+        return self._held_since or time.time()
+
+    def _finish(self, paused_at: float, resume: bool) -> None:
+        """Rank 0 after a round that succeeded: resume the servers (and time the pause), or hold them paused."""
+        if self.rank != 0:
+            return
+        if not resume:
+            self._held_since = paused_at
+            return
+        on_all(self.servers, lambda s: s.request("POST", "/resume"))
+        self._held_since = None
+        self.last_pause = (paused_at, time.time())
+
+    def _load_adapter_from(self, path: str, *, name: str, version: int) -> None:
+        """Rank 0: every server reads the adapter at ``path`` (on its host) and serves it as ``name``: pause (unless
+        held), load, reset the prefix caches, set the version, resume. A server that fails leaves every server
+        paused (none serves another adapter than the others) until the next full push resumes them."""
+        paused_at = self._pause()
+        try:
+            load_adapter(self.servers, name, path)
+            reset_prefix_caches(self.servers, self.pause_mode)
+            set_versions(self.servers, version)
+        finally:
+            self._held_since = None
+        self._finish(paused_at, resume=True)
+
+
+class NativeTransfer(_Pauses):
     """One transfer group from the trainer to every worker of ``servers``, and the one round every sync runs.
 
     The round, whichever the transport: (rank 0) rebuild the group if it is broken or the source's plan
@@ -147,15 +199,11 @@ class NativeTransfer:
 
     def __init__(self, servers: Sequence[Server], transport: NetworkTransport, *, timeout: float,
                  pause_mode: PauseMode) -> None:
-        self.servers = list(servers)
+        self._init_pauses(servers, pause_mode)
         self.options = transport
         self.transport = transport.name
         self.timeout = timeout
-        self.pause_mode = pause_mode
-        self.last_pause: tuple[float, float] | None = None
-        """Rank 0: wall-clock times (``time.time()``) of the last completed round's ``/pause`` and ``/resume``."""
         self.every_rank = transport.every_rank
-        self.rank = 0
         self.trainers = 1  # trainer ranks in the transfer group
         self.world_size = 0
         self._control: Any = None  # every_rank: the trainer ranks' SyncGroup, for rank 0's decisions
@@ -164,7 +212,6 @@ class NativeTransfer:
         self.engine: Any = None
         self.source: Any = None  # one vLLM WeightSource for the engine's lifetime, repointed each sync
         self.broken = True  # no group yet: setup (rank 0 alone) or the first push (every rank) builds it
-        self._held_since: float | None = None  # rank 0: a base round left the servers paused for its adapter
         self._run = uuid.uuid4().hex[:12]  # names this fit's adapter directories on the servers' hosts
 
     # -- setup and teardown ------------------------------------------------------------------------
@@ -256,7 +303,7 @@ class NativeTransfer:
             resume: resume the servers at the end (``False``: they stay paused for the adapter round that follows,
                 so they never serve new base weights with an old adapter).
             adapter: ``(name, adapter_config text)``: ``source`` is a peft adapter, which the workers write as a
-                directory on their hosts (transports that carry adapters: ``closes_failed_rounds``' gloo) and
+                directory on their hosts (a transport that ``carries_adapters``: gloo) and
                 every server then loads as ``name``.
         """
         if self.options.layout is SourceLayout.M2N and not isinstance(source, (ShardSource, AdapterTensors)):
@@ -266,8 +313,7 @@ class NativeTransfer:
         if not self.every_rank and self.rank != 0:
             self.engine.send_weights()  # iterates the source: this rank's part of the gathers
             return
-        plan, paused = self._start_round()
-        paused_at = self._held_since or time.time()
+        plan, paused, paused_at = self._start_round()
         server_dir = "" if adapter is None else f"{SERVER_ADAPTER_ROOT}/{self._run}/{adapter[0]}/v{version:06d}"
         try:
             if plan is not None:
@@ -305,37 +351,21 @@ class NativeTransfer:
         if self.options.carries_adapters:
             self.push(AdapterTensors(files.tensors()), version=version, adapter=(name, files.config))
             return
-        if self.rank != 0:
-            return
-        paused_at = self._held_since or time.time()
-        try:
-            load_adapter_round(self.servers, self.pause_mode, name, os.fspath(files.path.resolve()), version,
-                               paused=self._held_since is not None)
-        finally:
-            self._held_since = None
-        self.last_pause = (paused_at, time.time())
+        if self.rank == 0:
+            self._load_adapter_from(os.fspath(files.path.resolve()), name=name, version=version)
 
-    def _finish(self, paused_at: float, resume: bool) -> None:
-        """Rank 0 after a round that succeeded: resume the servers (and time the pause), or hold them paused."""
-        if self.rank != 0:
-            return
-        if not resume:
-            self._held_since = paused_at
-            return
-        on_all(self.servers, lambda s: s.request("POST", "/resume"))
-        self._held_since = None
-        self.last_pause = (paused_at, time.time())
-
-    def _start_round(self) -> tuple[dict[str, Any] | None, bool]:
+    def _start_round(self) -> tuple[dict[str, Any] | None, bool, float]:
         """Rank 0 rebuilds the group if needed (a broken round on any rank of the group, or a new plan) and
-        pauses the servers; alone in the group it connects before pausing, else the group's other ranks learn
-        the plan (every rank connects after the pause), or rank 0's failure, from its broadcast.
-        Returns ``(plan to connect with or None, whether this rank paused the servers)``."""
+        pauses the servers (unless a base round holds them paused); alone in the group it connects before pausing,
+        else the group's other ranks learn the plan (every rank connects after the pause), or rank 0's failure,
+        from its broadcast. Returns ``(plan to connect with or None, whether this rank paused the servers, when the
+        pause began)``."""
         rebuild = self.broken or self._digest() != self._plan_digest
         if self.every_rank:
             rebuild = any(self._control.gather(rebuild))
         decision: dict[str, Any] = {"error": None, "plan": None}
         failure: BaseException | None = None
+        paused_at = 0.0
         if self.rank == 0:
             try:
                 if rebuild:
@@ -343,7 +373,7 @@ class NativeTransfer:
                     if not self.every_rank:  # rank 0 alone in the group: rendezvous while the servers still serve
                         self._connect(plan)
                     decision["plan"] = plan if self.every_rank else None
-                on_all(self.servers, lambda s: s.request("POST", pause_route(self.pause_mode)))
+                paused_at = self._pause()
             except Exception as err:  # noqa: BLE001 - every rank of the group learns of it just below
                 decision, failure = {"error": f"{type(err).__name__}: {err}", "plan": None}, err
         if self.every_rank:
@@ -353,7 +383,7 @@ class NativeTransfer:
             if failure is not None:
                 raise failure
             raise ServerError(f"trainer rank 0 could not start the round: {decision['error']}", self.servers[0].url)
-        return decision["plan"], self.rank == 0
+        return decision["plan"], self.rank == 0, paused_at
 
     def _digest(self) -> str:
         """``nccl_m2n`` builds its engine for one source plan: a new plan (another model, dtype) needs a new group."""
@@ -376,7 +406,7 @@ class NativeTransfer:
                 pass
 
 
-class DirectoryReload:
+class DirectoryReload(_Pauses):
     """``Directory``'s round: rank 0 writes the version as safetensors, then on every server ``/pause``,
     ``reload_weights`` from it, reset the prefix cache, set the version, ``/resume``. A failed reload leaves
     the servers paused (as a failed network round does), never serving a half-reloaded model; the next
@@ -391,13 +421,8 @@ class DirectoryReload:
 
     def __init__(self, servers: Sequence[Server], options: Directory, *, dtype: torch.dtype | None,
                  pause_mode: PauseMode) -> None:
-        self.servers = list(servers)
-        self.pause_mode = pause_mode
-        self.last_pause: tuple[float, float] | None = None
-        """Rank 0: wall-clock times of the last reload's ``/pause`` and ``/resume``."""
-        self.rank = 0
+        self._init_pauses(servers, pause_mode)
         self._checked = False
-        self._held_since: float | None = None  # rank 0: a base reload left the servers paused for its adapter
         self.writer = DirectoryTarget(options.path, dtype=dtype, shard_bytes=options.shard_bytes,
                                       keep_last=options.keep_last)
 
@@ -416,16 +441,11 @@ class DirectoryReload:
         if not self._checked:
             check_servers(self.servers, backend=None)  # dev mode and quantization, before the first reload
             self._checked = True
-        on_all(self.servers, lambda s: s.request("POST", pause_route(self.pause_mode)))
-        paused_at = time.time()
+        paused_at = self._pause()
         on_all(self.servers, lambda s: s.request("POST", "/collective_rpc", reload))
         reset_prefix_caches(self.servers, self.pause_mode)
         set_versions(self.servers, version)
-        if not resume:
-            self._held_since = paused_at
-            return
-        on_all(self.servers, lambda s: s.request("POST", "/resume"))
-        self.last_pause = (paused_at, time.time())
+        self._finish(paused_at, resume)
 
     def push_adapter(self, files: AdapterFiles, *, version: int, name: str) -> None:
         """Rank 0: copy the adapter under the shared directory (``<path>/adapters/<name>/v<version>``) and load it
@@ -436,15 +456,8 @@ class DirectoryReload:
         if target.exists():
             shutil.rmtree(target)
         shutil.copytree(files.path, target)
-        for old in sorted(p for p in target.parent.glob("v[0-9]*") if p.name[1:].isdigit())[:-2]:
-            shutil.rmtree(old, ignore_errors=True)
-        paused_at = self._held_since or time.time()
-        try:
-            load_adapter_round(self.servers, self.pause_mode, name, os.fspath(target.resolve()), version,
-                               paused=self._held_since is not None)
-        finally:
-            self._held_since = None
-        self.last_pause = (paused_at, time.time())
+        prune_versions(target.parent)
+        self._load_adapter_from(os.fspath(target.resolve()), name=name, version=version)
 
     def disconnect(self) -> None:
         """Nothing to shut down: a directory holds no group."""
@@ -453,19 +466,6 @@ class DirectoryReload:
 def set_versions(servers: Sequence[Server], version: int) -> None:
     """Every server reports ``version`` from now on (its requests' ``weight_versions``)."""
     on_all(servers, lambda s: s.request("POST", "/update_weight_version", {"new_version": str(version)}))
-
-
-def load_adapter_round(servers: Sequence[Server], mode: PauseMode, name: str, path: str, version: int, *,
-                       paused: bool) -> None:
-    """An adapter version read from ``path`` by every server: pause them (unless a base round left them paused),
-    load it as ``name``, reset the prefix caches, set the version, resume. A server that fails leaves every server
-    paused (none serves another adapter than the others) until the next full push resumes them."""
-    if not paused:
-        on_all(servers, lambda s: s.request("POST", pause_route(mode)))
-    load_adapter(servers, name, path)
-    reset_prefix_caches(servers, mode)
-    set_versions(servers, version)
-    on_all(servers, lambda s: s.request("POST", "/resume"))
 
 
 def reset_prefix_caches(servers: Sequence[Server], mode: PauseMode) -> None:
