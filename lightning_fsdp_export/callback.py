@@ -30,6 +30,7 @@ from lightning_fsdp_export.targets.base import (
     ExactCheckable,
     LoadsAdapters,
     ScoresLogprobs,
+    SendsPatches,
     SleepsDuringCompute,
     WeightTarget,
 )
@@ -229,6 +230,8 @@ class VLLMWeightSync(Callback):
         """
         strategy = _require_strategy(trainer)
         self._ensure_target(trainer, strategy)
+        if isinstance(self.target, SendsPatches):  # a sparse sync patches only what every rank agreed is served
+            self.target.confirm(None if self.stale else self.served_version)
         self.version += 1
         self.served_version = None
         start = time.perf_counter()

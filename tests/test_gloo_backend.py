@@ -46,6 +46,7 @@ def worker_engine(model: Model) -> gloo.GlooWeightTransferEngine:
     engine._reloading = False
     engine._start_reload = lambda: None  # vLLM's layerwise reload needs a real model; Model records its loads
     engine._adapter = None
+    engine._base, engine._kept, engine._info = {}, None, None
     engine.buffer_bytes = gloo.DEFAULT_BUFFER_BYTES
     engine.trainers = 1
     return engine
@@ -311,6 +312,48 @@ def test_shard_direct_a_rank_that_fails_mid_export_aborts_everyone_naming_it() -
     assert time.monotonic() - start < 10
     assert "rank 1 export failed at model.layers.1" in str(errors[1])
     assert "trainer rank 1 aborted" in str(errors[0])  # the worker's error through the client
+
+
+def sparse_round(engines: list[Any], bases: list[Any], version: int, ids: tuple[str | None, str], *,
+                 sparse: bool) -> list[BaseException | None]:
+    """One round of both trainer ranks with their copies (``sparse``: patches against them; else dense, kept)."""
+    for engine, base in zip(engines, bases):
+        base.start(version, "plan", sparse=sparse)
+        engine.patches, engine.round_ids = base, ids
+    errors = both(lambda rank: engines[rank].send_weights())
+    for base, error in zip(bases, errors):
+        base.succeeded() if error is None else base.failed()
+    return errors
+
+
+def test_sparse_rounds_patch_each_workers_copy_bit_exact_and_send_a_fraction() -> None:
+    from lightning_fsdp_export.patches import PatchBase
+
+    tensors = uneven()
+    engines, models, _ = connect_shards(2, tensors, buffer_bytes=700)
+    bases = [PatchBase(), PatchBase()]
+    assert sparse_round(engines, bases, 1, (None, "v1"), sparse=False) == [None, None]
+    dense_sent = [e.sent_bytes for e in engines]
+    assert all(m.loaded.keys() == tensors.keys() for m in models)
+    # A few elements of three tensors change, one on each rank's rows and one whole; one tensor changes entirely.
+    tensors["model.embed_tokens.weight"][3, 1] += 1  # rank 0's rows
+    tensors["model.embed_tokens.weight"][39, 7] = float("nan")  # rank 1's rows: NaN bits are a change
+    tensors["model.layers.0.input_layernorm.weight"][5] = 0.0  # sent whole by rank 0: patched by rank 0 only
+    tensors["model.layers.1.mlp.up_proj.weight"].mul_(2)  # all of it: its patch is not smaller, it goes dense
+    assert sparse_round(engines, bases, 2, ("v1", "v2"), sparse=True) == [None, None]
+    for model in models:
+        for name, tensor in tensors.items():
+            assert torch.equal(model.loaded[name].view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)), name
+    assert [b.stats.changed for b in bases][0] >= 2 and bases[1].stats.patched >= 1
+    assert bases[0].stats.dense == bases[1].stats.dense == 1  # up_proj on each rank (its rows changed entirely)
+    assert all(e.sent_bytes < d / 2 for e, d in zip(engines, dense_sent))
+    # A round against a copy the workers do not keep fails everywhere, and drops the copy: only dense works then.
+    errors = sparse_round(engines, bases, 3, ("v0", "v3"), sparse=True)
+    assert "sparse round against the copy 'v0', but this worker keeps 'v2'" in str(errors[0])
+    assert errors[1] is not None and bases[0].version is None
+    tensors["lm_head.weight"][0, 0] += 1
+    assert sparse_round(engines, bases, 4, (None, "v4"), sparse=False) == [None, None]
+    assert all(torch.equal(m.loaded["lm_head.weight"], tensors["lm_head.weight"]) for m in models)
 
 
 def test_shard_direct_init_info_is_validated() -> None:

@@ -1,7 +1,8 @@
 """Where a weight sync sends the exported weights.
 
 A target subclasses :class:`WeightTarget` (and the capabilities it has: :class:`ScoresLogprobs`,
-:class:`ExactCheckable`, :class:`LoadsAdapters`, :class:`SleepsDuringCompute`; see :mod:`.base`).
+:class:`ExactCheckable`, :class:`LoadsAdapters`, :class:`SleepsDuringCompute`, :class:`SendsPatches`; see
+:mod:`.base`).
 ``RemoteVLLM``'s transports are options objects (:mod:`.transports`): ``Gloo(shard_direct=True)``, ``Directory(path)``.
 """
 
@@ -9,6 +10,7 @@ from lightning_fsdp_export.targets.base import (
     ExactCheckable,
     LoadsAdapters,
     ScoresLogprobs,
+    SendsPatches,
     SleepsDuringCompute,
     WeightTarget,
 )
@@ -20,5 +22,6 @@ from lightning_fsdp_export.targets.transfer import LLMClient
 from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo
 
 __all__ = ["IPC", "NCCL", "NCCLM2N", "ColocatedVLLM", "Directory", "DirectoryTarget", "ExactCheckable", "Gloo",
-           "InMemoryTarget", "LLMClient", "LoadsAdapters", "RemoteVLLM", "ScoresLogprobs", "SleepsDuringCompute",
+           "InMemoryTarget", "LLMClient", "LoadsAdapters", "RemoteVLLM", "ScoresLogprobs", "SendsPatches",
+           "SleepsDuringCompute",
            "WeightTarget", "write_safetensors"]

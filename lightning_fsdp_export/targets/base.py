@@ -10,7 +10,9 @@ target lacks is refused there, naming both):
   ``exact_first_sync=True``;
 - :class:`LoadsAdapters` (``push_adapter``; ``push_base``, ``check_adapter`` with defaults): for ``lora="adapter"``;
 - :class:`SleepsDuringCompute` (``before_compute``, ``after_compute``, ``weights_discarded``,
-  ``sleep_level``): told of the strategy's compute phases (a colocated engine sleeps through them).
+  ``sleep_level``): told of the strategy's compute phases (a colocated engine sleeps through them);
+- :class:`SendsPatches` (``confirm``): told, before each sync, which version the engine holds as every rank
+  agreed (a sparse sync patches only that version).
 
 A sync calls, on every rank::
 
@@ -35,7 +37,7 @@ from lightning_fsdp_export.source import ExportSource, SourceLayout
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["ExactCheckable", "LoadsAdapters", "ScoresLogprobs", "SleepsDuringCompute", "WeightTarget"]
+__all__ = ["ExactCheckable", "LoadsAdapters", "ScoresLogprobs", "SendsPatches", "SleepsDuringCompute", "WeightTarget"]
 
 
 class WeightTarget(ABC):
@@ -137,3 +139,12 @@ class SleepsDuringCompute(ABC):
     @abstractmethod
     def after_compute(self) -> None:
         """The trainer gave the device back."""
+
+
+class SendsPatches(ABC):
+    """A target that may send only what changed since the version the engine holds (sparse syncs)."""
+
+    @abstractmethod
+    def confirm(self, version: int | None) -> None:
+        """Before each sync, every rank: the version every rank agreed the engine holds; ``None`` at the first
+        sync and after a failed one or a resume (the next push is then dense)."""

@@ -23,6 +23,13 @@ info gives row ``bounds`` for is sent by every trainer rank as its own rows (an 
 gathered), point to point to every worker, which assembles the full tensor; any other tensor trainer
 rank 0 sends whole. With ``T=1`` rank 0 sends every tensor whole (the plain mode).
 
+Sparse rounds (``RemoteVLLM(transport=Gloo(shard_direct=True, sparse=True))``): a round whose update info has
+``keep_as`` leaves each worker a host copy of every tensor it loaded (the whole model, in the wire dtype, per
+worker); a later round with ``patch_of`` naming that copy carries, per trainer rank and tensor, either its part
+whole or a patch of the elements that changed (:mod:`lightning_fsdp_export.patches`); the worker applies them
+to its copy and loads the full tensors as a dense round would (vLLM 0.32 has no loader for patches), so only
+the wire is sparse. A worker whose copy is not the one named fails the round; any failed round drops the copy.
+
 Two additions make a failed round end instead of hang: every chunk starts with a header all-reduced
 over the group (data, end, or "trainer rank r aborted": any trainer rank's failure ends the round for
 every member), and after the last chunk every member all-reduces a status, so a tensor one worker
@@ -56,6 +63,7 @@ from vllm.distributed.weight_transfer.base import (
 )
 
 from lightning_fsdp_export._compat import iter_full, load_naming_refusals, source_metadata
+from lightning_fsdp_export.patches import PatchBase
 from lightning_fsdp_export.targets.adapters import prune_versions
 from lightning_fsdp_export.targets.gloo_protocol import (
     ABORT,
@@ -67,6 +75,8 @@ from lightning_fsdp_export.targets.gloo_protocol import (
     exchange_header,
     exchange_status,
     join_group,
+    patch_chunk,
+    sparse_segment,
     unpack_chunk,
 )
 
@@ -162,6 +172,10 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     ``adapter_config.json`` text) as a peft directory at this absolute path on the worker's host instead of
     loaded into the model (the trainer then loads it with ``/v1/load_lora_adapter``)."""
     adapter_config: str | None = None
+    keep_as: str | None = None
+    """Each worker keeps a host copy of every tensor of this round under this id: the base of the next sparse round."""
+    patch_of: str | None = None
+    """A sparse round: the trainer ranks send patches against the copy the workers keep as ``patch_of``."""
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -177,6 +191,10 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 self.adapter_dir is not None and not os.path.isabs(self.adapter_dir)):
             raise ValueError(f"gloo update_info: an adapter round needs an absolute adapter_dir and the adapter_config"
                              f" (got adapter_dir={self.adapter_dir!r}).")
+        if (self.patch_of is not None and self.keep_as is None) or (
+                self.adapter_dir is not None and self.keep_as is not None):
+            raise ValueError(f"gloo update_info: patch_of={self.patch_of!r} needs keep_as, and an adapter round keeps no"
+                             f" copy (got keep_as={self.keep_as!r}).")
 
 
 def _logger() -> Any:
@@ -194,6 +212,7 @@ class _Received:
     parts: list[torch.Tensor | None]
     works: list[Any]
     trainers: int
+    counts: list[list[int] | None] | None = None  # a sparse round: each trainer rank's counts (None: no part)
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
@@ -213,6 +232,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
         self._reloading = False
         self._adapter: dict[str, torch.Tensor] | None = None  # an adapter round's tensors
+        self._base: dict[str, torch.Tensor] = {}  # the copy of the last kept round (sparse rounds patch it)
+        self._kept: str | None = None  # its id, once its round succeeded
+        self._info: GlooWeightTransferUpdateInfo | None = None  # the round being received
         self.times = {"round": 0.0, "waiting": 0.0, "loading": 0.0}  # the last round's, in seconds
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
@@ -270,6 +292,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         error: BaseException | None = None
         held: _Received | None = None  # the last chunk received: loaded while the next one arrives
         self._adapter: dict[str, torch.Tensor] | None = None if update_info.adapter_dir is None else {}
+        self._info = update_info
+        if self._adapter is None:  # the model's weights change: the copy is valid again only if this round succeeds
+            if update_info.patch_of is not None and update_info.patch_of != self._kept:
+                error = RuntimeError(f"sparse round against the copy {update_info.patch_of!r}, but this worker keeps"
+                                     f" {self._kept!r} (restarted, or its last round failed); the next sync pushes"
+                                     " every tensor whole.")
+            if update_info.patch_of is None:
+                self._base = {}
+            self._kept = None
         self.times = {"round": time.perf_counter(), "waiting": 0.0, "loading": 0.0}
         with disable_mtp_completeness_check():
             for index, chunk in enumerate(plan.chunks):
@@ -298,11 +329,17 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             except Exception as err:  # noqa: BLE001 - the whole group learns of it in the status
                 error = err
         failed = exchange_status(self.group, error is not None)
+        if self._adapter is None:
+            self._base = {} if failed or update_info.keep_as is None else self._base
+            self._kept = None if failed else update_info.keep_as
         times = self.times
         _logger().info("gloo weight update: %d tensors, %.1f MB from %d trainer rank(s) in %.3f s (waiting for the"
                        " trainers and data %.3f s, loading %.3f s)%s", len(plan.tensors), plan.nbytes / 1e6, plan.trainers,
                        time.perf_counter() - times["round"], times["waiting"], times["loading"],
-                       ", failed" if failed else "")
+                       (", failed" if failed else "") + (
+                           f", {'patched' if update_info.patch_of else 'kept'} a host copy of"
+                           f" {sum(t.numel() * t.element_size() for t in self._base.values()) / 1e6:.1f} MB"
+                           if self._kept else ""))
         if failed:
             raise error or RuntimeError("another member of the weight-transfer group failed this round")
 
@@ -316,15 +353,23 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def _post(self, plan: Plan, chunk: list[PlannedTensor], index: int) -> _Received:
         """Start receiving each trainer rank's part of ``chunk`` (``None`` where it sends nothing)."""
-        assert self.group is not None
+        assert self.group is not None and self._info is not None
+        sparse = self._info.patch_of is not None
         parts: list[torch.Tensor | None] = []
+        counts: list[list[int] | None] = []
         works = []
         for rank in range(plan.trainers):
             size = plan.segment(chunk, rank)
+            counts.append(None)
+            if size and sparse:  # a sparse round: this rank's counts first, its payload's size from them
+                message = torch.empty(len(chunk), dtype=torch.int64)
+                self.group.recv([message], rank, 2 * index).wait(self.timeout)
+                counts[-1] = message.tolist()
+                size = sparse_segment(chunk, rank, counts[-1])
             parts.append(torch.empty(size, dtype=torch.uint8) if size else None)
             if size:
-                works.append(self.group.recv([parts[-1]], rank, index))
-        return _Received(chunk, parts, works, plan.trainers)
+                works.append(self.group.recv([parts[-1]], rank, 2 * index + 1 if sparse else index))
+        return _Received(chunk, parts, works, plan.trainers, counts if sparse else None)
 
     def _load(self, held: _Received | None, error: BaseException | None) -> BaseException | None:
         """Wait for ``held`` to arrive and load it, unless the round already failed; the round's error, if any."""
@@ -338,7 +383,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         if error is not None:
             return error  # kept receiving so the trainer ranks' sends complete; reported at the end
         try:  # a refused tensor is named in the error, with its shape and the engine's
-            pairs = unpack_chunk(held.chunk, held.parts, held.trainers)
+            assert self._info is not None
+            if held.counts is not None:
+                pairs = patch_chunk(held.chunk, held.parts, held.counts, held.trainers, self._base)
+            else:
+                pairs = unpack_chunk(held.chunk, held.parts, held.trainers)
+                if self._info.keep_as is not None:
+                    pairs = _keeping(pairs, self._base)
             if self._adapter is not None:  # an adapter round: kept for its files, the model untouched
                 self._adapter.update((name, tensor.clone()) for name, tensor in pairs)
             else:
@@ -351,6 +402,15 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def shutdown(self) -> None:
         self.group = self._store = None
+        self._base, self._kept = {}, None
+
+
+def _keeping(pairs: Iterator[tuple[str, torch.Tensor]], base: dict[str, torch.Tensor]
+             ) -> Iterator[tuple[str, torch.Tensor]]:
+    """``pairs``, each also copied into ``base`` (the copy the next sparse round patches)."""
+    for name, tensor in pairs:
+        base[name] = tensor.clone()
+        yield name, tensor
 
 
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
@@ -375,6 +435,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.adapter: tuple[str, str] | None = None
         """``(adapter_dir, adapter_config)`` for the next round: the source holds a peft adapter's tensors, which the
         workers write as a peft directory at ``adapter_dir`` on their hosts (see ``GlooWeightTransferUpdateInfo``)."""
+        self.patches: PatchBase | None = None
+        """For the next round: this rank's copy of what it last sent (``patches.sparse``: send patches against it;
+        else send dense and keep a new copy); ``None``: a plain dense round."""
+        self.round_ids: tuple[str | None, str | None] = (None, None)
+        """Rank 0, with ``patches``: ``(patch_of, keep_as)`` of the next round's update info."""
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -425,7 +490,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                                             shapes=[list(m.shape) for m in meta],
                                             bounds=None if all(b is None for b in bounds) else bounds,
                                             adapter_dir=self.adapter[0] if self.adapter else None,
-                                            adapter_config=self.adapter[1] if self.adapter else None)
+                                            adapter_config=self.adapter[1] if self.adapter else None,
+                                            patch_of=self.round_ids[0] if self.patches is not None else None,
+                                            keep_as=self.round_ids[1] if self.patches is not None else None)
         plan = Plan.of(info, self.trainers, self.buffer_bytes)
         if self.rank != 0:
             self._stream(plan, self._checked(source, meta), None)
@@ -460,7 +527,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 raise RuntimeError("another trainer rank ended the round early: the ranks' sources disagree")
             for work in inflight[1:]:
                 work.wait(self.timeout)
-            inflight = [part] + ([] if part is None else [self.group.send([part], w, index) for w in self.workers])
+            counts, part = part
+            inflight = [(counts, part)]
+            if counts is not None:  # a sparse round: the counts first (the workers size the payload from them)
+                inflight += [self.group.send([counts], w, 2 * index) for w in self.workers]
+                self.sent_bytes += counts.numel() * 8 * len(self.workers)
+            tag = index if counts is None else 2 * index + 1
+            inflight += [] if part is None else [self.group.send([part], w, tag) for w in self.workers]
             self.sent_bytes += 0 if part is None else part.numel() * len(self.workers)
         for work in inflight[1:]:
             work.wait(self.timeout)
@@ -478,19 +551,36 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 answer.result()  # the worker's own error, through its server
             raise RuntimeError("a worker refused this weight update round")
 
-    def _pack(self, plan: Plan, chunk: list[PlannedTensor], pairs: Iterator[tuple[str, torch.Tensor]]) -> torch.Tensor | None:
-        """This rank's part of ``chunk``, from the next tensors of the source (``None``: it sends nothing)."""
-        size = plan.segment(chunk, self.rank)
-        part = torch.empty(size, dtype=torch.uint8) if size else None
-        offset = 0
+    def _pack(self, plan: Plan, chunk: list[PlannedTensor], pairs: Iterator[tuple[str, torch.Tensor]]
+              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """This rank's ``(counts, part)`` of ``chunk``, from the next tensors of the source: ``counts`` only in a sparse
+        round where this rank has a part (``-1`` per tensor sent whole, else its patch's length); ``part`` ``None``
+        where this rank sends nothing."""
+        base = self.patches
+        pieces: list[tuple[torch.Tensor, ...]] = []
+        counts: list[int] = []
         for want in chunk:
             _, tensor = next(pairs)  # checked against the metadata (rows on this rank) by _checked
-            nbytes = want.part(self.rank)
-            if nbytes:
+            if not want.part(self.rank):
+                counts.append(0)
+                continue
+            patch = base.take(want.name, tensor) if base is not None else None
+            counts.append(-1 if patch is None else patch.count)
+            pieces.append((tensor,) if patch is None else (patch.indices, patch.values))
+        sparse = base is not None and base.sparse
+        size = sparse_segment(chunk, self.rank, counts) if sparse else plan.segment(chunk, self.rank)
+        part = torch.empty(size, dtype=torch.uint8) if size else None
+        offset = 0
+        for piece in pieces:
+            for tensor in piece:
+                nbytes = tensor.numel() * tensor.element_size()
+                if not nbytes:
+                    continue  # an empty patch (nothing changed) or part
                 assert part is not None
                 part[offset:offset + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
                 offset += aligned(nbytes)
-        return part
+        has_part = any(want.part(self.rank) for want in chunk)
+        return (torch.tensor(counts, dtype=torch.int64) if sparse and has_part else None), part
 
     def _abort(self) -> None:
         """Tell every member this round is over (they raise), best effort: a dead peer must not hide the error."""

@@ -6,6 +6,11 @@ passes the buffer); per chunk every trainer rank sends its part (its rows of row
 also the whole ones), each tensor's bytes padded to ``ALIGN``. Before each chunk and after the last one,
 every member all-reduces a header ``(code, origin)`` (MIN: an abort beats an end, an end beats more data;
 ``origin`` is the first trainer rank that aborted); after the end, a status (MAX: anyone failed).
+
+A sparse round (``patch_of`` in the update info) sends, per chunk and trainer rank with a part in it, first its
+``counts`` (int64, one per tensor of the chunk: ``-1`` dense, else the number of changed elements), then its
+payload: per tensor its part whole, or a patch (int32 flat indices into the part, then the values), each piece
+padded to ``ALIGN``. The worker applies the patches to the copy it kept of the previous round.
 """
 
 from __future__ import annotations
@@ -37,6 +42,13 @@ class PlannedTensor:
             return math.prod(self.shape) * self.dtype.itemsize if rank == 0 else 0
         row = math.prod(self.shape[1:]) * self.dtype.itemsize
         return (self.bounds[rank + 1] - self.bounds[rank]) * row
+
+    def span(self, rank: int) -> tuple[int, int]:
+        """Flat element offsets ``[start, end)`` of trainer ``rank``'s part in the full tensor."""
+        if self.bounds is None:
+            return (0, math.prod(self.shape)) if rank == 0 else (0, 0)
+        row = math.prod(self.shape[1:])
+        return self.bounds[rank] * row, self.bounds[rank + 1] * row
 
 
 class Plan:
@@ -80,6 +92,59 @@ class Plan:
 
 def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
+
+
+def wire_part(tensor: PlannedTensor, rank: int, count: int) -> int:
+    """Bytes (aligned) of trainer ``rank``'s part of ``tensor`` in a sparse round: whole (``count < 0``) or a patch."""
+    if count < 0:
+        return aligned(tensor.part(rank))
+    return aligned(count * 4) + aligned(count * tensor.dtype.itemsize)
+
+
+def sparse_segment(chunk: list[PlannedTensor], rank: int, counts: list[int]) -> int:
+    """Bytes trainer ``rank`` sends of ``chunk`` in a sparse round, given its ``counts``."""
+    return sum(wire_part(t, rank, c) for t, c in zip(chunk, counts) if t.part(rank))
+
+
+def patch_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], counts: list[list[int] | None],
+                trainers: int, base: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """A sparse round's chunk: each tensor is its copy in ``base`` (the previous round's, updated here in place)
+    with every trainer rank's part written whole or patched; yielded as a fresh tensor (the copy stays ours)."""
+    offsets = [0] * trainers
+    for i, tensor in enumerate(chunk):
+        full = base.get(tensor.name)
+        if full is None or tuple(full.shape) != tensor.shape or full.dtype != tensor.dtype:
+            raise RuntimeError(f"sparse round: this worker keeps no copy of {tensor.name!r} {tensor.dtype}"
+                               f" {list(tensor.shape)} to patch; the next sync pushes every tensor whole.")
+        flat = full.view(-1)
+        for rank in range(trainers):
+            if not tensor.part(rank):
+                continue
+            start, end = tensor.span(rank)
+            rank_counts = counts[rank]
+            assert rank_counts is not None  # a rank with a part sent its counts
+            count = rank_counts[i]
+            if count < 0:
+                flat[start:end] = _take(parts[rank], offsets, rank, end - start, tensor.dtype)
+                continue
+            index = _take(parts[rank], offsets, rank, count, torch.int32)
+            values = _take(parts[rank], offsets, rank, count, tensor.dtype)
+            if count and (int(index.min()) < 0 or int(index.max()) >= end - start):
+                raise RuntimeError(f"sparse round: trainer rank {rank}'s patch of {tensor.name!r} indexes outside its"
+                                   f" {end - start} elements.")
+            flat[start:end][index.long()] = values
+        yield tensor.name, full.clone()
+
+
+def _take(part: torch.Tensor | None, offsets: list[int], rank: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """The next ``count`` elements of ``dtype`` from trainer ``rank``'s payload (its offset moves past them, aligned)."""
+    nbytes = count * dtype.itemsize
+    if not nbytes:
+        return torch.empty(0, dtype=dtype)  # nothing changed: a rank may then send no payload at all
+    assert part is not None
+    start = offsets[rank]
+    offsets[rank] += aligned(nbytes)
+    return part[start:start + nbytes].view(dtype)
 
 
 def join_group(address: str, port: int, rank: int, world_size: int, group: str, timeout_s: float,

@@ -20,7 +20,13 @@ from torch import Tensor
 
 from lightning_fsdp_export.source import ExportSource, SourceLayout
 from lightning_fsdp_export.targets.adapters import AdapterFiles, adapter_problems, adapter_rank
-from lightning_fsdp_export.targets.base import ExactCheckable, LoadsAdapters, ScoresLogprobs, WeightTarget
+from lightning_fsdp_export.targets.base import (
+    ExactCheckable,
+    LoadsAdapters,
+    ScoresLogprobs,
+    SendsPatches,
+    WeightTarget,
+)
 from lightning_fsdp_export.targets.directory import CheckpointCheck
 from lightning_fsdp_export.targets.http import Server, on_all
 from lightning_fsdp_export.targets.transfer import DirectoryReload, NativeTransfer, PauseMode, pause_route
@@ -39,7 +45,7 @@ _MOVED = {"directory": ("Directory", "path"), "shard_bytes": ("Directory", "shar
           "buffer_bytes": ("NCCL / IPC / Gloo", "buffer_bytes"), "packed": ("NCCL / IPC", "packed")}
 
 
-class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
+class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, SendsPatches):
     """Push each version to one or several running vLLM servers (replicas), all in the same sync.
 
     Transports (``transport=``, an options object from :mod:`~lightning_fsdp_export.targets.transports`, or
@@ -52,7 +58,9 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
     * ``Gloo()`` / ``"gloo"``: this package's backend over CPU sockets (``'{"backend": "gloo"}'``; the server's
       environment must have this package installed, which registers it as a vLLM plugin). With
       ``Gloo(shard_direct=True)`` every trainer rank sends its own rows of each FSDP2 shard (no all-gather on
-      the trainer; the workers assemble the full tensors); the servers need no other setting.
+      the trainer; the workers assemble the full tensors); the servers need no other setting. With
+      ``Gloo(shard_direct=True, sparse=True)`` every sync after a dense one sends each rank's changed elements only
+      (see :class:`~lightning_fsdp_export.targets.transports.Gloo`; ``last_patch`` reports each round).
     * ``NCCLM2N()`` / ``"nccl_m2n"``: vLLM's M2N engine (``'{"backend": "nccl_m2n"}'``; needs NVIDIA's
       ``nccl-extensions`` on both sides): every trainer rank sends its local shards over NCCL and the
       workers reshard them (``strategy.weight_source(layout="m2n")``). GPU only.
@@ -238,9 +246,24 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
         sums = on_all(self.servers, lambda s: s.request("POST", "/weight_checker", {"action": "checksum"})["checksums"])
         return dict(zip((s.url for s in self.servers), sums))
 
+    def confirm(self, version: int | None) -> None:
+        """Every rank, before each sync: the version the servers hold as every rank agreed (``None``: unknown); with
+        ``Gloo(sparse=True)`` the push patches only that version, else it is dense."""
+        if isinstance(self._round, NativeTransfer):
+            self._round.confirmed = version
+
+    @property
+    def last_patch(self) -> dict[str, Any] | None:
+        """This rank's last round with ``Gloo(sparse=True)``: ``sparse`` (patches, or dense), ``sent_bytes``,
+        ``dense_bytes`` (its parts, one copy), ``wire_bytes``, ``elements``, ``changed``, ``copy_bytes`` (its host
+        copy); ``None`` otherwise."""
+        return self._round.last_patch if isinstance(self._round, NativeTransfer) else None
+
     def reset_weights(self) -> None:
         """Pause every server and zero its weights (``/weight_checker`` reset) before an exact check's push; rank 0
         only. The push resumes them; a push that fails leaves them paused, never serving the zeroed weights."""
+        if isinstance(self._round, NativeTransfer):
+            self._round.forget()  # every rank: the next push is dense
         if self._is_rank_zero:
             on_all(self.servers, lambda s: s.request("POST", pause_route(self._round.pause_mode)))
             on_all(self.servers, lambda s: s.request("POST", "/weight_checker", {"action": "reset"}))

@@ -38,6 +38,7 @@ from torch import Tensor
 
 from lightning_fsdp_export._compat import json_safe_update_info, source_metadata
 from lightning_fsdp_export.agreement import SyncGroup
+from lightning_fsdp_export.patches import PatchBase
 from lightning_fsdp_export.shards import ShardSource
 from lightning_fsdp_export.source import ExportSource, SourceLayout
 from lightning_fsdp_export.targets.adapters import (
@@ -213,6 +214,15 @@ class NativeTransfer(_Pauses):
         self.source: Any = None  # one vLLM WeightSource for the engine's lifetime, repointed each sync
         self.broken = True  # no group yet: setup (rank 0 alone) or the first push (every rank) builds it
         self._run = uuid.uuid4().hex[:12]  # names this fit's adapter directories on the servers' hosts
+        self.patches = PatchBase() if transport.sends_patches else None
+        """Sparse rounds: this rank's copy of what it last sent (``None`` unless the transport sends patches)."""
+        self.confirmed: int | None = None
+        """The version every rank agreed the servers hold (the sync's, before each push); patches are made only
+        against it."""
+        self._kept: str | None = None  # rank 0, sparse rounds: the id of the copy the workers keep
+        self.last_patch: dict[str, Any] | None = None
+        """This rank's last round with sparse rounds on: ``sparse`` (patched or dense), what it sent and would have
+        sent dense of its parts, elements and changed elements, its copy's host bytes."""
 
     # -- setup and teardown ------------------------------------------------------------------------
 
@@ -279,7 +289,9 @@ class NativeTransfer(_Pauses):
         return given.master_address or _default_address(self.servers), given.master_port
 
     def disconnect(self) -> None:
-        """Rank 0: shut the transfer engine down on every server that answers; drop ours."""
+        """Rank 0: shut the transfer engine down on every server that answers; drop ours (and the copies: the
+        workers drop theirs)."""
+        self.forget()
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
@@ -313,8 +325,11 @@ class NativeTransfer(_Pauses):
         if not self.every_rank and self.rank != 0:
             self.engine.send_weights()  # iterates the source: this rank's part of the gathers
             return
-        plan, paused, paused_at = self._start_round()
+        patching = self.patches is not None and adapter is None
+        plan_key = repr(source_metadata(self.source)) if patching else None
+        plan, paused, paused_at, sparse = self._start_round(plan_key)
         server_dir = "" if adapter is None else f"{SERVER_ADAPTER_ROOT}/{self._run}/{adapter[0]}/v{version:06d}"
+        keep = uuid.uuid4().hex
         try:
             if plan is not None:
                 self._connect(plan)
@@ -322,7 +337,18 @@ class NativeTransfer(_Pauses):
             if self.rank == 0:
                 assert self.client is not None
                 self.client.version = None if adapter else str(version)
-            if adapter is None:
+            if patching:
+                assert self.patches is not None
+                self.patches.start(version, plan_key, sparse=sparse)
+                self.engine.patches, self.engine.round_ids = self.patches, (self._kept if sparse else None, keep)
+                self._kept = None
+                try:
+                    self.engine.send_weights()
+                finally:
+                    self.engine.patches = None
+                    self.last_patch = {"sparse": sparse, "sent_bytes": self.engine.sent_bytes,
+                                       "copy_bytes": self.patches.nbytes, **self.patches.stats.as_dict()}
+            elif adapter is None:
                 self.engine.send_weights()
             else:  # our gloo trainer engine (``carries_adapters``): the workers write what it sends
                 self.engine.adapter = (server_dir, adapter[1])
@@ -339,10 +365,22 @@ class NativeTransfer(_Pauses):
         except BaseException:
             self.broken = True
             self._held_since = None
+            self.forget()
             if self.rank == 0 and paused:
                 self._close_round()
             raise
+        if patching:
+            assert self.patches is not None
+            self.patches.succeeded()
+            self._kept = keep
         self._finish(paused_at, resume)
+
+    def forget(self) -> None:
+        """The servers' weights are no longer what this rank last sent (a failed round, zeroed weights, a new group):
+        the next round is dense."""
+        if self.patches is not None:
+            self.patches.failed()
+        self._kept = None
 
     def push_adapter(self, files: AdapterFiles, *, version: int, name: str) -> None:
         """Load one adapter version on every server as ``name``: over the transport where it carries adapters
@@ -354,15 +392,21 @@ class NativeTransfer(_Pauses):
         if self.rank == 0:
             self._load_adapter_from(os.fspath(files.path.resolve()), name=name, version=version)
 
-    def _start_round(self) -> tuple[dict[str, Any] | None, bool, float]:
+    def _start_round(self, plan_key: str | None) -> tuple[dict[str, Any] | None, bool, float, bool]:
         """Rank 0 rebuilds the group if needed (a broken round on any rank of the group, or a new plan) and
         pauses the servers (unless a base round holds them paused); alone in the group it connects before pausing,
         else the group's other ranks learn the plan (every rank connects after the pause), or rank 0's failure,
         from its broadcast. Returns ``(plan to connect with or None, whether this rank paused the servers, when the
-        pause began)``."""
+        pause began, whether the round sends patches)``: only where every rank of the group holds a copy of the
+        confirmed version of this ``plan_key`` (rank 0 also the workers' copy's id) and the group stays."""
         rebuild = self.broken or self._digest() != self._plan_digest
+        can_patch = (plan_key is not None and self.patches is not None and self.patches.can_patch(self.confirmed, plan_key)
+                     and (self.rank != 0 or self._kept is not None))
+        sparse = False
         if self.every_rank:
-            rebuild = any(self._control.gather(rebuild))
+            states = self._control.gather((rebuild, can_patch))
+            rebuild = any(r for r, _ in states)
+            sparse = not rebuild and all(c for _, c in states)
         decision: dict[str, Any] = {"error": None, "plan": None}
         failure: BaseException | None = None
         paused_at = 0.0
@@ -383,7 +427,7 @@ class NativeTransfer(_Pauses):
             if failure is not None:
                 raise failure
             raise ServerError(f"trainer rank 0 could not start the round: {decision['error']}", self.servers[0].url)
-        return decision["plan"], self.rank == 0, paused_at
+        return decision["plan"], self.rank == 0, paused_at, sparse
 
     def _digest(self) -> str:
         """``nccl_m2n`` builds its engine for one source plan: a new plan (another model, dtype) needs a new group."""

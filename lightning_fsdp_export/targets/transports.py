@@ -58,6 +58,11 @@ class NetworkTransport:
         """Every trainer rank joins the transfer group and sends its own shards (shard-direct)."""
         return False
 
+    @property
+    def sends_patches(self) -> bool:
+        """After the first round, every rank sends only the elements of its parts that changed (sparse rounds)."""
+        return False
+
     def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
                   timeout: float) -> Any:
         """The trainer engine's init info for ``WeightTransferTrainerFactory.trainer_init`` (imports vLLM)."""
@@ -145,6 +150,12 @@ class Gloo(RendezvousTransport):
         shard_direct: every trainer rank sends its own rows of each FSDP2 shard (no all-gather on the trainer;
             the workers assemble full tensors) and its own experts' checkpoint pieces; the servers need no
             other setting.
+        sparse: sparse syncs (needs ``shard_direct``): after a dense round, each rank sends only the elements of
+            its parts whose bits changed since the version the servers confirmed (int32 index and value; a part
+            whose patch would not be smaller goes whole). Costs each trainer rank a host copy of its parts in the
+            wire dtype (its shard of the model; rank 0 also the tensors sent whole) and each server worker a host
+            copy of the whole model; the first sync, and any after a failure, a resume, an exact check or a new
+            plan, is dense.
     """
 
     name: ClassVar[str] = "gloo"
@@ -152,14 +163,22 @@ class Gloo(RendezvousTransport):
     closes_failed_rounds: ClassVar[bool] = True
     buffer_bytes: int | None = None
     shard_direct: bool = False
+    sparse: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_buffer(self, self.buffer_bytes)
+        if self.sparse and not self.shard_direct:
+            raise ValueError("Gloo(sparse=True) computes each rank's patches from its own shards: it needs"
+                             " shard_direct=True (Gloo(shard_direct=True, sparse=True)).")
 
     @property
     def every_rank(self) -> bool:
         return self.shard_direct
+
+    @property
+    def sends_patches(self) -> bool:
+        return self.sparse
 
     def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
                   timeout: float) -> Any:

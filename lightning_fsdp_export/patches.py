@@ -1,0 +1,142 @@
+"""Sparse syncs: each rank's copy of what it last sent, and the patches of the elements that changed; torch only.
+
+RL steps move few bf16 values (a few percent per step at the learning rates RL uses), so after the first push a
+rank can send only ``(index, value)`` pairs of its own part of each tensor. :class:`PatchBase` holds, on the host
+and in the wire dtype, what this rank last sent of each tensor (its rows of each FSDP2 shard; rank 0 also the
+tensors sent whole), and the version the engine confirmed for it. One round::
+
+    sparse = base.can_patch(confirmed, plan)     # every rank, agreed by all (the round is sparse or dense for all)
+    base.start(version, plan, sparse=sparse)     # a dense round forgets the copy and keeps what it sends
+    patch = base.take(name, part)                # per tensor: a Patch, or None (send ``part`` dense)
+    base.succeeded() / base.failed()             # the round's outcome on every member of the group
+
+The copy is updated as each tensor is taken (no second copy during a round); a round that fails leaves it
+invalid, so :meth:`PatchBase.failed` forgets it and the next round is dense. A patch is only ever made against
+the version the engine last confirmed (``confirmed`` is the sync's, every rank agreeing); a new plan (another
+model, dtype, layout) is dense.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = ["INDEX_DTYPE", "Patch", "PatchBase", "PatchStats", "changed_indices", "patch_nbytes"]
+
+INDEX_DTYPE = torch.int32  # flat offsets into a rank's part (vLLM 0.33's sparse_nccl uses int32 too)
+_MAX_ELEMENTS = torch.iinfo(INDEX_DTYPE).max  # a part this large goes dense
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+@dataclass(frozen=True)
+class Patch:
+    """The elements of one part that changed: flat ``indices`` into the part (``int32``) and their new ``values``."""
+
+    indices: Tensor
+    values: Tensor
+
+    @property
+    def count(self) -> int:
+        return int(self.indices.numel())
+
+
+def patch_nbytes(count: int, itemsize: int) -> int:
+    """Bytes of a patch of ``count`` elements (unaligned): int32 indices and values."""
+    return count * (INDEX_DTYPE.itemsize + itemsize)
+
+
+def changed_indices(new: Tensor, old: Tensor) -> Tensor:
+    """Flat indices (int64) of the elements whose bits differ (a NaN or a -0.0 is a change like any other)."""
+    bits = _BITS[new.element_size()]
+    return (new.reshape(-1).view(bits) != old.reshape(-1).view(bits)).nonzero().squeeze(1)
+
+
+@dataclass
+class PatchStats:
+    """One round on this rank: elements of its parts, how many changed, and the tensors sent each way."""
+
+    elements: int = 0
+    changed: int = 0
+    """Elements that changed since the copy (counted in sparse rounds only)."""
+    patched: int = 0
+    dense: int = 0
+    patch_bytes: int = 0
+    dense_bytes: int = 0
+    """Bytes a dense round would have sent of this rank's parts (unaligned, one copy)."""
+    wire_bytes: int = 0
+    """Bytes this round sends of this rank's parts: patches and dense parts (unaligned, one copy)."""
+
+    def as_dict(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class PatchBase:
+    """What this rank last sent of each tensor (host copies in the wire dtype) and the version the engine holds.
+
+    ``version`` is set only once the round that sent it succeeded on every member of the transfer group; while
+    a round runs, and after one fails, it is ``None`` (nothing to patch against)."""
+
+    tensors: dict[str, Tensor] = field(default_factory=dict)
+    version: int | None = None
+    plan: Any = None
+    sparse: bool = False
+    stats: PatchStats = field(default_factory=PatchStats)
+    _round: int | None = None
+
+    @property
+    def nbytes(self) -> int:
+        """Host bytes the copy holds (this rank's parts of every tensor it sends)."""
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def can_patch(self, confirmed: int | None, plan: Any) -> bool:
+        """This rank can send patches against ``confirmed`` (the version the engine holds, every rank agreeing)."""
+        return self.version is not None and confirmed == self.version and plan == self.plan
+
+    def start(self, version: int, plan: Any, *, sparse: bool) -> None:
+        """Begin the round of ``version``: ``sparse`` patches against the copy; else the copy is rebuilt."""
+        if sparse and not self.can_patch(self.version, plan):
+            raise RuntimeError("PatchBase.start(sparse=True) without a confirmed copy of the same plan.")
+        if not sparse:
+            self.tensors = {}
+        self.version, self.plan, self.sparse, self._round = None, plan, sparse, version
+        self.stats = PatchStats()
+
+    def take(self, name: str, part: Tensor) -> Patch | None:
+        """This rank's ``part`` of tensor ``name`` this round: its patch against the copy where the round is sparse
+        and the patch is smaller, else ``None`` (send ``part`` whole). Either way the copy becomes ``part``."""
+        host = part.detach().to("cpu")
+        itemsize, numel = host.element_size(), host.numel()
+        stats = self.stats
+        stats.elements += numel
+        stats.dense_bytes += numel * itemsize
+        old = self.tensors.get(name)
+        if not self.sparse or old is None or old.shape != host.shape or old.dtype != host.dtype:
+            self.tensors[name] = host.clone() if host.data_ptr() == part.data_ptr() else host.contiguous()
+            stats.dense += 1
+            stats.wire_bytes += numel * itemsize
+            return None
+        index = changed_indices(host, old)
+        stats.changed += index.numel()
+        if numel > _MAX_ELEMENTS or patch_nbytes(index.numel(), itemsize) >= numel * itemsize:
+            old.copy_(host)
+            stats.dense += 1
+            stats.wire_bytes += numel * itemsize
+            return None
+        values = host.reshape(-1)[index]
+        old.view(-1)[index] = values
+        stats.patched += 1
+        stats.patch_bytes += patch_nbytes(index.numel(), itemsize)
+        stats.wire_bytes += patch_nbytes(index.numel(), itemsize)
+        return Patch(index.to(INDEX_DTYPE), values)
+
+    def succeeded(self) -> None:
+        """The round succeeded on every member of the group: the copy is what the engine holds now."""
+        self.version = self._round
+
+    def failed(self) -> None:
+        """The round failed (or the engine's weights changed otherwise): forget the copy; the next round is dense."""
+        self.tensors, self.version, self.plan = {}, None, None
