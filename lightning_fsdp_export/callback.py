@@ -215,6 +215,7 @@ class VLLMWeightSync(Callback):
             trainer.strategy.remove_phase_listener(self)
         if self._target_ready and stage == "fit":
             self.target.teardown()
+            self._target_ready = False  # a later fit with this callback (a resume) sets the target up again
 
     def _should_skip(self, trainer: pl.Trainer) -> bool:
         return (trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING

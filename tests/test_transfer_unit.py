@@ -335,6 +335,8 @@ def test_the_precheck_is_skipped_when_the_checkpoint_is_not_readable_here(record
     (lambda: NCCLM2N(buffer_bytes=5), TypeError, "buffer_bytes"),  # type: ignore[call-arg]
     (lambda: Directory("/x", buffer_bytes=3), TypeError, "buffer_bytes"),  # type: ignore[call-arg]
     (lambda: Gloo(buffer_bytes=0), ValueError, r"Gloo\(buffer_bytes=0\) must be a positive number of bytes"),
+    (lambda: Gloo(sparse=True), ValueError, r"Gloo\(sparse=True\) computes each rank's patches from its own shards: it"
+     r" needs shard_direct=True"),
     (lambda: NCCL(master_port=70000), ValueError, r"NCCL\(master_port=70000\) must be a TCP port"),
     (lambda: Directory("/x", keep_last=1), ValueError, r"Directory\(keep_last=1\) must be at least 2"),
     (lambda: RemoteVLLM(URL, transport="tcp"), ValueError, r"transport='tcp'\) must be one of 'nccl', 'ipc', 'gloo',"

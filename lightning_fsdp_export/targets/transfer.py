@@ -290,8 +290,9 @@ class NativeTransfer(_Pauses):
 
     def disconnect(self) -> None:
         """Rank 0: shut the transfer engine down on every server that answers; drop ours (and the copies: the
-        workers drop theirs)."""
+        workers drop theirs); the next round rebuilds the group."""
         self.forget()
+        self.broken = True
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None

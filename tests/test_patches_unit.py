@@ -1,0 +1,96 @@
+"""Sparse syncs' bookkeeping, one process: a rank's copy and its patches (``patches.py``), and what the callback
+confirms before each sync. The rounds over real servers are in ``tests/test_remote_sparse.py``."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+
+from lightning_fsdp_export import LazyExportFSDP2, VLLMWeightSync
+from lightning_fsdp_export.agreement import WeightSyncError
+from lightning_fsdp_export.patches import PatchBase, changed_indices
+from lightning_fsdp_export.targets import SendsPatches, WeightTarget
+
+
+def apply(old: torch.Tensor, patch: Any) -> torch.Tensor:
+    out = old.clone()
+    out.view(-1)[patch.indices.long()] = patch.values
+    return out
+
+
+def test_a_round_patches_only_the_changed_bits_and_the_copy_follows() -> None:
+    base = PatchBase()
+    first = torch.randn(64, 8).to(torch.bfloat16)
+    base.start(1, "plan", sparse=False)
+    assert base.take("w", first) is None and base.stats.dense == 1  # a dense round keeps a copy
+    base.succeeded()
+    assert base.version == 1 and base.nbytes == first.numel() * 2
+    assert base.tensors["w"].data_ptr() != first.data_ptr()  # a copy, not the module's storage
+
+    second = first.clone()
+    second[3, 2] += 1
+    second[10, 0] = float("nan")  # NaN and -0.0 are changes of bits
+    second[20, 5] = -second[20, 5] if second[20, 5] == 0 else second[20, 5]
+    assert base.can_patch(1, "plan") and not base.can_patch(None, "plan") and not base.can_patch(1, "other")
+    base.start(2, "plan", sparse=True)
+    patch = base.take("w", second)
+    assert patch is not None and patch.count == 2 and patch.indices.dtype == torch.int32
+    assert torch.equal(apply(first, patch).view(torch.int16), second.view(torch.int16))
+    assert torch.equal(base.tensors["w"].view(torch.int16), second.view(torch.int16))
+    assert base.stats.changed == 2 and base.stats.wire_bytes == 2 * (4 + 2)
+    assert base.version is None  # not confirmed while its round runs
+    base.succeeded()
+
+    third = second * 2  # every element: its patch would be larger than the part, it goes whole
+    base.start(3, "plan", sparse=True)
+    assert base.take("w", third) is None and base.stats.dense == 1
+    assert torch.equal(base.tensors["w"].view(torch.int16), third.view(torch.int16))
+    base.failed()
+    assert base.version is None and base.tensors == {} and not base.can_patch(2, "plan")
+    with pytest.raises(RuntimeError, match="without a confirmed copy"):
+        base.start(4, "plan", sparse=True)
+
+
+def test_changed_indices_compares_bits() -> None:
+    a = torch.tensor([0.0, 1.0, float("nan"), 2.0])
+    b = torch.tensor([-0.0, 1.0, float("nan"), 3.0])
+    assert changed_indices(a, b).tolist() == [0, 3]
+
+
+class Patching(WeightTarget, SendsPatches):
+    def __init__(self) -> None:
+        self.confirmed: list[int | None] = []
+
+    def push(self, weights: Any, *, version: int) -> None:  # pragma: no cover - not pushed here
+        raise AssertionError
+
+    def confirm(self, version: int | None) -> None:
+        self.confirmed.append(version)
+
+
+def test_the_callback_confirms_only_a_version_every_rank_agreed_on(monkeypatch: pytest.MonkeyPatch) -> None:
+    target = Patching()
+    sync = VLLMWeightSync(target, on_error="warn")
+    outcomes = iter([None, None, WeightSyncError("lost"), None])
+
+    def fake_sync(*args: Any) -> list[Any]:
+        outcome = next(outcomes)
+        if outcome is not None:
+            raise outcome
+        return []
+
+    monkeypatch.setattr(sync, "_ensure_target", lambda *a: None)
+    monkeypatch.setattr(sync, "_sync", fake_sync)
+    monkeypatch.setattr(sync, "_log", lambda *a: None)
+    trainer = SimpleNamespace(strategy=LazyExportFSDP2(), global_step=0)
+    with pytest.warns(UserWarning, match="lost"):
+        for _ in range(4):
+            sync.sync(trainer)  # type: ignore[arg-type]
+    assert target.confirmed == [None, 1, 2, None]  # first, then the served one; after a failure: none
+    sync.load_state_dict(sync.state_dict())  # a resume: the engine holds what it was built from
+    monkeypatch.setattr(sync, "_sync", lambda *a: [])
+    sync.sync(trainer)  # type: ignore[arg-type]
+    assert target.confirmed[-1] is None
