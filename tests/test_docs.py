@@ -30,7 +30,7 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_the_site_builds_strictly_with_every_page_of_the_nav(site: Path) -> None:
     for page in ("getting-started", "guides/strategy", "guides/weight-sync", "guides/targets", "guides/lora",
-                 "guides/models", "guides/large-models", "guides/async", "troubleshooting", "reference",
+                 "guides/models", "guides/large-models", "guides/async", "guides/sparse", "troubleshooting", "reference",
                  "architecture", "benchmarks", "limitations", "development"):
         assert (site / page / "index.html").is_file(), page
     reference = (site / "reference" / "index.html").read_text()

@@ -23,5 +23,4 @@ from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directo
 
 __all__ = ["IPC", "NCCL", "NCCLM2N", "ColocatedVLLM", "Directory", "DirectoryTarget", "ExactCheckable", "Gloo",
            "InMemoryTarget", "LLMClient", "LoadsAdapters", "RemoteVLLM", "ScoresLogprobs", "SendsPatches",
-           "SleepsDuringCompute",
-           "WeightTarget", "write_safetensors"]
+           "SleepsDuringCompute", "WeightTarget", "write_safetensors"]
