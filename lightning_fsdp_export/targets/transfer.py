@@ -22,6 +22,7 @@ and if any did, rank 0 rebuilds the group with every rank.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import socket
@@ -50,8 +51,9 @@ from lightning_fsdp_export.targets.adapters import (
 )
 from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.targets.http import Server, ServerError, on_all
+from lightning_fsdp_export.targets.patch_lists import DEFAULT_CHUNK_BYTES, send_patch_lists
 from lightning_fsdp_export.targets.preflight import check_servers
-from lightning_fsdp_export.targets.transports import Directory, NetworkTransport, RendezvousTransport
+from lightning_fsdp_export.targets.transports import Directory, NetworkTransport, RendezvousTransport, SparseNCCL
 
 __all__ = ["DirectoryReload", "FanOutClient", "LLMClient", "NativeTransfer", "PauseMode", "pause_route",
            "reset_prefix_caches"]
@@ -214,6 +216,11 @@ class NativeTransfer(_Pauses):
         self.source: Any = None  # one vLLM WeightSource for the engine's lifetime, repointed each sync
         self.broken = True  # no group yet: setup (rank 0 alone) or the first push (every rank) builds it
         self._run = uuid.uuid4().hex[:12]  # names this fit's adapter directories on the servers' hosts
+        if transport.sends_patch_lists and importlib.util.find_spec(
+                "vllm.distributed.weight_transfer.sparse_nccl_engine") is None:
+            raise ValueError(f"RemoteVLLM(transport=SparseNCCL()) needs vLLM's sparse_nccl weight-transfer engine (vLLM"
+                             f" 0.33 or newer; this is vLLM {_vllm_version()}); on vLLM 0.32 use"
+                             " Gloo(shard_direct=True, sparse=True).")
         self.patches = PatchBase() if transport.sends_patches else None
         """Sparse rounds: this rank's copy of what it last sent (``None`` unless the transport sends patches)."""
         self.confirmed: int | None = None
@@ -234,9 +241,10 @@ class NativeTransfer(_Pauses):
 
         self.rank = trainer.global_rank
         self.source = FSDP2M2NSource(None) if self.options.layout is SourceLayout.M2N else FSDP2WeightSource(None)
+        if self.every_rank or self.options.sends_patch_lists:  # (collective: every rank builds it)
+            self._control = SyncGroup(timedelta(seconds=self.timeout))
         if self.every_rank:
             self.trainers = trainer.world_size
-            self._control = SyncGroup(timedelta(seconds=self.timeout))
             return
         if self.rank != 0:
             self._connect(None)  # an engine that only iterates the source
@@ -279,7 +287,8 @@ class NativeTransfer(_Pauses):
         info = self.options.init_info(rank=self.rank, address=plan["address"], port=plan["port"],
                                       world_size=self.world_size, trainers=self.trainers, group=plan["group"],
                                       timeout=self.timeout)
-        self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=self.source)
+        source = None if self.options.sends_patch_lists else self.source  # vLLM's sparse engine takes lists, no source
+        self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=source)
         self.broken = False
 
     def _store_address(self) -> tuple[str, int]:
@@ -319,11 +328,12 @@ class NativeTransfer(_Pauses):
                 directory on their hosts (a transport that ``carries_adapters``: gloo) and
                 every server then loads as ``name``.
         """
-        if self.options.layout is SourceLayout.M2N and not isinstance(source, (ShardSource, AdapterTensors)):
-            raise TypeError("RemoteVLLM(transport='nccl_m2n') sends every rank's own shards: give it a ShardSource"
-                            " (strategy.export_source(layout='m2n')), as VLLMWeightSync does.")
+        if self.options.layout is not SourceLayout.FULL and not isinstance(source, (ShardSource, AdapterTensors)):
+            raise TypeError(f"RemoteVLLM(transport={self.transport!r}) sends every rank's own shards: give it a"
+                            f" ShardSource (strategy.export_source(layout={self.options.layout.value!r})), as"
+                            " VLLMWeightSync does.")
         self.source.export = source  # the engine was built with this WeightSource once
-        if not self.every_rank and self.rank != 0:
+        if not self.every_rank and self.rank != 0 and not self.options.sends_patch_lists:
             self.engine.send_weights()  # iterates the source: this rank's part of the gathers
             return
         patching = self.patches is not None and adapter is None
@@ -338,7 +348,16 @@ class NativeTransfer(_Pauses):
             if self.rank == 0:
                 assert self.client is not None
                 self.client.version = None if adapter else str(version)
-            if patching:
+            if self.options.sends_patch_lists:  # vLLM's sparse engine: rank 0 collects every rank's patches
+                assert self.patches is not None and isinstance(source, ShardSource)
+                self.patches.start(version, plan_key, sparse=sparse)
+                assert isinstance(self.options, SparseNCCL)
+                chunk = self.options.chunk_bytes or DEFAULT_CHUNK_BYTES
+                sent = send_patch_lists(self.engine, self.client, source, self.patches, self._control, rank=self.rank,
+                                        chunk_bytes=chunk, device=_sender_device())
+                self.last_patch = {"sparse": sparse, "sent_bytes": sent, "copy_bytes": self.patches.nbytes,
+                                   **self.patches.stats.as_dict()}
+            elif patching:
                 assert self.patches is not None
                 self.patches.start(version, plan_key, sparse=sparse)
                 self.engine.patches, self.engine.round_ids = self.patches, (self._kept if sparse else None, keep)
@@ -402,9 +421,9 @@ class NativeTransfer(_Pauses):
         confirmed version of this ``plan_key`` (rank 0 also the workers' copy's id) and the group stays."""
         rebuild = self.broken or self._digest() != self._plan_digest
         can_patch = (plan_key is not None and self.patches is not None and self.patches.can_patch(self.confirmed, plan_key)
-                     and (self.rank != 0 or self._kept is not None))
+                     and (self.rank != 0 or self._kept is not None or self.options.sends_patch_lists))
         sparse = False
-        if self.every_rank:
+        if self._control is not None:
             states = self._control.gather((rebuild, can_patch))
             rebuild = any(r for r, _ in states)
             sparse = not rebuild and all(c for _, c in states)
@@ -421,7 +440,7 @@ class NativeTransfer(_Pauses):
                 paused_at = self._pause()
             except Exception as err:  # noqa: BLE001 - every rank of the group learns of it just below
                 decision, failure = {"error": f"{type(err).__name__}: {err}", "plan": None}, err
-        if self.every_rank:
+        if self._control is not None:
             decision = self._control.broadcast(decision)
         if decision["error"] is not None:  # nothing was paused by this round (pausing is the last step above)
             self.broken = True
@@ -530,6 +549,17 @@ def reset_prefix_caches(servers: Sequence[Server], mode: PauseMode) -> None:
         raise ServerError(f"vLLM server(s) {refused} refused to reset the prefix cache after the update"
                           " ({'success': false}: blocks still held); their cached prompts would use the old"
                           " weights.", refused[0])
+
+
+def _sender_device() -> torch.device | None:
+    """Where rank 0 stages the patches it broadcasts: its current CUDA device (vLLM's NCCL needs it), else the host."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+
+
+def _vllm_version() -> str:
+    import vllm
+
+    return str(vllm.__version__)
 
 
 def _default_address(servers: Sequence[Server]) -> str:

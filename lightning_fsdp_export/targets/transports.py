@@ -22,7 +22,7 @@ from lightning_fsdp_export.source import SourceLayout
 from lightning_fsdp_export.targets.directory import DEFAULT_SHARD_BYTES
 
 __all__ = ["IPC", "NCCL", "TRANSPORTS", "Directory", "Gloo", "NCCLM2N", "NetworkTransport", "RendezvousTransport",
-           "Transport", "parse_transport"]
+           "SparseNCCL", "Transport", "parse_transport"]
 
 
 def _check_buffer(owner: object, buffer_bytes: int | None) -> None:
@@ -47,6 +47,9 @@ class NetworkTransport:
     closes_failed_rounds: ClassVar[bool] = False
     """The servers' workers end a round that failed on their side themselves (our gloo backend); vLLM's engines leave
     the layerwise reload open, and the round closes it empty."""
+    sends_patch_lists: ClassVar[bool] = False
+    """Each round is a list of patches rank 0 collects from every rank and hands to vLLM's engine (``sparse_nccl``),
+    not a ``WeightSource`` the engine iterates."""
 
     @property
     def layout(self) -> SourceLayout:
@@ -219,6 +222,46 @@ class NCCLM2N(RendezvousTransport):
 
 
 @dataclass(frozen=True)
+class SparseNCCL(RendezvousTransport):
+    """vLLM 0.33's sparse NCCL engine (GPU; servers started with ``'{"backend": "sparse_nccl"}'``): every sync is a
+    list of patches (flat int32 index and value in checkpoint coordinates) that the servers apply in place through
+    their model's loaders, with no reload. Each trainer rank makes the patches of its own rows (the elements that
+    changed since the version the servers confirmed; no all-gather of the weights), rank 0 collects them (over the
+    trainer ranks' gloo group) and broadcasts them. The first sync, and any after a failure, a resume, an exact check
+    or a new plan, patches every element: 6 bytes per bf16 element (3x a dense push). Each trainer rank keeps a
+    host copy of its parts in the wire dtype; the servers keep nothing.
+
+    Args:
+        master_address: see :class:`RendezvousTransport`.
+        master_port: see :class:`RendezvousTransport`.
+        chunk_bytes: full-size bytes of the tensors whose patches rank 0 collects and sends at once (default 256 MiB).
+    """
+
+    name: ClassVar[str] = "sparse_nccl"
+    sends_patch_lists: ClassVar[bool] = True
+    chunk_bytes: int | None = None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.chunk_bytes is not None and (not isinstance(self.chunk_bytes, int) or self.chunk_bytes <= 0):
+            raise ValueError(f"SparseNCCL(chunk_bytes={self.chunk_bytes!r}) must be a positive number of bytes.")
+
+    @property
+    def layout(self) -> SourceLayout:
+        return SourceLayout.SHARDS
+
+    @property
+    def sends_patches(self) -> bool:
+        return True
+
+    def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
+                  timeout: float) -> Any:
+        from vllm.distributed.weight_transfer.sparse_nccl_engine import SparseNCCLTrainerInitInfo
+
+        return SparseNCCLTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size)
+
+
+@dataclass(frozen=True)
 class Directory:
     """No network path: rank 0 writes safetensors under ``path`` (shared with the servers, same path on each) and
     every server reloads them (``/collective_rpc reload_weights``).
@@ -247,7 +290,7 @@ class Directory:
 
 
 Transport = NetworkTransport | Directory
-TRANSPORTS: dict[str, type[Transport]] = {cls.name: cls for cls in (NCCL, IPC, Gloo, NCCLM2N, Directory)}
+TRANSPORTS: dict[str, type[Transport]] = {cls.name: cls for cls in (NCCL, IPC, Gloo, NCCLM2N, SparseNCCL, Directory)}
 
 
 def parse_transport(value: Transport | str | None) -> Transport:

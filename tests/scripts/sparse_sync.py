@@ -10,7 +10,10 @@ Scenarios:
   first sync must be dense;
 * ``rounds``: at the target level over plain row-sharded tensors: dense, sparse, a sparse round that trainer
   rank 1 aborts mid-way, the next round (dense whatever the caller confirms), a sparse round of unchanged
-  weights; the checksums of each sparse round against a dense push of the same weights.
+  weights; the checksums of each sparse round against a dense push of the same weights;
+* ``patch_lists``: the patch lists vLLM 0.33's ``sparse_nccl`` engine takes (it needs CUDA: rank 0's engine and
+  client are recording stand-ins that apply the patches to full tensors), made on both ranks from their rows and
+  collected by rank 0: a dense round, a sparse one, one that rank 1 fails mid-way.
 
 Rank 0 writes JSON to ``--out``.
 """
@@ -199,10 +202,81 @@ def scenario_rounds(urls: list[str]) -> dict[str, Any]:
     return out
 
 
+class Applied:
+    """Rank 0's stand-in for vLLM's sparse trainer engine and its client: applies each patch to a full tensor."""
+
+    def __init__(self) -> None:
+        self.model: dict[str, torch.Tensor] = {}
+        self.calls: list[str] = []
+
+    def send_weight_chunk(self, patches: list[Any]) -> None:
+        self.calls.append(f"chunk {len(patches)}")
+        for patch in patches:
+            assert patch.indices.dtype == torch.int32 and patch.indices.numel() == patch.values.numel()
+            full = self.model.setdefault(patch.name, torch.zeros(patch.full_shape, dtype=patch.values.dtype))
+            full.view(-1)[patch.indices.long()] = patch.values
+
+    def start_weight_update(self) -> None:
+        self.calls.append("start")
+
+    def finish_weight_update(self) -> None:
+        self.calls.append("finish")
+
+
+def scenario_patch_lists() -> dict[str, Any]:
+    import importlib.util
+    import types
+    from dataclasses import dataclass
+    from datetime import timedelta
+
+    from lightning_fsdp_export.agreement import SyncGroup
+    from lightning_fsdp_export.patches import PatchBase
+    from lightning_fsdp_export.targets.patch_lists import send_patch_lists
+
+    name = "vllm.distributed.weight_transfer.sparse_nccl_engine"
+    if importlib.util.find_spec(name) is None:  # vLLM 0.32: the patch's dataclass, as 0.33 defines it
+        @dataclass
+        class SparseWeightPatch:
+            name: str
+            indices: torch.Tensor
+            values: torch.Tensor
+            full_shape: tuple[int, ...]
+
+        sys.modules[name] = types.SimpleNamespace(SparseWeightPatch=SparseWeightPatch)  # type: ignore[assignment]
+    rank = dist.get_rank()
+    control, base, applied = SyncGroup(timedelta(seconds=60)), PatchBase(), Applied()
+    first = {k: v.to(torch.bfloat16) for k, v in tiny_qwen2(seed=7).state_dict().items()}
+    second = nudged(first, 0.02, 1)
+    out: dict[str, Any] = {"rounds": []}
+
+    def round_(weights: dict[str, torch.Tensor], version: int, sparse: bool, **kw: Any) -> None:
+        base.start(version, "plan", sparse=sparse)
+        error = None
+        try:
+            sent = send_patch_lists(applied, applied, row_source(weights, **kw), base, control, rank=rank,
+                                    chunk_bytes=1 << 20)
+            base.succeeded()
+        except Exception as err:  # noqa: BLE001 - recorded for the test
+            base.failed()
+            sent, error = None, f"{type(err).__name__}: {err}"
+        exact = rank == 0 and error is None and sorted(applied.model) == sorted(weights) and all(
+            torch.equal(applied.model[n].view(torch.int16), t.view(torch.int16)) for n, t in weights.items())
+        out["rounds"].append({"version": version, "sent": everyone(sent), "error": everyone(error), "exact": exact,
+                              "calls": list(applied.calls), "changed": everyone(base.stats.changed)})
+        applied.calls.clear()
+
+    round_(first, 1, False)
+    round_(second, 2, True)
+    round_(first, 3, True, fail_at="model.layers.1.mlp.up_proj.weight")
+    out["elements"] = sum(t.numel() for t in first.values())
+    return out
+
+
 def main() -> None:
-    args, root = start_script("rounds,fit", "sparse_work")
+    args, root = start_script("rounds,fit,patch_lists", "sparse_work")
     urls = args.server.split(",")
-    runs = {"fit": lambda: scenario_fit(root / "fit", urls), "rounds": lambda: scenario_rounds(urls)}
+    runs = {"fit": lambda: scenario_fit(root / "fit", urls), "rounds": lambda: scenario_rounds(urls),
+            "patch_lists": scenario_patch_lists}
     results = run_scenarios(runs, args.only.split(","))
     if dist.get_rank() == 0:
         Path(args.out).write_text(__import__("json").dumps(results, indent=1, default=str))
