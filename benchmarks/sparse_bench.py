@@ -39,11 +39,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
 from lightning_fsdp_export.targets import Gloo  # noqa: E402
 from lightning_fsdp_export.testing import tiny_qwen2  # noqa: E402
-from benchmarks.transport_bench import SIZES as SHAPES  # noqa: E402
+from benchmarks.lora_bench import SIZES  # noqa: E402
 from tests.scripts.common import start_server, stop_server, wait_for_server  # noqa: E402
-
-SIZES = {"tiny": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2), **SHAPES}
 
 
 class LM(pl.LightningModule):

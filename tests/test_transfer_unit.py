@@ -669,11 +669,8 @@ def sparse_engine(monkeypatch: pytest.MonkeyPatch) -> type[RecordingSparseEngine
     """vLLM's own sparse_nccl module where this vLLM has it (0.33; its model-loader half faked: it is not in the
     weight-transfer package the 0.33 job takes), else a stand-in with the same names; the factory builds ours."""
     import importlib
-    import importlib.machinery
     import sys
     import types
-    from dataclasses import dataclass, field
-    from typing import ClassVar
 
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
@@ -685,38 +682,9 @@ def sparse_engine(monkeypatch: pytest.MonkeyPatch) -> type[RecordingSparseEngine
     try:
         importlib.import_module(name)
     except ImportError:  # vLLM 0.32: no sparse engine
-        fake = types.ModuleType(name)
-        fake.__spec__ = importlib.machinery.ModuleSpec(name, None)
+        from tests.scripts.common import sparse_nccl_stand_in
 
-        @dataclass
-        class SparseNCCLTrainerInitInfo:
-            backend: ClassVar[str] = "sparse_nccl"
-            master_address: str
-            master_port: int
-            world_size: int
-            rank: int = field(kw_only=True)
-
-            @property
-            def is_sender(self) -> bool:
-                return self.rank == 0
-
-        @dataclass
-        class SparseWeightPatch:
-            name: str
-            indices: torch.Tensor
-            values: torch.Tensor
-            full_shape: tuple[int, ...]
-
-        class SparseNCCLTrainerWeightTransferEngine:
-            @staticmethod
-            def _validate_patch(patch: Any) -> None:
-                assert patch.indices.dtype == torch.int32 and patch.indices.ndim == patch.values.ndim == 1
-                assert patch.indices.numel() == patch.values.numel()
-
-        fake.SparseNCCLTrainerInitInfo = SparseNCCLTrainerInitInfo  # type: ignore[attr-defined]
-        fake.SparseWeightPatch = SparseWeightPatch  # type: ignore[attr-defined]
-        fake.SparseNCCLTrainerWeightTransferEngine = SparseNCCLTrainerWeightTransferEngine  # type: ignore[attr-defined]
-        monkeypatch.setitem(sys.modules, name, fake)
+        monkeypatch.setitem(sys.modules, name, sparse_nccl_stand_in())
     RecordingSparseEngine.model = {}
     RecordingSparseEngine.fail_next = False
     monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", RecordingSparseEngine.trainer_init)

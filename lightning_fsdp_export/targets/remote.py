@@ -64,6 +64,9 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Se
     * ``NCCLM2N()`` / ``"nccl_m2n"``: vLLM's M2N engine (``'{"backend": "nccl_m2n"}'``; needs NVIDIA's
       ``nccl-extensions`` on both sides): every trainer rank sends its local shards over NCCL and the
       workers reshard them (``strategy.weight_source(layout="m2n")``). GPU only.
+    * ``SparseNCCL()`` / ``"sparse_nccl"``: vLLM 0.33's sparse engine (``'{"backend": "sparse_nccl"}'``; GPU): every
+      sync a list of patches of the elements that changed, made by every rank from its own rows, collected and
+      broadcast by rank 0, applied in place by the servers (the first sync patches every element).
     * ``Directory(path)``: rank 0 writes safetensors to ``path`` (shared with the servers) and each
       server reloads them (``/collective_rpc reload_weights``): for setups with no network path.
 

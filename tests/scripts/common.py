@@ -155,3 +155,51 @@ def stop_server(model_dir: Path, port: int) -> None:
         except ProcessLookupError:
             pass
         pid_file.unlink()
+
+
+# -- vLLM 0.33's sparse_nccl module where this vLLM has none (it needs CUDA anyway) ------------------------------
+
+
+def sparse_nccl_stand_in() -> Any:
+    """A module with the names our side uses of ``vllm.distributed.weight_transfer.sparse_nccl_engine`` (vLLM 0.33),
+    for a vLLM without it: ``SparseWeightPatch``, ``SparseNCCLTrainerInitInfo`` and the trainer engine's patch check,
+    as 0.33 defines them."""
+    import importlib.machinery
+    import types
+    from dataclasses import dataclass, field
+    from typing import ClassVar
+
+    name = "vllm.distributed.weight_transfer.sparse_nccl_engine"
+    module = types.ModuleType(name)
+    module.__spec__ = importlib.machinery.ModuleSpec(name, None)
+
+    @dataclass
+    class SparseNCCLTrainerInitInfo:
+        backend: ClassVar[str] = "sparse_nccl"
+        master_address: str
+        master_port: int
+        world_size: int
+        rank: int = field(kw_only=True)
+
+        @property
+        def is_sender(self) -> bool:
+            return self.rank == 0
+
+    @dataclass
+    class SparseWeightPatch:
+        name: str
+        indices: torch.Tensor
+        values: torch.Tensor
+        full_shape: tuple[int, ...]
+
+    class SparseNCCLTrainerWeightTransferEngine:
+        @staticmethod
+        def _validate_patch(patch: Any) -> None:
+            if patch.indices.dtype != torch.int32 or patch.indices.ndim != 1 or patch.values.ndim != 1 or (
+                    patch.indices.numel() != patch.values.numel()):
+                raise ValueError(f"malformed sparse patch: {patch.name}")
+
+    module.SparseNCCLTrainerInitInfo = SparseNCCLTrainerInitInfo  # type: ignore[attr-defined]
+    module.SparseWeightPatch = SparseWeightPatch  # type: ignore[attr-defined]
+    module.SparseNCCLTrainerWeightTransferEngine = SparseNCCLTrainerWeightTransferEngine  # type: ignore[attr-defined]
+    return module

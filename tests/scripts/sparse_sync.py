@@ -37,7 +37,8 @@ from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  #
 from lightning_fsdp_export.shards import ShardSource  # noqa: E402
 from lightning_fsdp_export.targets import Gloo  # noqa: E402
 from lightning_fsdp_export.testing import tiny_qwen2  # noqa: E402
-from tests.scripts.common import CausalLM, end_script, run_scenarios, start_script, token_loader  # noqa: E402
+from tests.scripts.common import (CausalLM, end_script, run_scenarios, sparse_nccl_stand_in,  # noqa: E402
+                                 start_script, token_loader)
 from tests.scripts.remote_transfer import gap, state  # noqa: E402
 
 TIMEOUT = 60.0
@@ -225,8 +226,6 @@ class Applied:
 
 def scenario_patch_lists() -> dict[str, Any]:
     import importlib.util
-    import types
-    from dataclasses import dataclass
     from datetime import timedelta
 
     from lightning_fsdp_export.agreement import SyncGroup
@@ -235,14 +234,7 @@ def scenario_patch_lists() -> dict[str, Any]:
 
     name = "vllm.distributed.weight_transfer.sparse_nccl_engine"
     if importlib.util.find_spec(name) is None:  # vLLM 0.32: the patch's dataclass, as 0.33 defines it
-        @dataclass
-        class SparseWeightPatch:
-            name: str
-            indices: torch.Tensor
-            values: torch.Tensor
-            full_shape: tuple[int, ...]
-
-        sys.modules[name] = types.SimpleNamespace(SparseWeightPatch=SparseWeightPatch)  # type: ignore[assignment]
+        sys.modules[name] = sparse_nccl_stand_in()
     rank = dist.get_rank()
     control, base, applied = SyncGroup(timedelta(seconds=60)), PatchBase(), Applied()
     first = {k: v.to(torch.bfloat16) for k, v in tiny_qwen2(seed=7).state_dict().items()}
