@@ -1,7 +1,7 @@
 """The large-model recipe, end to end on 2 CPU ranks: meta-device init, ``pretrained=``, the same checkpoint in vLLM.
 
     python examples/pretrained_policy.py [--steps 4] [--workdir runs/pretrained_policy] [--arch qwen3_moe]
-                                         [--target shard-direct]
+                                         [--target shard-direct | sparse]
 
 A "pretrained" tiny Qwen2 checkpoint (or, with ``--arch``, any family of ``testing.tiny_family``: an MoE
 model's experts are fused in memory and per expert on disk) is written locally (nothing downloaded).
@@ -22,7 +22,9 @@ printed at the first step is 0 exactly because both models came from the same ch
 
 ``--target shard-direct`` replaces the colocated engines with one vLLM server (started here from the same
 checkpoint, ``gloo`` backend) fed by ``RemoteVLLM(transport=Gloo(shard_direct=True))``: every rank sends
-its own shards; rollouts come from the server's ``/v1/completions``.
+its own shards; rollouts come from the server's ``/v1/completions``. ``--target sparse`` adds ``sparse=True``:
+after each dense sync (the first, and the first after the resume) every rank sends only the elements of its
+shards that changed.
 """
 
 from __future__ import annotations
@@ -90,9 +92,9 @@ class PolicyWithReference(pl.LightningModule):
         return torch.optim.AdamW(self.policy.parameters(), lr=1e-3)
 
 
-def fit(ckpt: Path, workdir: Path, steps: int, resume: str | None, url: str | None = None
+def fit(ckpt: Path, workdir: Path, steps: int, resume: str | None, url: str | None = None, sparse: bool = False
         ) -> tuple[pl.Trainer, VLLMWeightSync]:
-    engine: Any = (RemoteVLLM(url, transport=Gloo(shard_direct=True)) if url else
+    engine: Any = (RemoteVLLM(url, transport=Gloo(shard_direct=True, sparse=sparse)) if url else
                    ColocatedVLLM(model=ckpt, dtype="bfloat16", max_model_len=128, enforce_eager=True))
     sync = VLLMWeightSync(engine, every_n_train_steps=1, sync_on_train_start=True, verify="logprobs",
                           exact_first_sync=True)
@@ -120,7 +122,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--workdir", default="runs/pretrained_policy")
     parser.add_argument("--arch", default="qwen2", help="qwen2, or a family of testing.tiny_family (qwen3_moe, ...)")
-    parser.add_argument("--target", default="colocated", choices=["colocated", "shard-direct"])
+    parser.add_argument("--target", default="colocated", choices=["colocated", "shard-direct", "sparse"])
     parser.add_argument("--port", type=int, default=8431)
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -132,23 +134,29 @@ def main() -> None:
         model.to(torch.bfloat16).save_pretrained(ckpt)  # stands in for a hub checkpoint
         save_word_tokenizer(str(ckpt))  # a server returns logprobs (verify) only with a tokenizer
     url = None
-    if args.target == "shard-direct":
+    if args.target != "colocated":
         url = f"http://127.0.0.1:{args.port}"
         if rank0:  # before Lightning starts rank 1
             start_server(ckpt, args.port)
             wait_for_server(url, ckpt / f"server{args.port}.log")
     try:
         pl.seed_everything(0)
-        trainer, sync = fit(ckpt, workdir, args.steps, resume=None, url=url)
+        sparse = args.target == "sparse"
+        trainer, sync = fit(ckpt, workdir, args.steps, resume=None, url=url, sparse=sparse)
         if trainer.global_rank == 0:
             print(f"first fit: {trainer.global_step} optimizer steps, sync version {sync.version}", flush=True)
         last = str(workdir / "checkpoints" / "last.ckpt")
-        trainer, sync = fit(ckpt, workdir, args.steps + 2, resume=last, url=url)
+        trainer, sync = fit(ckpt, workdir, args.steps + 2, resume=last, url=url, sparse=sparse)
         if trainer.global_rank == 0:
             print(f"resumed fit: {trainer.global_step} optimizer steps, sync version {sync.version}", flush=True)
             if url:
                 print(f"shard-direct: last export {trainer.strategy.last_export.path}, gathered"
                       f" {trainer.strategy.last_export.gathered_bytes} bytes on rank 0", flush=True)
+            patch = sync.target.last_patch
+            if patch is not None:
+                print(f"sparse: last sync {'patches' if patch['sparse'] else 'dense'}, rank 0 sent"
+                      f" {patch['sent_bytes']} of {patch['dense_bytes']} bytes ({patch['changed']} of"
+                      f" {patch['elements']} elements changed)", flush=True)
     finally:
         if url and rank0:
             stop_server(ckpt, args.port)

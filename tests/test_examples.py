@@ -33,10 +33,10 @@ def test_export_demo_runs() -> None:
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("target", ["colocated", "shard-direct"])
+@pytest.mark.parametrize("target", ["colocated", "sparse"])
 def test_pretrained_policy_recipe(tmp_path: Path, target: str) -> None:
-    """Meta init + pretrained= + ColocatedVLLM(model=same dir) or a server fed shard-direct
-    (RemoteVLLM(transport=Gloo(shard_direct=True))), bf16-mixed, accumulation, validation, resume."""
+    """Meta init + pretrained= + ColocatedVLLM(model=same dir) or a server fed shard-direct sparse syncs
+    (RemoteVLLM(transport=Gloo(shard_direct=True, sparse=True))), bf16-mixed, accumulation, validation, resume."""
     proc = subprocess.run([sys.executable, "examples/pretrained_policy.py", "--steps", "2", "--workdir", str(tmp_path),
                            "--target", target, "--port", str(free_port())],
                           cwd=ROOT, capture_output=True, text=True, timeout=600)
@@ -51,8 +51,10 @@ def test_pretrained_policy_recipe(tmp_path: Path, target: str) -> None:
     # exact_first_sync: the engine zeroed and pushed the trainer's weights came back bit for bit (first fit only)
     assert re.search(r"exact first sync: \d+ engine parameters restored bit for bit", proc.stdout), proc.stdout[-2000:]
     assert "skipped in a resumed run" in proc.stdout + proc.stderr
-    if target == "shard-direct":  # every rank sent its own shards: nothing gathered on rank 0 for this dense model
+    if target == "sparse":  # every rank sent its own shards: nothing gathered on rank 0 for this dense model
         assert "shard-direct: last export shards, gathered 0 bytes on rank 0" in proc.stdout, proc.stdout[-2000:]
+        got = re.search(r"sparse: last sync (\w+), rank 0 sent (\d+) of (\d+) bytes", proc.stdout)
+        assert got and got.group(1) == "patches" and int(got.group(2)) < 2 * int(got.group(3)), proc.stdout[-2000:]
 
 
 @pytest.mark.vllm
