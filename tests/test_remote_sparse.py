@@ -88,3 +88,11 @@ def test_sparse_nccl_patch_lists_from_both_ranks_rebuild_the_weights_exactly(res
     assert failed["error"][0] == failed["error"][1] and "trainer rank 1: RuntimeError: rank 1 failed exporting" in (
         failed["error"][0])  # every rank raises, naming rank 1, at the same chunk
     assert "finish" not in failed["calls"]
+
+
+def test_sparse_nccl_target_on_two_ranks_goes_dense_after_a_failure_then_sparse_again(results: dict[str, Any]) -> None:
+    """``RemoteVLLM(transport=SparseNCCL())`` on both ranks (a recording HTTP server and engine: it needs CUDA)."""
+    rounds = scenario(results, "sparse_nccl_target")["rounds"]
+    assert [r["sparse"] for r in rounds] == [[False, False], [True, True], [True, True], [False, False], [True, True]]
+    assert all(r["exact"] for r in rounds if r["version"] != 3)
+    assert all("trainer rank 1: RuntimeError: rank 1 failed exporting" in e for e in rounds[2]["error"])

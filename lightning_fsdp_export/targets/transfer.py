@@ -393,6 +393,7 @@ class NativeTransfer(_Pauses):
             assert self.patches is not None
             self.patches.succeeded()
             self._kept = keep
+        self.broken = False  # also on a rank outside the group (sparse_nccl's others), which never connects again
         self._finish(paused_at, resume)
 
     def forget(self) -> None:

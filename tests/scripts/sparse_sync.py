@@ -13,7 +13,9 @@ Scenarios:
   weights; the checksums of each sparse round against a dense push of the same weights;
 * ``patch_lists``: the patch lists vLLM 0.33's ``sparse_nccl`` engine takes (it needs CUDA: rank 0's engine and
   client are recording stand-ins that apply the patches to full tensors), made on both ranks from their rows and
-  collected by rank 0: a dense round, a sparse one, one that rank 1 fails mid-way.
+  collected by rank 0: a dense round, a sparse one, one that rank 1 fails mid-way;
+* ``sparse_nccl_target``: ``RemoteVLLM(transport=SparseNCCL())`` on both ranks against a recording HTTP server and
+  the same stand-in engine: dense, sparse, a round rank 1 fails, dense, sparse again.
 
 Rank 0 writes JSON to ``--out``.
 """
@@ -264,11 +266,50 @@ def scenario_patch_lists() -> dict[str, Any]:
     return out
 
 
+def scenario_sparse_nccl_target() -> dict[str, Any]:
+    import importlib.util
+
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    from lightning_fsdp_export.targets import SparseNCCL
+    from tests.test_transfer_unit import RecordingSparseEngine, Stub
+
+    name = "vllm.distributed.weight_transfer.sparse_nccl_engine"
+    if importlib.util.find_spec(name) is None:
+        sys.modules[name] = sparse_nccl_stand_in()
+    WeightTransferTrainerFactory.trainer_init = RecordingSparseEngine.trainer_init  # type: ignore[method-assign]
+    RecordingSparseEngine.model = {}
+    rank = dist.get_rank()
+    stub = Stub(backend="sparse_nccl") if rank == 0 else None
+    url = [stub.url if stub else None]
+    dist.broadcast_object_list(url, src=0)
+    target = RemoteVLLM(url[0], transport=SparseNCCL(chunk_bytes=1 << 20), timeout=TIMEOUT)
+    target.setup(SimpleNamespace(global_rank=rank, world_size=dist.get_world_size()))  # type: ignore[arg-type]
+    first = {k: v.to(torch.bfloat16) for k, v in tiny_qwen2(seed=7).state_dict().items()}
+    second, third = nudged(first, 0.02, 1), nudged(first, 0.02, 3)
+    out: dict[str, Any] = {"rounds": []}
+    for version, weights, confirmed, fail in ((1, first, None, None), (2, second, 1, None),
+                                              (3, third, 2, "model.layers.1.mlp.up_proj.weight"), (4, third, None, None),
+                                              (5, second, 4, None)):
+        target.confirm(confirmed)
+        error = None
+        try:
+            target.push_source(row_source(weights, fail_at=fail), version=version)
+        except Exception as err:  # noqa: BLE001 - recorded for the test
+            error = f"{type(err).__name__}: {err}"
+        exact = rank == 0 and error is None and all(
+            torch.equal(RecordingSparseEngine.model[n].view(torch.int16), t.view(torch.int16)) for n, t in weights.items())
+        out["rounds"].append({"version": version, "error": everyone(error), "exact": exact,
+                              "sparse": everyone((target.last_patch or {}).get("sparse"))})
+    target.teardown()
+    return out
+
+
 def main() -> None:
-    args, root = start_script("rounds,fit,patch_lists", "sparse_work")
+    args, root = start_script("rounds,fit,patch_lists,sparse_nccl_target", "sparse_work")
     urls = args.server.split(",")
     runs = {"fit": lambda: scenario_fit(root / "fit", urls), "rounds": lambda: scenario_rounds(urls),
-            "patch_lists": scenario_patch_lists}
+            "patch_lists": scenario_patch_lists, "sparse_nccl_target": scenario_sparse_nccl_target}
     results = run_scenarios(runs, args.only.split(","))
     if dist.get_rank() == 0:
         Path(args.out).write_text(__import__("json").dumps(results, indent=1, default=str))
