@@ -152,11 +152,11 @@ def main() -> None:
             if url:
                 print(f"shard-direct: last export {trainer.strategy.last_export.path}, gathered"
                       f" {trainer.strategy.last_export.gathered_bytes} bytes on rank 0", flush=True)
-            patch = sync.target.last_patch
-            if patch is not None:
-                print(f"sparse: last sync {'patches' if patch['sparse'] else 'dense'}, rank 0 sent"
-                      f" {patch['sent_bytes']} of {patch['dense_bytes']} bytes ({patch['changed']} of"
-                      f" {patch['elements']} elements changed)", flush=True)
+                patch = sync.target.last_patch
+                if patch is not None:
+                    print(f"sparse: last sync {'patches' if patch['sparse'] else 'dense'}, rank 0 sent"
+                          f" {patch['sent_bytes']} of {patch['dense_bytes']} bytes ({patch['changed']} of"
+                          f" {patch['elements']} elements changed)", flush=True)
     finally:
         if url and rank0:
             stop_server(ckpt, args.port)
