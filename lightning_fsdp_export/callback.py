@@ -51,7 +51,9 @@ class VLLMWeightSync(Callback):
     Each sync bumps ``version``, streams ``strategy.export_source(dtype=...)`` into the target in one
     pass (a target with ``push_source()`` takes the source itself), and logs
     ``weight_sync/{seconds,gigabytes,tensors,version}`` from rank 0 to the Trainer's loggers. ``state_dict()`` keeps the version and the last synced step; a run resumed from a
-    checkpoint syncs before its first step (a new engine holds the initial weights).
+    checkpoint syncs before its first step (a new engine holds the initial weights). A target that sends patches
+(``SendsPatches``: ``RemoteVLLM`` with ``Gloo(sparse=True)`` or ``SparseNCCL()``) is told before each sync the
+version every rank agreed it holds (none after a failure, a failed verify or a resume: that push is dense).
 
     Args:
         target: where the weights go (:class:`~lightning_fsdp_export.targets.ColocatedVLLM`,
