@@ -64,7 +64,6 @@ class PatchStats:
     """Elements that changed since the copy (counted in sparse rounds only)."""
     patched: int = 0
     dense: int = 0
-    patch_bytes: int = 0
     dense_bytes: int = 0
     """Bytes a dense round would have sent of this rank's parts (unaligned, one copy)."""
     wire_bytes: int = 0
@@ -140,7 +139,6 @@ class PatchBase:
         values = host.reshape(-1)[index]
         old.view(-1)[index] = values
         stats.patched += 1
-        stats.patch_bytes += patch_nbytes(index.numel(), itemsize)
         stats.wire_bytes += patch_nbytes(index.numel(), itemsize)
         return Patch(index.to(INDEX_DTYPE), values)
 

@@ -115,9 +115,9 @@ def _local_patch(want: ShardMeta, part: Tensor, patches: PatchBase, rank: int) -
         raise ValueError(f"{want.name!r} {list(want.shape)} has {numel} elements: vLLM's sparse_nccl indexes a tensor"
                          " with int32; use Gloo(shard_direct=True, sparse=True) for this model.")
     patch = patches.take(want.name, part)
-    if patch is None:  # dense (this round, or this part): every element
+    if patch is None:  # dense (this round, or this part): every element (collecting and joining copy the values)
         host = part.detach().to("cpu").reshape(-1)
-        return torch.arange(start, start + host.numel(), dtype=INDEX_DTYPE), host.clone()
+        return torch.arange(start, start + host.numel(), dtype=INDEX_DTYPE), host
     return patch.indices + start, patch.values
 
 

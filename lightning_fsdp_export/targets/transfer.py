@@ -348,26 +348,15 @@ class NativeTransfer(_Pauses):
             if self.rank == 0:
                 assert self.client is not None
                 self.client.version = None if adapter else str(version)
-            if self.options.sends_patch_lists:  # vLLM's sparse engine: rank 0 collects every rank's patches
-                assert self.patches is not None and isinstance(source, ShardSource)
-                self.patches.start(version, plan_key, sparse=sparse)
-                assert isinstance(self.options, SparseNCCL)
-                chunk = self.options.chunk_bytes or DEFAULT_CHUNK_BYTES
-                sent = send_patch_lists(self.engine, self.client, source, self.patches, self._control, rank=self.rank,
-                                        chunk_bytes=chunk, device=_sender_device())
-                self.last_patch = {"sparse": sparse, "sent_bytes": sent, "copy_bytes": self.patches.nbytes,
-                                   **self.patches.stats.as_dict()}
-            elif patching:
+            if patching:
                 assert self.patches is not None
                 self.patches.start(version, plan_key, sparse=sparse)
-                self.engine.patches, self.engine.round_ids = self.patches, (self._kept if sparse else None, keep)
-                self._kept = None
+                patch_of, self._kept, sent = (self._kept if sparse else None), None, 0
                 try:
-                    self.engine.send_weights()
+                    sent = self._send_patches(source, patch_of, keep)
                 finally:
-                    self.engine.patches = None
-                    self.last_patch = {"sparse": sparse, "sent_bytes": self.engine.sent_bytes,
-                                       "copy_bytes": self.patches.nbytes, **self.patches.stats.as_dict()}
+                    self.last_patch = {"sparse": sparse, "sent_bytes": sent, "copy_bytes": self.patches.nbytes,
+                                       **self.patches.stats.as_dict()}
             elif adapter is None:
                 self.engine.send_weights()
             else:  # our gloo trainer engine (``carries_adapters``): the workers write what it sends
@@ -396,6 +385,23 @@ class NativeTransfer(_Pauses):
         self.broken = False  # also on a rank outside the group (sparse_nccl's others), which never connects again
         self._finish(paused_at, resume)
 
+    def _send_patches(self, source: ExportSource | AdapterTensors, patch_of: str | None, keep: str) -> int:
+        """The round with this rank's copy (``self.patches``, started): vLLM's sparse engine takes patch lists rank 0
+        collects (``sends_patch_lists``); our gloo engine takes each part through the copy itself, the workers keeping
+        theirs as ``keep`` (and patching ``patch_of``). The bytes this rank sent."""
+        assert self.patches is not None
+        if self.options.sends_patch_lists:
+            assert isinstance(self.options, SparseNCCL) and isinstance(source, ShardSource)
+            return send_patch_lists(self.engine, self.client, source, self.patches, self._control, rank=self.rank,
+                                    chunk_bytes=self.options.chunk_bytes or DEFAULT_CHUNK_BYTES,
+                                    device=_sender_device())
+        self.engine.patches, self.engine.round_ids = self.patches, (patch_of, keep)
+        try:
+            self.engine.send_weights()
+        finally:
+            self.engine.patches = None
+        return int(self.engine.sent_bytes)
+
     def forget(self) -> None:
         """The servers' weights are no longer what this rank last sent (a failed round, zeroed weights, a new group):
         the next round is dense."""
@@ -422,7 +428,7 @@ class NativeTransfer(_Pauses):
         confirmed version of this ``plan_key`` (rank 0 also the workers' copy's id) and the group stays."""
         rebuild = self.broken or self._digest() != self._plan_digest
         can_patch = (plan_key is not None and self.patches is not None and self.patches.can_patch(self.confirmed, plan_key)
-                     and (self.rank != 0 or self._kept is not None or self.options.sends_patch_lists))
+                     and (self.rank != 0 or self._kept is not None))
         sparse = False
         if self._control is not None:
             states = self._control.gather((rebuild, can_patch))
