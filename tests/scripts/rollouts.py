@@ -5,7 +5,8 @@ Run by ``tests/test_remote_transfer.py`` (its servers, started with ``--enable-s
 
 * ``async``: a policy-gradient fit (``max_staleness=2``, ``pause_mode="keep"``) that checkpoints after 3 steps
   and resumes to 6 (``pause_mode="keep_old_kv"``); rank 0 keeps a CPU copy of every pushed version and scores each
-  consumed sample's tokens with the version its label names (and with a neighbouring one);
+  consumed sample's tokens with the version its label names (and with a neighbouring one); between the fits, a
+  request the first fit's servers are generating when the next version is pushed (:func:`a_request_frozen_by_a_push`);
 * ``on_policy``: ``max_staleness=0``: every sample has one version, the trainer's;
 * ``replica_dies``: the second server, reached through a TCP proxy, dies mid-fit (the proxy closes): its
   requests go to the first server, the next sync fails naming it (``on_error="warn"``: training goes on), the
@@ -17,6 +18,7 @@ Rank 0 writes JSON to ``--out``.
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import socket
@@ -57,6 +59,7 @@ class Policy(pl.LightningModule):
         self.sync = sync
         self.delay = delay
         self.lr = lr
+        self.pushed_at: list[float] = []
         self.versions: dict[int, dict[str, torch.Tensor]] = {}
         self.batches: list[RolloutBatch] = []
         self.on_batch_end: Any = None
@@ -84,6 +87,7 @@ class Policy(pl.LightningModule):
         self._record()
 
     def on_train_batch_end(self, *args: Any) -> None:
+        self.pushed_at.append(time.time())  # after VLLMWeightSync's push (callbacks' hooks run first)
         self._record()
         if self.on_batch_end is not None:
             self.on_batch_end(self.trainer)
@@ -168,6 +172,69 @@ def summary(rollouts: AsyncRollouts, sync: VLLMWeightSync, batches: list[Rollout
     }
 
 
+def timing(policy: Policy) -> dict[str, Any]:
+    """Seconds a consumed group took to generate, and between pushes (why a fit did or did not meet requests in
+    flight at a push)."""
+    generation = sorted(g.finished_at - g.admitted_at for b in policy.batches for g in b.groups)
+    return {"generation_median": generation[len(generation) // 2] if generation else None,
+            "generation_min": generation[0] if generation else None,
+            "between_pushes": [round(b - a, 3) for a, b in zip(policy.pushed_at, policy.pushed_at[1:])]}
+
+
+def generation_tokens(url: str) -> float:
+    """The server's ``vllm:generation_tokens_total`` (Prometheus ``/metrics``)."""
+    import urllib.request
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
+def a_request_frozen_by_a_push(trainer: Trainer, sync: VLLMWeightSync, rollouts: AsyncRollouts,
+                               policy: Policy, url: str) -> dict[str, Any] | None:
+    """After a fit with ``pause_mode="keep"`` (its client threads stopped, the servers idle): rank 0 sends one
+    request and, once the server has counted 10 of its tokens, pauses that server with the route ``sync`` sends
+    (``/pause?mode=keep``); every rank then changes the weights and ``sync.sync`` pushes the next version, which
+    resumes it. Its tokens must carry both versions, in order, each span scored right by the trainer's weights of
+    its version. A fit meets a request at a push only where generation outlasts a step (often here; never in
+    either fit of one CI run, whose generator finished each window before the next push): this check does not
+    depend on timing."""
+    from lightning_fsdp_export.rollouts import GENERATE_ROUTE
+    from lightning_fsdp_export.targets.http import Server
+    from lightning_fsdp_export.targets.transfer import pause_route
+
+    rank0 = trainer.global_rank == 0
+    before = sync.served_version
+    answer: dict[str, Any] = {}
+    worker = None
+    if rank0:
+        server, prompt = Server(url, api_key=None, timeout=TIMEOUT), PROMPTS[0]
+        counted = generation_tokens(url)
+        body = {"request_id": "frozen", "token_ids": prompt, "sampling_params": {**rollouts._sampling, "n": 1},
+                "cache_salt": f"lfe-v{before}"}
+        worker = threading.Thread(target=lambda: answer.update(server.request("POST", GENERATE_ROUTE, body)))
+        worker.start()
+        deadline = time.monotonic() + 60
+        while generation_tokens(url) < counted + 10 and time.monotonic() < deadline:
+            time.sleep(0.005)
+        server.request("POST", pause_route("keep"))
+    dist.barrier()
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(torch.randn_like(p) * 0.02)  # a version that differs from the last one by more than the tolerance
+    sync.sync(trainer)
+    weights = dict(trainer.strategy.export_weights(dtype=torch.bfloat16))  # collective
+    if not rank0:
+        return None
+    policy.versions[sync.served_version] = weights
+    worker.join(timeout=TIMEOUT)
+    sample = rollouts._sample(0, prompt, answer["choices"][0], server)
+    spans = [(v, len(list(g))) for v, g in itertools.groupby(sample.versions)]
+    truth = score([type("Batch", (), {"samples": [sample]})()], policy.versions)
+    return {"versions_before_after": [before, sync.served_version], "spans": spans, "token_truth": truth}
+
+
 def scenario_async(root: Path, urls: list[str]) -> dict[str, Any]:
     seed_everything(0)
 
@@ -183,18 +250,22 @@ def scenario_async(root: Path, urls: list[str]) -> dict[str, Any]:
     ckpt = root / "async.ckpt"
     trainer.save_checkpoint(ckpt)
     first = summary(rollouts, sync, policy.batches)
+    first["timing"] = timing(policy)
     first["token_truth"] = score(policy.batches, policy.versions) if trainer.global_rank == 0 else None
     first["servers_after"] = server_states(urls) if trainer.global_rank == 0 else None
     first["threads_after"] = client_threads()
     saved_position = rollouts.state_dict()["positions"]
+    frozen = a_request_frozen_by_a_push(trainer, sync, rollouts, policy, urls[0])  # after the checkpoint
+    sync.teardown(trainer, policy, "fit")  # the callback's own hook: its push after the fit set the target up again
 
     trainer, rollouts, sync, policy = build(6, "keep_old_kv")  # the frozen requests keep their KV
     trainer.fit(policy, rollouts.dataloader(), ckpt_path=str(ckpt))
     resumed = summary(rollouts, sync, policy.batches)
+    resumed["timing"] = timing(policy)
     resumed["saved_positions"] = saved_position
     resumed["threads_after"] = client_threads()
     resumed["servers_after"] = server_states(urls) if trainer.global_rank == 0 else None
-    return {"first": first, "resumed": resumed}
+    return {"first": first, "resumed": resumed, "frozen": frozen}
 
 
 def scenario_on_policy(root: Path, urls: list[str]) -> dict[str, Any]:
