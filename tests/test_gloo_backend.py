@@ -331,7 +331,7 @@ def test_sparse_rounds_patch_each_workers_copy_bit_exact_and_send_a_fraction() -
 
     tensors = uneven()
     engines, models, _ = connect_shards(2, tensors, buffer_bytes=700)
-    bases = [PatchBase(), PatchBase()]
+    bases = [PatchBase(bitmaps=True), PatchBase(bitmaps=True)]  # as RemoteVLLM builds them for gloo
     assert sparse_round(engines, bases, 1, (None, "v1"), sparse=False) == [None, None]
     dense_sent = [e.sent_bytes for e in engines]
     assert all(m.loaded.keys() == tensors.keys() for m in models)
@@ -340,12 +340,15 @@ def test_sparse_rounds_patch_each_workers_copy_bit_exact_and_send_a_fraction() -
     tensors["model.embed_tokens.weight"][39, 7] = float("nan")  # rank 1's rows: NaN bits are a change
     tensors["model.layers.0.input_layernorm.weight"][5] = 0.0  # sent whole by rank 0: patched by rank 0 only
     tensors["model.layers.1.mlp.up_proj.weight"].mul_(2)  # all of it: its patch is not smaller, it goes dense
+    tensors["model.layers.1.self_attn.o_proj.weight"].view(-1).view(torch.int16)[::2] ^= 1  # half: by bitmap
     assert sparse_round(engines, bases, 2, ("v1", "v2"), sparse=True) == [None, None]
     for model in models:
         for name, tensor in tensors.items():
             assert torch.equal(model.loaded[name].view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)), name
     assert [b.stats.changed for b in bases][0] >= 2 and bases[1].stats.patched >= 1
     assert bases[0].stats.dense == bases[1].stats.dense == 1  # up_proj on each rank (its rows changed entirely)
+    # by bitmap: o_proj's rows on each rank, and on rank 0 the layer norm (8 elements: 1 byte + 2 < 6 by index)
+    assert [b.stats.bitmaps for b in bases] == [2, 1], [b.stats for b in bases]
     assert all(e.sent_bytes < d / 2 for e, d in zip(engines, dense_sent))
     # A round against a copy the workers do not keep fails everywhere, and drops the copy: only dense works then.
     errors = sparse_round(engines, bases, 3, ("v0", "v3"), sparse=True)
@@ -354,6 +357,27 @@ def test_sparse_rounds_patch_each_workers_copy_bit_exact_and_send_a_fraction() -
     tensors["lm_head.weight"][0, 0] += 1
     assert sparse_round(engines, bases, 4, (None, "v4"), sparse=False) == [None, None]
     assert all(torch.equal(m.loaded["lm_head.weight"], tensors["lm_head.weight"]) for m in models)
+
+
+def test_a_patch_that_does_not_fit_its_part_is_refused_naming_the_rank_and_tensor() -> None:
+    from lightning_fsdp_export.patches import pack_bits
+
+    tensor = gloo_protocol.PlannedTensor("w", torch.bfloat16, (4, 4), (0, 2, 4))  # rank 0: rows 0-1, rank 1: 2-3
+    base = {"w": torch.zeros(4, 4, dtype=torch.bfloat16)}
+    marks = pack_bits(torch.tensor([True] * 3 + [False] * 5))  # 3 of rank 1's 8 elements
+    values = torch.ones(2, dtype=torch.bfloat16)  # but the counts say 2
+    payload = torch.cat([marks, torch.zeros(15, dtype=torch.uint8), values.view(torch.uint8),
+                         torch.zeros(12, dtype=torch.uint8)])
+    counts = [[gloo_protocol.WHOLE], [gloo_protocol.patch_code(2, bitmap=True)]]
+    whole = torch.zeros(16, dtype=torch.uint8)
+    with pytest.raises(RuntimeError, match="trainer rank 1's bitmap of 'w' marks 3 elements, its counts say 2"):
+        list(gloo_protocol.patch_chunk([tensor], [whole, payload], counts, 2, base))
+    index = torch.tensor([0, 8], dtype=torch.int32)  # 8 is outside rank 1's 8 elements
+    payload = torch.cat([index.view(torch.uint8), torch.zeros(8, dtype=torch.uint8), values.view(torch.uint8),
+                         torch.zeros(12, dtype=torch.uint8)])
+    with pytest.raises(RuntimeError, match="trainer rank 1's patch of 'w' indexes outside its 8 elements"):
+        list(gloo_protocol.patch_chunk([tensor], [whole, payload], [[gloo_protocol.WHOLE], [2]], 2, base))
+    assert gloo_protocol.wire_part(tensor, 1, gloo_protocol.patch_code(2, bitmap=True)) == 16 + 16  # aligned pieces
 
 
 def test_shard_direct_init_info_is_validated() -> None:

@@ -11,13 +11,14 @@ import torch
 
 from lightning_fsdp_export import LazyExportFSDP2, VLLMWeightSync
 from lightning_fsdp_export.agreement import WeightSyncError
-from lightning_fsdp_export.patches import PatchBase, changed_indices
+from lightning_fsdp_export.patches import PatchBase, changed_mask, pack_bits, unpack_bits
 from lightning_fsdp_export.targets import SendsPatches, WeightTarget
 
 
 def apply(old: torch.Tensor, patch: Any) -> torch.Tensor:
     out = old.clone()
-    out.view(-1)[patch.indices.long()] = patch.values
+    where = patch.indices.long() if patch.bitmap is None else unpack_bits(patch.bitmap, old.numel())
+    out.view(-1)[where] = patch.values
     return out
 
 
@@ -54,10 +55,60 @@ def test_a_round_patches_only_the_changed_bits_and_the_copy_follows() -> None:
         base.start(4, "plan", sparse=True)
 
 
-def test_changed_indices_compares_bits() -> None:
+def test_changed_mask_compares_bits() -> None:
     a = torch.tensor([0.0, 1.0, float("nan"), 2.0])
     b = torch.tensor([-0.0, 1.0, float("nan"), 3.0])
-    assert changed_indices(a, b).tolist() == [0, 3]
+    assert changed_mask(a, b).nonzero().squeeze(1).tolist() == [0, 3]
+
+
+@pytest.mark.parametrize("numel", [1, 7, 8, 9, 1001])
+def test_bits_pack_eight_to_a_byte_and_unpack_to_the_same_mask(numel: int) -> None:
+    mask = torch.rand(numel, generator=torch.Generator().manual_seed(numel)) < 0.4
+    packed = pack_bits(mask)
+    assert packed.dtype == torch.uint8 and packed.numel() == -(-numel // 8)
+    assert torch.equal(unpack_bits(packed, numel), mask)
+    assert pack_bits(torch.tensor([True, False, False, True])).tolist() == [0b1001]  # element j is bit j
+    with pytest.raises(ValueError, match="cannot mark"):
+        unpack_bits(packed, numel + 8)
+
+
+def test_with_bitmaps_each_part_goes_in_the_smallest_form() -> None:
+    # bf16, 8,000 elements: indices cost 6 B per change, a bitmap 1,000 B + 2 B per change, whole 16,000 B
+    first = torch.randn(100, 80).to(torch.bfloat16)
+    base = PatchBase(bitmaps=True)
+    base.start(1, "plan", sparse=False)
+    base.take("w", first)
+    base.succeeded()
+    changed = first.clone()
+    for fraction, form in ((0.01, "indices"), (0.5, "bitmap"), (0.97, "whole")):
+        flat = changed.view(-1)
+        step = int(1 / fraction) if fraction < 0.5 else 1
+        n = int(fraction * flat.numel())
+        where = torch.arange(0, flat.numel(), step)[:n] if step > 1 else torch.randperm(flat.numel())[:n]
+        new = changed.clone()
+        new.view(-1).view(torch.int16)[where] ^= 1  # one bf16 step: always a change of bits
+        base.start(base.version + 1, "plan", sparse=True)
+        patch = base.take("w", new)
+        if form == "whole":
+            assert patch is None and base.stats.dense == 1, base.stats
+        else:
+            assert patch is not None and (patch.bitmap is not None) == (form == "bitmap"), (form, base.stats)
+            assert patch.count == n == base.stats.changed
+            expected = n * 6 if form == "indices" else 1000 + 2 * n
+            assert base.stats.wire_bytes == expected and base.stats.bitmaps == (form == "bitmap")
+            assert torch.equal(apply(changed, patch).view(torch.int16), new.view(torch.int16))
+        assert torch.equal(base.tensors["w"].view(torch.int16), new.view(torch.int16))  # the copy follows
+        base.succeeded()
+        changed = new
+    # without bitmaps (vLLM's SparseWeightPatch lists) the half-changed part goes whole
+    plain = PatchBase()
+    plain.start(1, "plan", sparse=False)
+    plain.take("w", first)
+    plain.succeeded()
+    plain.start(2, "plan", sparse=True)
+    half = first.clone()
+    half.view(-1)[::2] += 1
+    assert plain.take("w", half) is None and plain.stats.dense == 1
 
 
 class Patching(WeightTarget, SendsPatches):

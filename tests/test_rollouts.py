@@ -62,15 +62,18 @@ def test_async_tokens_carry_the_versions_that_made_them_within_the_bound(async_r
         assert not fit["errors"], fit["errors"]
     assert set(first["labels"]) <= {1, 2, 3} and set(resumed["labels"]) <= {5, 6, 7}  # the versions pushed
     # a request in flight at a push: its tokens carry both versions, in order, each span right by its own weights
-    # (deterministic: the script pauses the server once it counted 10 of the request's tokens; whether the fits
-    # meet one depends on the machine, so their count, produced_multi_version, is only reported)
+    # (the script pauses the server once it has counted some of the request's tokens, again if that was too late or
+    # early; whether the fits meet one depends on the machine, so their count, produced_multi_version, is only
+    # reported)
     frozen = got["frozen"]
+    assert "spans" in frozen, frozen  # else every attempt's tokens carried one version (the attempts say which)
     (old, n_old), (new, n_new) = frozen["spans"]
-    assert [old, new] == frozen["versions_before_after"] == [4, 5] and n_old >= 10 and n_new >= 1, frozen
-    # the next version is the last one plus noise (std 0.02): the other version is off by 0.77-0.94 (measured) on
-    # the span it moves least, the 11-13 tokens made before the pause
+    assert [old, new] == frozen["versions_before_after"] and old >= 4 and n_old >= 1 and n_new >= 1, frozen
+    # both spans right by their own version; the next version is the last plus noise (std 0.02), which puts the
+    # longer span off by more than 0.3 when scored with the other version (measured 1.1-4.7 on 180-199 tokens; the
+    # spans' median of two is the larger)
     frozen_truth = frozen["token_truth"]
-    assert frozen_truth["right_gap"] < LOGPROB_TOLERANCE < 0.3 < frozen_truth["other_gaps_min"], frozen
+    assert frozen_truth["right_gap"] < LOGPROB_TOLERANCE < 0.3 < frozen_truth["other_gaps_median"], frozen
     # token truth: each span scored with the version it names (bf16 server vs fp32 trainer: measured <= 0.02 in
     # 6 runs); a neighbouring version is off by more than 1 on the median span (lr 3e-2; measured 0.19 to 2.2 on
     # the span it moved least, a short one)

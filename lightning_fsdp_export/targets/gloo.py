@@ -26,7 +26,8 @@ rank 0 sends whole. With ``T=1`` rank 0 sends every tensor whole (the plain mode
 Sparse rounds (``RemoteVLLM(transport=Gloo(shard_direct=True, sparse=True))``): a round whose update info has
 ``keep_as`` leaves each worker a host copy of every tensor it loaded (the whole model, in the wire dtype, per
 worker); a later round with ``patch_of`` naming that copy carries, per trainer rank and tensor, either its part
-whole or a patch of the elements that changed (:mod:`lightning_fsdp_export.patches`); the worker applies them
+whole or a patch of the elements that changed, named by int32 indices or by a bitmap of the part, whichever is
+smaller (:mod:`lightning_fsdp_export.patches`); the worker applies them
 to its copy and loads the full tensors as a dense round would (vLLM 0.32 has no loader for patches), so only
 the wire is sparse. A worker whose copy is not the one named fails the round; any failed round drops the copy.
 
@@ -68,6 +69,7 @@ from lightning_fsdp_export.targets.adapters import prune_versions
 from lightning_fsdp_export.targets.gloo_protocol import (
     ABORT,
     END,
+    WHOLE,
     Plan,
     PlannedTensor,
     abort_message,
@@ -76,6 +78,7 @@ from lightning_fsdp_export.targets.gloo_protocol import (
     exchange_status,
     join_group,
     patch_chunk,
+    patch_code,
     sparse_segment,
     unpack_chunk,
 )
@@ -554,8 +557,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def _pack(self, plan: Plan, chunk: list[PlannedTensor], pairs: Iterator[tuple[str, torch.Tensor]]
               ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This rank's ``(counts, part)`` of ``chunk``, from the next tensors of the source: ``counts`` only in a sparse
-        round where this rank has a part (``-1`` per tensor sent whole, else its patch's length); ``part`` ``None``
-        where this rank sends nothing."""
+        round where this rank has a part (a code per tensor: ``WHOLE``, or its patch's length and form,
+        :func:`patch_code`); ``part`` ``None`` where this rank sends nothing."""
         base = self.patches
         pieces: list[tuple[torch.Tensor, ...]] = []
         counts: list[int] = []
@@ -565,8 +568,12 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 counts.append(0)
                 continue
             patch = base.take(want.name, tensor) if base is not None else None
-            counts.append(-1 if patch is None else patch.count)
-            pieces.append((tensor,) if patch is None else (patch.indices, patch.values))
+            if patch is None:
+                counts.append(WHOLE)
+                pieces.append((tensor,))
+            else:
+                counts.append(patch_code(patch.count, patch.bitmap is not None))
+                pieces.append((patch.indices if patch.bitmap is None else patch.bitmap, patch.values))
         sparse = base is not None and base.sparse
         size = sparse_segment(chunk, self.rank, counts) if sparse else plan.segment(chunk, self.rank)
         part = torch.empty(size, dtype=torch.uint8) if size else None

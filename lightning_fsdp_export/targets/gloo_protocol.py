@@ -8,9 +8,10 @@ every member all-reduces a header ``(code, origin)`` (MIN: an abort beats an end
 ``origin`` is the first trainer rank that aborted); after the end, a status (MAX: anyone failed).
 
 A sparse round (``patch_of`` in the update info) sends, per chunk and trainer rank with a part in it, first its
-``counts`` (int64, one per tensor of the chunk: ``-1`` dense, else the number of changed elements), then its
-payload: per tensor its part whole, or a patch (int32 flat indices into the part, then the values), each piece
-padded to ``ALIGN``. The worker applies the patches to the copy it kept of the previous round.
+``counts`` (int64, one code per tensor of the chunk: ``WHOLE`` (-1), ``n >= 0`` a patch of ``n`` elements by
+int32 flat indices into the part, ``-2 - n`` a patch of ``n`` elements by a bitmap of the part), then its payload:
+per tensor its part whole, or a patch (its indices or bitmap, then the values), each piece padded to ``ALIGN``.
+The worker applies the patches to the copy it kept of the previous round.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from lightning_fsdp_export.patches import unpack_bits
 
 DATA, END, ABORT = 1, 0, -1
 NOBODY = 1 << 62  # the origin a member that did not abort reports (the all-reduce keeps the smallest)
@@ -94,11 +97,26 @@ def aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def wire_part(tensor: PlannedTensor, rank: int, count: int) -> int:
-    """Bytes (aligned) of trainer ``rank``'s part of ``tensor`` in a sparse round: whole (``count < 0``) or a patch."""
-    if count < 0:
+WHOLE = -1  # a sparse round's count code of a part sent whole
+
+
+def patch_code(count: int, bitmap: bool) -> int:
+    """The count code of a patch of ``count`` elements (by indices, or by a bitmap of the part)."""
+    return -2 - count if bitmap else count
+
+
+def decode(code: int) -> tuple[int, bool]:
+    """``(count, bitmap)`` of a patch's count code (not ``WHOLE``)."""
+    return (-2 - code, True) if code < WHOLE else (code, False)
+
+
+def wire_part(tensor: PlannedTensor, rank: int, code: int) -> int:
+    """Bytes (aligned) of trainer ``rank``'s part of ``tensor`` in a sparse round, from its count code."""
+    if code == WHOLE:
         return aligned(tensor.part(rank))
-    return aligned(count * 4) + aligned(count * tensor.dtype.itemsize)
+    count, bitmap = decode(code)
+    start, end = tensor.span(rank)
+    return aligned(-(-(end - start) // 8) if bitmap else count * 4) + aligned(count * tensor.dtype.itemsize)
 
 
 def sparse_segment(chunk: list[PlannedTensor], rank: int, counts: list[int]) -> int:
@@ -123,16 +141,24 @@ def patch_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], co
             start, end = tensor.span(rank)
             rank_counts = counts[rank]
             assert rank_counts is not None  # a rank with a part sent its counts
-            count = rank_counts[i]
-            if count < 0:
-                flat[start:end] = _take(parts[rank], offsets, rank, end - start, tensor.dtype)
+            code, elements = rank_counts[i], end - start
+            if code == WHOLE:
+                flat[start:end] = _take(parts[rank], offsets, rank, elements, tensor.dtype)
                 continue
-            index = _take(parts[rank], offsets, rank, count, torch.int32)
-            values = _take(parts[rank], offsets, rank, count, tensor.dtype)
-            if count and (int(index.min()) < 0 or int(index.max()) >= end - start):
-                raise RuntimeError(f"sparse round: trainer rank {rank}'s patch of {tensor.name!r} indexes outside its"
-                                   f" {end - start} elements.")
-            flat[start:end][index.long()] = values
+            count, bitmap = decode(code)
+            if bitmap:
+                where = unpack_bits(_take(parts[rank], offsets, rank, -(-elements // 8), torch.uint8), elements)
+                marked = int(where.sum())
+                if marked != count:
+                    raise RuntimeError(f"sparse round: trainer rank {rank}'s bitmap of {tensor.name!r} marks {marked}"
+                                       f" elements, its counts say {count}.")
+            else:
+                where = _take(parts[rank], offsets, rank, count, torch.int32)
+                if count and (int(where.min()) < 0 or int(where.max()) >= elements):
+                    raise RuntimeError(f"sparse round: trainer rank {rank}'s patch of {tensor.name!r} indexes outside"
+                                       f" its {elements} elements.")
+                where = where.long()
+            flat[start:end][where] = _take(parts[rank], offsets, rank, count, tensor.dtype)
         yield tensor.name, full.clone()
 
 

@@ -118,6 +118,7 @@ def _local_patch(want: ShardMeta, part: Tensor, patches: PatchBase, rank: int) -
     if patch is None:  # dense (this round, or this part): every element (collecting and joining copy the values)
         host = part.detach().to("cpu").reshape(-1)
         return torch.arange(start, start + host.numel(), dtype=INDEX_DTYPE), host
+    assert patch.indices is not None, "PatchBase(bitmaps=False) for vLLM's SparseWeightPatch (indices only)"
     return patch.indices + start, patch.values
 
 

@@ -221,7 +221,8 @@ class NativeTransfer(_Pauses):
             raise ValueError(f"RemoteVLLM(transport=SparseNCCL()) needs vLLM's sparse_nccl weight-transfer engine (vLLM"
                              f" 0.33 or newer; this is vLLM {_vllm_version()}); on vLLM 0.32 use"
                              " Gloo(shard_direct=True, sparse=True).")
-        self.patches = PatchBase() if transport.sends_patches else None
+        # our gloo wire also takes patches by bitmap; vLLM's SparseWeightPatch lists only int32 indices
+        self.patches = PatchBase(bitmaps=not transport.sends_patch_lists) if transport.sends_patches else None
         """Sparse rounds: this rank's copy of what it last sent (``None`` unless the transport sends patches)."""
         self.confirmed: int | None = None
         """The version every rank agreed the servers hold (the sync's, before each push); patches are made only
