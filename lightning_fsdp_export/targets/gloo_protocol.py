@@ -148,7 +148,7 @@ def patch_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], co
             count, bitmap = decode(code)
             if bitmap:
                 where = unpack_bits(_take(parts[rank], offsets, rank, -(-elements // 8), torch.uint8), elements)
-                marked = int(where.sum())
+                marked = int(torch.count_nonzero(where))  # (a bool sum is 20-40x slower on the host)
                 if marked != count:
                     raise RuntimeError(f"sparse round: trainer rank {rank}'s bitmap of {tensor.name!r} marks {marked}"
                                        f" elements, its counts say {count}.")
