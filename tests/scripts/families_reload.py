@@ -10,11 +10,12 @@ so each reload starts from zeroed weights (vLLM's ``reset_weights``): without th
 sinks stay zero, with it every checksum equals the first load's, from ``weights_path`` and from
 ``weights_iterator`` alike.
 
-``--fix mla`` (an MLA model, DeepSeek-V3): whichever attention backend vLLM picks here (``AMX_MLA`` with our
-``install_amx_mla_reload_fix`` where the CPU has AMX tiles, ``CPU_MLA`` otherwise, FlashMLA and friends on a
-GPU), two reloads of the same checkpoint leave every checksum and the prompt logprobs as the first load made
-them; the attention implementations are reported. The fix cannot be removed after the first load (that load
-already released the weight), so there is no "unfixed" row. Prints one JSON line.
+``--fix mla`` (an MLA model, DeepSeek-V3) on ``--backend`` (``AMX_MLA``: on a CPU without AMX tiles through
+``tests/scripts/amx_mla.py``; default: the one vLLM picks, FlashMLA and friends on a GPU): two reloads of the
+same checkpoint leave every checksum and the prompt logprobs as the first load made them; the attention
+implementations, the layers whose ``kv_b_proj`` was released and the reloads' errors are reported.
+``--unfixed``: the engine is built without ``install_amx_mla_reload_fix`` (it must be absent at the first load,
+which is when ``AMX_MLA`` releases the weight). Prints one JSON line.
 """
 
 from __future__ import annotations
@@ -33,6 +34,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--dir", required=True)
     parser.add_argument("--fix", choices=("moe", "gpt_oss", "mla"), default="moe")
+    parser.add_argument("--backend", default=None, help="--fix mla: vLLM's attention_backend (AMX_MLA, CPU_MLA)")
+    parser.add_argument("--unfixed", action="store_true", help="--fix mla: build the engine without the fix")
     args = parser.parse_args()
     import time
 
@@ -41,8 +44,16 @@ def main() -> None:
 
     from lightning_fsdp_export import _compat
 
+    extra = {}
+    if args.backend:
+        from tests.scripts import amx_mla
+
+        amx_mla.install()  # AMX_MLA on a CPU without AMX tiles too (only when asked for by name)
+        extra["attention_backend"] = args.backend
+    if args.unfixed:  # our vLLM plugin installs the fixes while the engine is built: make that one a no-op
+        _compat.install_amx_mla_reload_fix = lambda: False
     llm = LLM(model=args.dir, dtype="bfloat16", max_model_len=128, enforce_eager=True, seed=0,
-              skip_tokenizer_init=True)
+              skip_tokenizer_init=True, **extra)
     sums = lambda: llm.collective_rpc("compute_weight_checksums")[0]  # noqa: E731
     if args.fix == "mla":
         mla_check(llm, args.dir, sums)
@@ -88,7 +99,7 @@ def main() -> None:
 def mla_check(llm: object, path: str, sums: object) -> None:
     from vllm import SamplingParams
 
-    from lightning_fsdp_export._compat import attention_backends
+    from lightning_fsdp_export._compat import attention_backends, released_mla_weights
 
     prompt = [(7 * j + 3) % 512 for j in range(24)]
     params = SamplingParams(max_tokens=4, temperature=0, prompt_logprobs=0, detokenize=False)
@@ -97,7 +108,9 @@ def mla_check(llm: object, path: str, sums: object) -> None:
         (out,) = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)  # type: ignore[attr-defined]
         return [d[t].logprob for d, t in zip(out.prompt_logprobs[1:], prompt[1:])]
 
+    released = released_mla_weights(llm)
     first, first_lp = sums(), logprobs()  # type: ignore[operator]
+    backends = attention_backends(llm)
     errors = []
     for _ in range(2):
         try:
@@ -105,14 +118,16 @@ def mla_check(llm: object, path: str, sums: object) -> None:
             llm.reset_prefix_cache()  # type: ignore[attr-defined]
         except Exception as err:  # noqa: BLE001 - reported
             errors.append(f"{type(err).__name__}: {err}"[:300])
-    again = sums()  # type: ignore[operator]
-    short = lambda key: key.rsplit(":", 1)[-1]  # noqa: E731
-    print("RESULT " + json.dumps({
-        "backends": attention_backends(llm), "errors": errors, "params": len(first),
-        "differ": sorted(short(k) for k in first if again.get(k) != first[k]),
-        "logprob_gap": max(abs(a - b) for a, b in zip(logprobs(), first_lp)),
-    }))
-
+            break  # the engine is broken (unfixed AMX_MLA: parts of it left on meta); what is left is reported
+    result = {"backends": backends, "released": released, "errors": errors, "params": len(first)}
+    try:
+        again = sums()  # type: ignore[operator]
+        short = lambda key: key.rsplit(":", 1)[-1]  # noqa: E731
+        result["differ"] = sorted(short(k) for k in first if again.get(k) != first[k])
+        result["logprob_gap"] = max(abs(a - b) for a, b in zip(logprobs(), first_lp))
+    except Exception as err:  # noqa: BLE001 - reported
+        result["after_error"] = f"{type(err).__name__}: {err}"[:300]
+    print("RESULT " + json.dumps(result))
 
 if __name__ == "__main__":
     main()
