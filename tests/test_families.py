@@ -51,6 +51,7 @@ OTHER_MLA = "CPU_MLA" if AMX else "AMX_MLA" if AMX_MLA_RUNS else None
 SYNCED = [a for arch in SERVED for a in ([arch, f"deepseek_v3@{OTHER_MLA}"] if arch == "deepseek_v3" and OTHER_MLA
                                          else [arch])]
 
+
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     only = [f"export:{arch}" for arch in FAMILIES] + ["lora:qwen3_moe"] + [f"sync:{a}" for a in SYNCED]
@@ -205,8 +206,7 @@ def remote_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         # on AMX CPUs on AMX_MLA (the backend that needs our reload fix); forced elsewhere its first request takes ~37 s
         # (vs 3 s), so the forced AMX_MLA runs colocated and in the reload test only
         mla = arch == "deepseek_v3" and AMX
-        start_server(root / arch, ports[arch], env=amx_mla.SERVER_ENV if mla else None,
-                     args=["--attention-backend", "AMX_MLA"] if mla else None)
+        start_server(root / arch, ports[arch], args=["--attention-backend", "AMX_MLA"] if mla else None)
     try:
         for arch, port in ports.items():
             wait_for_server(f"http://127.0.0.1:{port}", root / arch / f"server{port}.log")

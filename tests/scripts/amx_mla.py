@@ -9,17 +9,14 @@ only the backend choice, and only for an engine that asks for ``AMX_MLA`` explic
 (``attention_backend="AMX_MLA"``, ``--attention-backend AMX_MLA``): then the platform's two MLA decisions (the
 backend, and in ``check_and_update_config`` the block size and prefix caching that go with it) are taken as on an
 AMX CPU. Every other kernel choice (attention of other models, MoE experts, linear layers) still sees the real
-CPU. On a CPU with AMX it changes nothing. A server gets it from ``amx_mla_site/`` on its ``PYTHONPATH``
-(:data:`SERVER_ENV`), which imports this module in each of its processes.
+CPU. On a CPU with AMX it changes nothing. In-process engines only (a
+server would need it in each of its processes; its first request on forced ``AMX_MLA`` also took ~37 s here).
 """
 
 from __future__ import annotations
 
 import functools
-import os
 from typing import Any
-
-SERVER_ENV = {"PYTHONPATH": os.path.join(os.path.dirname(os.path.abspath(__file__)), "amx_mla_site")}
 
 
 def runs_here() -> bool:

@@ -129,5 +129,6 @@ def mla_check(llm: object, path: str, sums: object) -> None:
         result["after_error"] = f"{type(err).__name__}: {err}"[:300]
     print("RESULT " + json.dumps(result))
 
+
 if __name__ == "__main__":
     main()
