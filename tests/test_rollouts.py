@@ -96,6 +96,7 @@ def test_async_with_bound_zero_is_on_policy(async_results: dict[str, Any]) -> No
 def test_async_a_dying_replica_is_named_by_the_next_sync_and_nothing_is_left_running(
         async_results: dict[str, Any]) -> None:
     got = scenario(async_results, "replica_dies")
+    assert got["died"] is True, got  # the proxy died with a generate request in flight through it
     assert got["error"] is not None and got["proxy"] in got["error"], got  # the sync's warning names it
     # the next batch could not fill (no version served): every rank raised, naming each server's state
     error = got["rollout_error"]
@@ -103,7 +104,7 @@ def test_async_a_dying_replica_is_named_by_the_next_sync_and_nothing_is_left_run
     assert "paused=True" in error and f"{got['proxy']}: unreachable" in error, error
     assert got["error_after_death_seconds"] < 20 + 8 + 30, got  # RemoteVLLM(timeout=20), batch_timeout=8
     assert got["threads_after"] == [], got
-    # requests on the dead replica failed (named) and were sent again to the other server
+    # requests on the dead replica (both ranks') failed, named, and were sent again to the other server
     assert got["request_errors"] and all(got["proxy"] in e for e in got["request_errors"]), got
     assert got["steps_done"] >= 2, got
     assert got["first_server_after"]["paused"], got  # left paused by the failed sync (resumed by the script)

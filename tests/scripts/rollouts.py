@@ -8,8 +8,9 @@ Run by ``tests/test_remote_transfer.py`` (its servers, started with ``--enable-s
   consumed sample's tokens with the version its label names (and with a neighbouring one); between the fits, a
   request the first fit's servers are generating when the next version is pushed (:func:`a_request_frozen_by_a_push`);
 * ``on_policy``: ``max_staleness=0``: every sample has one version, the trainer's;
-* ``replica_dies``: the second server, reached through a TCP proxy, dies mid-fit (the proxy closes): its
-  requests go to the first server, the next sync fails naming it (``on_error="warn"``: training goes on), the
+* ``replica_dies``: the second server, reached through a TCP proxy, dies mid-fit (after step 2 the proxy closes
+  as it forwards the next generate request, so one is in flight on it, from either rank): its requests go to the
+  first server, the next sync fails naming it (``on_error="warn"``: training goes on), the
   next batch that cannot fill raises ``RolloutError`` on every rank naming each server's state, and no
   client thread is left.
 
@@ -309,7 +310,10 @@ def scenario_on_policy(root: Path, urls: list[str]) -> dict[str, Any]:
 
 
 class Proxy:
-    """A TCP forwarder to a server; ``close()`` drops it and every connection through it (a replica that dies)."""
+    """A TCP forwarder to a server; ``close()`` drops it and every connection through it (a replica that dies).
+
+    ``die_on_next_generate()``: it dies as it forwards the next generate request, so that request is in flight
+    on the dead replica whatever the timing (other routes, the syncs' included, pass until then)."""
 
     def __init__(self, target: str) -> None:
         host, port = target.rsplit("//", 1)[1].split(":")
@@ -321,7 +325,12 @@ class Proxy:
         self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
         self.conns: list[socket.socket] = []
         self.closed = False
+        self.armed = False
+        self.died_at: float | None = None
         threading.Thread(target=self._accept, daemon=True).start()
+
+    def die_on_next_generate(self) -> None:
+        self.armed = True
 
     def _accept(self) -> None:
         while not self.closed:
@@ -331,6 +340,14 @@ class Proxy:
                 return
             upstream = socket.create_connection(self.target)
             self.conns += [client, upstream]
+            try:
+                first = client.recv(65536)  # an HTTP client sends its request line at once
+                upstream.sendall(first)
+            except OSError:
+                continue
+            if self.armed and first.startswith(b"POST /inference/v1/generate"):
+                self.close()  # the server got the request; its client gets no answer
+                return
             for a, b in ((client, upstream), (upstream, client)):
                 threading.Thread(target=self._pipe, args=(a, b), daemon=True).start()
 
@@ -350,6 +367,7 @@ class Proxy:
 
     def close(self) -> None:
         self.closed = True
+        self.died_at = time.monotonic()
         self.sock.close()
         for c in self.conns:
             try:
@@ -372,11 +390,8 @@ def scenario_replica_dies(root: Path, urls: list[str]) -> dict[str, Any]:
     events: dict[str, Any] = {"proxy": proxy_url[0]}
 
     def on_batch_end(trainer: Trainer) -> None:
-        if trainer.global_step == 2 and proxy is not None and not proxy.closed:
-            events["in_flight_at_death"] = {s: sum(1 for srv, _ in rollouts._in_flight.values() if srv.url == s)
-                                            for s in servers}
-            proxy.close()
-            events["died_at"] = time.monotonic()
+        if trainer.global_step == 2 and proxy is not None and not proxy.armed:
+            proxy.die_on_next_generate()  # so a request is in flight on it when it dies, however fast generation is
 
     policy.on_batch_end = on_batch_end
     start = time.monotonic()
@@ -389,11 +404,16 @@ def scenario_replica_dies(root: Path, urls: list[str]) -> dict[str, Any]:
             events["rollout_error"] = str(err)
     failed = [str(w.message) for w in caught if "Weight sync" in str(w.message)]
     events["error"] = failed[0] if failed else None
-    events["error_after_death_seconds"] = time.monotonic() - events.get("died_at", start)
+    died_at = [proxy.died_at if proxy else None]
+    dist.broadcast_object_list(died_at, src=0)
+    events["died"] = died_at[0] is not None
+    events["error_after_death_seconds"] = time.monotonic() - (died_at[0] or start)  # one host: one monotonic clock
     events["threads_after"] = client_threads()
     events["servers_used"] = sorted({s.server for b in policy.batches for s in b.samples})
     events["steps_done"] = len(policy.batches)
-    events["request_errors"] = rollouts._errors[-3:]
+    errors: list[Any] = [None] * dist.get_world_size()  # each rank's requests: the one the replica died with
+    dist.all_gather_object(errors, rollouts._errors[-3:])
+    events["request_errors"] = [e for rank in errors for e in rank]
     if dist.get_rank() == 0:  # the first server, left paused by the failed sync, serves again for what follows
         from lightning_fsdp_export.targets.http import Server
 
