@@ -6,8 +6,6 @@ The 2-rank checks against ``save_pretrained`` for every family are in ``tests/te
 from __future__ import annotations
 
 import copy
-import json
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,39 +14,31 @@ from lightning_fsdp_export import VLLMWeightSync
 from lightning_fsdp_export.checkpoint_format import CheckpointFormat
 from lightning_fsdp_export.exact import EMPTY_SHA256, compare_checksums
 from lightning_fsdp_export.testing import tiny_family
-
-SNAPSHOT = Path(__file__).parent / "data" / "conversion_table.json"
-
-
-def conversion_table() -> dict[str, list[str]]:
-    """``{architecture key: sorted kinds of rule}`` of transformers' conversion table."""
-    from transformers.conversion_mapping import _MODEL_TO_CONVERSION_PATTERN, _build_checkpoint_conversion_mapping
-    from transformers.core_model_loading import WeightConverter
-
-    table: dict[str, list[str]] = {}
-    for key, rules in _build_checkpoint_conversion_mapping().items():
-        kinds = set()
-        for rule in rules:
-            ops = rule.operations if isinstance(rule, WeightConverter) else [rule]
-            kinds |= {type(op).__name__ + ("(check_dims)" if getattr(op, "check_dims", False) else "") for op in ops}
-        table[key] = sorted(kinds)
-    for alias, key in _MODEL_TO_CONVERSION_PATTERN.items():
-        table.setdefault(alias, [f"= {key}"])
-    return dict(sorted(table.items()))
+from tests.scripts.conversion_table import changes, conversion_table
 
 
 def test_transformers_conversion_table_is_the_one_reviewed() -> None:
     # A new architecture, or a new kind of rule, in transformers' table fails here, so it is not silently
-    # exported in the wrong layout: check it (an export-vs-save_pretrained case in test_families.py), then
-    # refresh the snapshot: python -c "from tests.test_checkpoint_format import *; write_snapshot()".
-    now, reviewed = conversion_table(), json.loads(SNAPSHOT.read_text())
-    added = {k: v for k, v in now.items() if reviewed.get(k) != v}
-    removed = sorted(set(reviewed) - set(now))
-    assert not added and not removed, f"transformers' conversion table changed: new/changed {added}, gone {removed}"
+    # exported in the wrong layout: review it (tests/scripts/conversion_table.py says how), then write this
+    # version's snapshot: python tests/scripts/conversion_table.py --write. The newest transformers a trainer may
+    # run is checked the same way in tests/test_families.py.
+    import transformers
+
+    found = changes(transformers.__version__, conversion_table())
+    assert found == {}, f"transformers {transformers.__version__}'s conversion table is not the one reviewed: {found}"
 
 
-def write_snapshot() -> None:
-    SNAPSHOT.write_text(json.dumps(conversion_table(), indent=1) + "\n")
+def test_a_rule_that_joins_tensors_on_save_is_refused_naming_the_model() -> None:
+    # What the table review relies on for a new architecture whose rule joins in-memory tensors on save (5.23's
+    # Molmo2 `Split`, reverted by `Concatenate`): converted one at a time, such a model would go out wrong, so the
+    # first conversion refuses it. A real one here: DINOv2 with SwiGLU, its `weights_in` chunked into gate/up.
+    from transformers import Dinov2Config, Dinov2Model
+
+    model = Dinov2Model(Dinov2Config(hidden_size=64, num_hidden_layers=1, num_attention_heads=2, intermediate_size=128,
+                                     image_size=28, patch_size=14, use_swiglu_ffn=True))
+    name, tensor = next(iter(model.state_dict().items()))
+    with pytest.raises(ValueError, match=r"Dinov2Model: transformers joins .*mlp\.weights_in.*one tensor at a time"):
+        CheckpointFormat(model).shapes(name, tensor)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "gemma3", "gpt_oss"])
