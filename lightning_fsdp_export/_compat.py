@@ -344,13 +344,6 @@ def install_amx_mla_reload_fix() -> bool:
     return _patch(MLAAttention, "process_weights_after_loading", wrap, "_keeps_kv_b_proj")
 
 
-def uninstall_amx_mla_reload_fix() -> None:
-    """Undo :func:`install_amx_mla_reload_fix` (for the test that shows vLLM still needs it)."""
-    from vllm.model_executor.layers.attention.mla_attention import MLAAttention
-
-    _unpatch(MLAAttention, "process_weights_after_loading", "_keeps_kv_b_proj")
-
-
 def released_mla_weights(llm: Any) -> list[str]:
     """The MLA attention layers of an in-process ``LLM`` whose ``kv_b_proj.weight`` is empty (``AMX_MLA`` released
     it before :func:`install_amx_mla_reload_fix` was installed): a reload of them cannot work."""

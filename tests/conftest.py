@@ -25,6 +25,15 @@ from tests.scripts.common import LORA_ARGS, LORA_ENV, start_server, stop_server,
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A test that shares a fixture whose job starts vLLM (the fixtures a module lists in ``STARTS_VLLM``) is marked
+    ``vllm`` too, so ``-m "not vllm"`` starts no engine."""
+    for item in items:
+        shared = getattr(getattr(item, "module", None), "STARTS_VLLM", ())
+        if any(name in getattr(item, "fixturenames", ()) for name in shared):
+            item.add_marker(pytest.mark.vllm)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

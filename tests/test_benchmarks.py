@@ -15,6 +15,7 @@ from tests.conftest import ROOT
 pytestmark = pytest.mark.distributed  # starts real ranks (torchrun, or a multi-process Trainer)
 
 
+@pytest.mark.vllm
 def test_export_bench_tiny(tmp_path: Path) -> None:
     out = tmp_path / "bench.json"
     tiny = ["--vocab", "512", "--hidden", "256", "--layers", "2", "--repeats", "1", "--push", "--push-vocab", "512",
@@ -57,6 +58,7 @@ def test_gpu_check_runs_on_cpu_fallback() -> None:
         assert word in proc.stdout
 
 
+@pytest.mark.vllm
 def test_sync_bench_tiny(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "benchmarks/sync_bench.py", "--steps", "3", "--ab-prefetch", "1",
                            "--workdir", str(tmp_path)],
@@ -89,6 +91,7 @@ def test_moe_export_bench_tiny() -> None:
             == int(rows["memory_layout"][3]) - 2 + 12)
 
 
+@pytest.mark.vllm
 def test_gpt_oss_reload_bench_tiny() -> None:
     proc = subprocess.run([sys.executable, "benchmarks/gpt_oss_reload_bench.py", "--experts", "4", "--layers", "2",
                            "--repeats", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300,

@@ -19,6 +19,9 @@ import pytest
 from tests.conftest import ROOT
 
 
+pytestmark = pytest.mark.subprocess  # mkdocs builds the site in its own process
+
+
 @pytest.fixture(scope="module")
 def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     out = tmp_path_factory.mktemp("site")

@@ -26,6 +26,7 @@ from tests.scripts import amx_mla
 from tests.scripts.common import start_server, stop_server, wait_for_server
 
 pytestmark = pytest.mark.distributed  # starts real ranks (torchrun, or a multi-process Trainer)
+STARTS_VLLM = ("results",)  # its job builds vLLM engines too: every test using it is marked vllm (conftest)
 
 # vLLM bf16 against the trainer's fp32 forward (its own sharded model), prompt and vLLM's own greedy
 # continuation: measured <= 0.044 here (DeepSeek-V3's MLA the largest); the engine's logprobs move by

@@ -20,6 +20,7 @@ from tests.conftest import run_torchrun
 from tests.test_sync import ENGINE_ENV
 
 pytestmark = pytest.mark.distributed  # starts real ranks (torchrun, or a multi-process Trainer)
+STARTS_VLLM = ("ranks",)  # its job builds vLLM engines too: every test using it is marked vllm (conftest)
 
 
 @pytest.fixture(scope="module")

@@ -7,9 +7,12 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 from tests.conftest import ROOT
 
 
+@pytest.mark.subprocess
 def test_lightnings_meta_device_materialization_passes_against_the_strategy() -> None:
     # tests_pytorch/strategies/test_model_parallel.py::test_meta_device_materialization (Lightning 2.6.5), run in
     # its own process (it needs a real 1-rank process group; Lightning's version mocks the mesh).

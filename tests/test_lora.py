@@ -12,6 +12,7 @@ from tests.conftest import run_torchrun, scenario
 from tests.test_sync import ENGINE_ENV, LOGPROB_TOLERANCE
 
 pytestmark = pytest.mark.distributed  # starts real ranks (torchrun, or a multi-process Trainer)
+STARTS_VLLM = ("results",)  # its job builds vLLM engines too: every test using it is marked vllm (conftest)
 
 
 @pytest.fixture(scope="module")

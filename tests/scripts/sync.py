@@ -164,12 +164,13 @@ def scenario_colocated(root: Path, model_dir: Path) -> dict[str, Any]:
 def scenario_triggers(root: Path) -> dict[str, Any]:
     out = {}
     cases = {"steps_2": dict(every_n_train_steps=2), "default": {}, "no_start": dict(sync_on_train_start=False),
-             "epochs_1": dict(every_n_epochs=1)}
+             "epochs_1": dict(every_n_epochs=1), "accumulate": {}, "accumulate_no_start": dict(sync_on_train_start=False)}
     for name, kwargs in cases.items():
         seed_everything(0)
         target = InMemoryTarget()
+        accumulate = 2 if name.startswith("accumulate") else 1  # two micro-batches per optimizer step
         trainer = trainer_for([VLLMWeightSync(target, **kwargs)], steps=5 if name != "epochs_1" else 12, root=root,
-                              limit_train_batches=4)
+                              limit_train_batches=4 * accumulate, accumulate_grad_batches=accumulate)
         trainer.fit(LM(), loader())
         out[name] = {"steps": target.steps, "versions": target.versions}
     return out
@@ -177,17 +178,19 @@ def scenario_triggers(root: Path) -> dict[str, Any]:
 
 def scenario_resume(root: Path) -> dict[str, Any]:
     seed_everything(0)
-    first = InMemoryTarget()
+    first, eval_first = InMemoryTarget(), InMemoryTarget()
     ckpt = ModelCheckpoint(dirpath=str(root / "ckpt"), save_last=True)
-    trainer_for([VLLMWeightSync(first, every_n_train_steps=2), ckpt], steps=4, root=root,
-                enable_checkpointing=True).fit(LM(), loader())
+    # two syncs in one Trainer (rollout servers and an eval engine): each keeps its own state in the checkpoint
+    trainer_for([VLLMWeightSync(first, every_n_train_steps=2), VLLMWeightSync(eval_first, name="eval"), ckpt], steps=4,
+                root=root, enable_checkpointing=True).fit(LM(), loader())
     seed_everything(0)
-    second = InMemoryTarget()
-    resumed = trainer_for([VLLMWeightSync(second, every_n_train_steps=2, sync_on_train_start=False)], steps=6,
-                          root=root)
+    second, eval_second = InMemoryTarget(), InMemoryTarget()
+    resumed = trainer_for([VLLMWeightSync(second, every_n_train_steps=2, sync_on_train_start=False),
+                           VLLMWeightSync(eval_second, name="eval")], steps=6, root=root)
     resumed.fit(LM(), loader(), ckpt_path=str(root / "ckpt" / "last.ckpt"))
     return {"first": {"steps": first.steps, "versions": first.versions},
-            "second": {"steps": second.steps, "versions": second.versions}}
+            "second": {"steps": second.steps, "versions": second.versions},
+            "eval": {"first": eval_first.versions, "second": eval_second.versions}}
 
 
 def scenario_directory(root: Path) -> dict[str, Any]:
