@@ -23,6 +23,7 @@ from lightning_fsdp_export.testing import save_word_tokenizer, tiny_qwen2
 from tests.scripts.common import LORA_ARGS, LORA_ENV, start_server, stop_server, wait_for_server
 
 ROOT = Path(__file__).resolve().parent.parent
+NO_NAME_DIFF = {"missing": [], "extra": [], "repeated": []}  # tests.scripts.common.name_diff of equal name lists
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

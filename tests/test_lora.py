@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from lightning_fsdp_export.lora import parse_lora_mode
-from tests.conftest import run_torchrun, scenario
+from tests.conftest import NO_NAME_DIFF, run_torchrun, scenario
 from tests.test_sync import ENGINE_ENV, LOGPROB_TOLERANCE
 
 pytestmark = pytest.mark.distributed  # starts real ranks (torchrun, or a multi-process Trainer)
@@ -23,7 +23,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 def test_merged_export_equals_unsharded_merge_and_unload(results: dict[str, Any]) -> None:
     got = scenario(results, "exact")
-    assert got["merged_names_equal"]  # HF names: no base_model.model., no .base_layer, no lora_A/B
+    assert got["merged_names_diff"] == NO_NAME_DIFF  # HF names: no base_model.model., no .base_layer, no lora_A/B
     assert got["merged_max_diff"] <= 1e-6  # measured 0.0: the same peft math on the same fp32 numbers
 
 
@@ -39,7 +39,7 @@ def test_staged_path_moves_the_module_twice_when_offloaded(results: dict[str, An
 
 def test_adapter_export_is_peft_save_format(results: dict[str, Any]) -> None:
     got = scenario(results, "exact")
-    assert got["adapter_names_equal"] and got["adapter_mismatched"] == []
+    assert got["adapter_names_diff"] == NO_NAME_DIFF and got["adapter_mismatched"] == []
     assert got["adapter_sample"][0] == "base_model.model.model.layers.0.mlp.down_proj.lora_A.weight"
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import run_torchrun, scenario
+from tests.conftest import NO_NAME_DIFF, run_torchrun, scenario
 
 pytestmark = pytest.mark.distributed
 
@@ -23,7 +23,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize("name", ["qwen2_tied", "llama_untied", "mixed_precision", "policy_offload", "checkpointing"])
 def test_export_right_after_sharding_is_bit_identical_to_unsharded_model(results: dict[str, Any], name: str) -> None:
     got = scenario(results, name)
-    assert got["names_equal"], (got["names"], got["ref_names"])
+    assert got["names_diff"] == NO_NAME_DIFF, (got["names"], got["ref_names"])
     assert got["mismatched"] == []
 
 
@@ -36,14 +36,14 @@ def test_plain_parameter_and_persistent_buffer_are_exported(results: dict[str, A
     got = scenario(results, "extras")
     assert got["extra_is_dtensor"] is False  # the case verl's reviewer warned about
     assert {"extra_scale", "extra_buffer"} <= set(got["names"])
-    assert got["names_equal"] and got["mismatched"] == []
+    assert got["names_diff"] == NO_NAME_DIFF and got["mismatched"] == []
     assert got["after_steps"]["mismatched"] == []
 
 
 @pytest.mark.parametrize("name", ["train_plain", "train_exporting", "train_offload_params", "train_offload_policy"])
 def test_export_after_steps_equals_full_parameters(results: dict[str, Any], name: str) -> None:
     got = scenario(results, name)
-    assert got["after_steps"]["names_equal"] and got["after_steps"]["mismatched"] == []
+    assert got["after_steps"]["names_diff"] == NO_NAME_DIFF and got["after_steps"]["mismatched"] == []
     assert got["path"] == "lazy" and got["tensors"] == 27 and got["bytes"] == 5776384
 
 
@@ -70,8 +70,8 @@ def test_offload_params_moves_around_steps_but_lazy_export_moves_nothing(results
 
 def test_bucketed_gather_handles_uneven_rows_and_dtypes_exactly(results: dict[str, Any]) -> None:
     got = scenario(results, "odd_shapes")
-    assert got["names_equal"] and got["mismatched"] == []
-    assert got["same_as_unbucketed"] is True
+    assert got["names_diff"] == NO_NAME_DIFF and got["mismatched"] == []
+    assert got["unbucketed_differ"] == []
     assert got["dtypes"] == ["torch.float32", "torch.float32", "torch.bfloat16", "torch.float32"]
 
 
@@ -96,6 +96,6 @@ def test_host_pool_reuses_one_buffer_per_shard_and_trains_identically(results: d
     off, on = scenario(results, "pool_off"), scenario(results, "pool_on")
     assert on["uneven"]  # FSDP2 would re-pad these into fresh memory on the Module._apply path
     assert on["losses"] == off["losses"] and len(on["losses"]) == 4  # exactly
-    assert on["after_steps"]["mismatched"] == [] and on["after_steps"]["names_equal"]
+    assert on["after_steps"]["mismatched"] == [] and on["after_steps"]["names_diff"] == NO_NAME_DIFF
     assert on["allocations"] == on["fsdp_params"]  # 5 offloads, one buffer per shard allocated once
     assert on["storage_is_pool_buffer"]  # the offloaded shards live in the pool's buffers

@@ -63,6 +63,15 @@ class OddNet(torch.nn.Module):
         return (x[:, :3].float() @ self.a.T).sum() + self.b.sum() + self.c.float().sum() + self.d.sum()
 
 
+def name_diff(names: Any, reference: Any) -> dict[str, list[str]]:
+    """What a test compares instead of a flag: names missing from ``names``, extra in it, and repeated in it."""
+    names, reference = list(names), list(reference)
+    seen: set[str] = set()
+    repeated = sorted({n for n in names if n in seen or seen.add(n)})  # type: ignore[func-returns-value]
+    return {"missing": sorted(set(reference) - set(names)), "extra": sorted(set(names) - set(reference)),
+            "repeated": repeated}
+
+
 def start_script(default_only: str, work: str) -> tuple[argparse.Namespace, Path]:
     """Parse ``--out``/``--only`` (plus extra ``--server``), make the work folder, join the gloo group."""
     parser = argparse.ArgumentParser()

@@ -26,7 +26,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
 from lightning_fsdp_export.targets import Gloo  # noqa: E402
 from lightning_fsdp_export.testing import save_word_tokenizer, tiny_family  # noqa: E402
-from tests.scripts.common import CausalLM, run_scenarios, start_script, token_loader  # noqa: E402
+from tests.scripts.common import CausalLM, name_diff, run_scenarios, start_script, token_loader  # noqa: E402
 
 ROOT: Path
 
@@ -97,14 +97,18 @@ def scenario_export(arch: str) -> dict[str, Any]:
         "missing": sorted(set(files) - set(exported)),
         "extra": sorted(set(exported) - set(files)),
         "tied": tied,
-        "tied_head_equal": (not tied) or torch.equal(exported["lm_head.weight"], exported["model.embed_tokens.weight"]
-                                                     if "model.embed_tokens.weight" in exported else
-                                                     exported["lm_head.weight"]),
+        "tied_head_vs_embedding": None if not tied else (  # the largest difference, or what is missing
+            (exported["lm_head.weight"].float() - exported["model.embed_tokens.weight"].float()).abs().max().item()
+            if {"lm_head.weight", "model.embed_tokens.weight"} <= set(exported) else
+            sorted({"lm_head.weight", "model.embed_tokens.weight"} - set(exported))),
         "not_equal": sorted(n for n in set(files) & set(exported) if not torch.equal(files[n], exported[n])),
         "dtypes_equal": all(files[n].dtype == exported[n].dtype for n in set(files) & set(exported)),
-        "metadata_matches": capture.meta == [(n, str(t.dtype), list(t.shape)) for n, t in capture.start],
+        "metadata_vs_pass": [(i, m, y) for i, (m, y) in enumerate(zip(capture.meta, [(n, str(t.dtype), list(t.shape))
+                                                                                      for n, t in capture.start]))
+                             if list(m) != list(y)] + ([] if len(capture.meta) == len(capture.start) else
+                                                       [f"{len(capture.meta)} declared, {len(capture.start)} yielded"]),
         "converted": sum(fmt.converts(n, t) for n, t in module.model.state_dict().items()),
-        "losses_finite": all(torch.isfinite(torch.tensor(module.losses)).tolist()),
+        "losses": [float(x) for x in module.losses],
     }
 
 
@@ -276,10 +280,10 @@ def scenario_lora(arch: str) -> dict[str, Any]:
             plain = lora_moe().merge_and_unload()
             fmt = CheckpointFormat.of(plain)
             want = dict(piece for key, tensor in plain.state_dict().items() for piece in fmt.convert(key, tensor))
-            out["names_equal"] = sorted(merged) == sorted(want)
+            out["names_diff"] = name_diff(merged, want)
             out["max_diff"] = max((merged[k] - want[k]).abs().max().item() for k in want)
             out["experts_split"] = sum(".experts.0." in k for k in merged)
-            out["module_unchanged"] = all(torch.equal(before[n], after[n]) for n in before)
+            out["module_changed"] = [n for n in before if not torch.equal(before[n], after[n])]
             out["path"] = trainer.strategy.last_export.path
 
     trainer = Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(offload="params"), max_steps=1,

@@ -23,7 +23,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, VLLMWeightSync  # noqa: E402
 from lightning_fsdp_export._compat import list_loras  # noqa: E402
 from lightning_fsdp_export.testing import tiny_lora_qwen2, tiny_qwen2  # noqa: E402
-from tests.scripts.common import CausalLM, run_scenarios, start_script, token_loader  # noqa: E402
+from tests.scripts.common import CausalLM, name_diff, run_scenarios, start_script, token_loader  # noqa: E402
 from tests.scripts.sync import PROMPTS, reference_logprobs, vllm_scores  # noqa: E402
 
 
@@ -65,9 +65,9 @@ def scenario_exact() -> dict[str, Any]:
 
             ref_adapter = get_peft_model_state_dict(reference)
             ref_merged = reference.merge_and_unload().state_dict()
-            out["merged_names_equal"] = sorted(merged) == sorted(ref_merged)
+            out["merged_names_diff"] = name_diff(merged, ref_merged)
             out["merged_max_diff"] = max((merged[k] - ref_merged[k]).abs().max().item() for k in ref_merged)
-            out["adapter_names_equal"] = sorted(adapter) == sorted(ref_adapter)
+            out["adapter_names_diff"] = name_diff(adapter, ref_adapter)
             out["adapter_mismatched"] = [k for k in ref_adapter if not torch.equal(adapter.get(k), ref_adapter[k])]
             out["adapter_sample"] = sorted(adapter)[:2]
 

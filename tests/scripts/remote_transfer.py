@@ -45,7 +45,7 @@ from lightning_fsdp_export.targets import Gloo  # noqa: E402
 from lightning_fsdp_export.shards import ShardSource  # noqa: E402
 from lightning_fsdp_export.source import ExportSource  # noqa: E402
 from lightning_fsdp_export.testing import VOCAB, tiny_llama, tiny_lora_qwen2, tiny_qwen2  # noqa: E402
-from tests.scripts.common import (LORA_ARGS, LORA_ENV, CausalLM, run_scenarios, start_server,  # noqa: E402
+from tests.scripts.common import (LORA_ARGS, LORA_ENV, CausalLM, name_diff, run_scenarios, start_server,  # noqa: E402
                                  stop_server, token_loader, wait_for_server)
 
 PROMPT = [(7 * j + 3) % VOCAB for j in range(40)]
@@ -216,14 +216,14 @@ class CheckSource(pl.Callback):
         self.result = {
             "names": [m.name for m in meta],
             "dtypes": sorted({str(m.dtype) for m in meta}),
-            "same_as_export": sorted(exported) == sorted(n for n, _ in pairs)
-            and all(torch.equal(exported[n], t) for n, t in pairs),
+            "export_names_diff": name_diff((n for n, _ in pairs), exported),
+            "export_not_equal": [n for n, t in pairs if n in exported and not torch.equal(exported[n], t)],
             "group_names": [n for names, _ in groups for n in names],
             "groups": len(groups),
             "passes": source.export.passes,
             # iter_groups() stops after the planned count: the pass must still end (a LoRA unmerged again).
-            "module_unchanged": all(torch.equal((v.to_local() if hasattr(v, "to_local") else v), before[k])
-                                    for k, v in module.state_dict().items()),
+            "module_changed": [k for k, v in module.state_dict().items()
+                               if not torch.equal((v.to_local() if hasattr(v, "to_local") else v), before[k])],
         }
 
 

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import LazyExportFSDP2  # noqa: E402
 from lightning_fsdp_export.testing import tiny_llama, tiny_qwen2  # noqa: E402
-from tests.scripts.common import CausalLM, OddNet, run_scenarios, token_loader  # noqa: E402
+from tests.scripts.common import CausalLM, OddNet, name_diff, run_scenarios, token_loader  # noqa: E402
 
 
 def batches() -> torch.utils.data.DataLoader:
@@ -85,7 +85,7 @@ def same(exported: list[tuple[str, torch.Tensor]], reference: dict[str, torch.Te
     names = [n for n, _ in exported]
     mismatched = [n for n, t in exported if n not in reference or not torch.equal(t, reference[n])]
     # Same names; order is the state dict's except that a tied tensor's names come together.
-    return {"names_equal": sorted(names) == sorted(reference) and len(set(names)) == len(names),
+    return {"names_diff": name_diff(names, reference),
             "names": names, "ref_names": list(reference),
             "mismatched": mismatched, "all_dtypes": sorted({str(t.dtype) for _, t in exported})}
 
@@ -184,14 +184,15 @@ def scenario_odd_shapes() -> dict[str, Any]:
             bucketed = list(lazy_export(pl_module.net, bucket_bytes=1 << 20))
             single = list(lazy_export(pl_module.net, bucket_bytes=0))
             out["result"] = same(bucketed, OddNet().state_dict())
-            out["same_as_unbucketed"] = all(torch.equal(a, b) for (_, a), (_, b) in zip(bucketed, single))
+            out["unbucketed_differ"] = ([n for (n, a), (_, b) in zip(bucketed, single) if not torch.equal(a, b)]
+                                        if len(bucketed) == len(single) else [f"{len(bucketed)} vs {len(single)}"])
             out["dtypes"] = [str(t.dtype) for _, t in bucketed]
 
     trainer = Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(export_module="net"), max_steps=1,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=[Capture()])
     trainer.fit(module, batches())
-    return {**out["result"], "same_as_unbucketed": out["same_as_unbucketed"], "dtypes": out["dtypes"]}
+    return {**out["result"], "unbucketed_differ": out["unbucketed_differ"], "dtypes": out["dtypes"]}
 
 
 class AsksForAdapters(LM):
