@@ -19,6 +19,7 @@ pytest.importorskip("vllm")
 
 from lightning_fsdp_export.source import ExportSource  # noqa: E402
 from lightning_fsdp_export.targets import gloo, gloo_protocol  # noqa: E402
+from lightning_fsdp_export.targets.gloo import GlooRound  # noqa: E402
 from lightning_fsdp_export.targets.vllm_source import FSDP2WeightSource  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
@@ -145,15 +146,13 @@ def test_an_adapter_round_writes_the_adapter_on_every_worker_and_loads_nothing(t
     tensors = {"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.randn(4, 8),
                "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.randn(8, 4)}
     engine, models, client = connect(2, tensors, buffer_bytes=100)
-    engine.adapter = (str(tmp_path / "policy" / "v000003"), '{"r": 4}')
-    engine.send_weights()
+    engine.send_weights(GlooRound(adapter=(str(tmp_path / "policy" / "v000003"), '{"r": 4}')))
     assert client.calls == ["init", "start", "update", "finish"]
     assert all(model.loaded == {} for model in models)  # the model is untouched: the server loads the files
     written = load_file(str(tmp_path / "policy" / "v000003" / "adapter_model.safetensors"))
     assert sorted(written) == sorted(tensors) and all(torch.equal(written[n], t) for n, t in tensors.items())
     assert (tmp_path / "policy" / "v000003" / "adapter_config.json").read_text() == '{"r": 4}'
-    engine.adapter = None
-    engine.send_weights()  # the next full round loads the model again
+    engine.send_weights()  # the next full round loads the model again (nothing of the adapter round stays behind)
     assert all(list(model.loaded) == list(tensors) for model in models)
 
 
@@ -317,10 +316,10 @@ def test_shard_direct_a_rank_that_fails_mid_export_aborts_everyone_naming_it() -
 def sparse_round(engines: list[Any], bases: list[Any], version: int, ids: tuple[str | None, str], *,
                  sparse: bool) -> list[BaseException | None]:
     """One round of both trainer ranks with their copies (``sparse``: patches against them; else dense, kept)."""
-    for engine, base in zip(engines, bases):
+    for base in bases:
         base.start(version, "plan", sparse=sparse)
-        engine.patches, engine.round_ids = base, ids
-    errors = both(lambda rank: engines[rank].send_weights())
+    errors = both(lambda rank: engines[rank].send_weights(GlooRound(patches=bases[rank], patch_of=ids[0],
+                                                                     keep_as=ids[1])))
     for base, error in zip(bases, errors):
         base.succeeded() if error is None else base.failed()
     return errors

@@ -89,6 +89,8 @@ if TYPE_CHECKING:
 
 __all__ = [
     "DEFAULT_BUFFER_BYTES",
+    "DENSE",
+    "GlooRound",
     "GlooTrainerInitInfo",
     "GlooTrainerWeightTransferEngine",
     "GlooWeightTransferEngine",
@@ -416,10 +418,36 @@ def _keeping(pairs: Iterator[tuple[str, torch.Tensor]], base: dict[str, torch.Te
         yield name, tensor
 
 
+@dataclass(frozen=True)
+class GlooRound:
+    """What one round carries beside the source's weights: the argument of
+    :meth:`GlooTrainerWeightTransferEngine.send_weights` (vLLM's engines take per-round inputs as arguments, never
+    as state set on the engine).
+
+    Attributes:
+        adapter: ``(adapter_dir, adapter_config)``: the source holds a peft adapter's tensors, which the workers write
+            as a peft directory at ``adapter_dir`` on their hosts (see ``GlooWeightTransferUpdateInfo``).
+        patches: this rank's copy of what it last sent (``patches.sparse``: send patches against it; else send dense
+            and keep a new copy); ``None``: a plain dense round.
+        patch_of: rank 0, with ``patches``: the workers' copy the patches apply to (``None``: a dense round).
+        keep_as: rank 0, with ``patches``: the id under which the workers keep this round's copy.
+    """
+
+    adapter: tuple[str, str] | None = None
+    patches: PatchBase | None = None
+    patch_of: str | None = None
+    keep_as: str | None = None
+
+
+DENSE = GlooRound()
+"""A plain round: the model's weights, whole or in shard rows, loaded by the workers."""
+
+
 class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerInitInfo]):
     """Trainer side: rank 0 hosts the store and drives the workers; every rank in the group sends its parts.
 
-    ``sent_bytes`` is what this rank sent in the last round (each worker's copy counted)."""
+    ``sent_bytes`` is what this rank sent in the last round (each worker's copy counted; also returned by
+    :meth:`send_weights`)."""
 
     init_info_cls = GlooTrainerInitInfo
 
@@ -435,14 +463,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self._store: dist.TCPStore | None = None  # rank 0 hosts it for the group's lifetime
         self.workers: list[int] = []
         self.sent_bytes = 0
-        self.adapter: tuple[str, str] | None = None
-        """``(adapter_dir, adapter_config)`` for the next round: the source holds a peft adapter's tensors, which the
-        workers write as a peft directory at ``adapter_dir`` on their hosts (see ``GlooWeightTransferUpdateInfo``)."""
-        self.patches: PatchBase | None = None
-        """For the next round: this rank's copy of what it last sent (``patches.sparse``: send patches against it;
-        else send dense and keep a new copy); ``None``: a plain dense round."""
-        self.round_ids: tuple[str | None, str | None] = (None, None)
-        """Rank 0, with ``patches``: ``(patch_of, keep_as)`` of the next round's update info."""
 
     @classmethod
     def trainer_init(cls, init_info: GlooTrainerInitInfo, *, client: VLLMWeightSyncClient,
@@ -478,47 +498,52 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 answer.result()
         return engine
 
-    def send_weights(self) -> None:
+    def send_weights(self, payload: GlooRound = DENSE) -> int:
+        """One round of the source's weights (and ``payload``: an adapter, or patches against a kept copy); every rank
+        of the group calls it. Returns the bytes this rank sent."""
         assert self.source is not None
         source = self.source
         meta = source_metadata(source)
+        self.sent_bytes = 0
         if not self.is_sender:
             for _ in iter_full(source):
                 pass
-            return
+            return 0
         assert self.group is not None, "trainer_init() must run before send_weights()"
         bounds = [_bounds(m, self.trainers) for m in meta]
+        adapter, patching = payload.adapter, payload.patches is not None
         info = GlooWeightTransferUpdateInfo(names=[m.name for m in meta],
                                             dtype_names=[str(m.dtype).removeprefix("torch.") for m in meta],
                                             shapes=[list(m.shape) for m in meta],
                                             bounds=None if all(b is None for b in bounds) else bounds,
-                                            adapter_dir=self.adapter[0] if self.adapter else None,
-                                            adapter_config=self.adapter[1] if self.adapter else None,
-                                            patch_of=self.round_ids[0] if self.patches is not None else None,
-                                            keep_as=self.round_ids[1] if self.patches is not None else None)
+                                            adapter_dir=adapter[0] if adapter else None,
+                                            adapter_config=adapter[1] if adapter else None,
+                                            patch_of=payload.patch_of if patching else None,
+                                            keep_as=payload.keep_as if patching else None)
         plan = Plan.of(info, self.trainers, self.buffer_bytes)
         if self.rank != 0:
-            self._stream(plan, self._checked(source, meta), None)
-            return
+            self._stream(plan, self._checked(source, meta), None, payload.patches)
+            return self.sent_bytes
         self.client.start_weight_update()
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             answer = pool.submit(self.client.update_weights, asdict(info))
-            self._stream(plan, self._checked(source, meta), answer)
+            self._stream(plan, self._checked(source, meta), answer, payload.patches)
             answer.result()
         finally:
             pool.shutdown(wait=False)  # a worker stuck in a collective must not turn an error into a hang
         self.client.finish_weight_update()
+        return self.sent_bytes
 
-    def _stream(self, plan: Plan, pairs: Iterator[tuple[str, torch.Tensor]], answer: Any) -> None:
+    def _stream(self, plan: Plan, pairs: Iterator[tuple[str, torch.Tensor]], answer: Any,
+                base: PatchBase | None) -> None:
         assert self.group is not None
-        self.sent_bytes = 0
         inflight: list[Any] = [None]  # the last chunk's buffer and sends: the next chunk is packed while they run
         for index, chunk in enumerate(plan.chunks):
             try:
                 if answer is not None and answer.done():
                     answer.result()  # the workers refused the round before any data: say why
-                part = self._pack(plan, chunk, pairs)
+                part = self._pack(plan, chunk, pairs, base)
             except BaseException:
                 if answer is None or not answer.done():
                     self._abort()
@@ -554,12 +579,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 answer.result()  # the worker's own error, through its server
             raise RuntimeError("a worker refused this weight update round")
 
-    def _pack(self, plan: Plan, chunk: list[PlannedTensor], pairs: Iterator[tuple[str, torch.Tensor]]
-              ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    def _pack(self, plan: Plan, chunk: list[PlannedTensor], pairs: Iterator[tuple[str, torch.Tensor]],
+              base: PatchBase | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """This rank's ``(counts, part)`` of ``chunk``, from the next tensors of the source: ``counts`` only in a sparse
         round where this rank has a part (a code per tensor: ``WHOLE``, or its patch's length and form,
         :func:`patch_code`); ``part`` ``None`` where this rank sends nothing."""
-        base = self.patches
         pieces: list[tuple[torch.Tensor, ...]] = []
         counts: list[int] = []
         for want in chunk:

@@ -8,10 +8,11 @@ gathers line up). This module adds what a deployment needs around it:
 * :class:`FanOutClient`, vLLM's four-method ``VLLMWeightSyncClient`` over several servers at once: each
   server gets its own ``rank_offset`` (a running sum of ``/get_world_size``), and
   ``finish_weight_update`` carries the sync's version (vLLM's engines send none);
-* :class:`NativeTransfer`, the round around ``send_weights``: ``/pause``, the transfer, the prefix
-  cache reset, ``/resume``; and after a failure: close the round on every reachable server, leave them
-  paused (they answer no request with half-loaded weights), and re-initialise the transfer group at
-  the next sync, which then pushes everything.
+* :class:`NativeTransfer`, the frame of every round: ``/pause``, the round (one class per kind,
+  :mod:`~lightning_fsdp_export.targets.rounds`: what is sent, what the servers are told after it), ``/resume``;
+  and after a failure: close the round on every reachable server, leave them paused (they answer no request
+  with half-loaded weights), and re-initialise the transfer group at the next sync, which then pushes
+  everything.
 
 Shard-direct transports (``gloo`` with ``shard_direct=True``, vLLM's ``nccl_m2n``) put every trainer rank
 in the transfer group. Only rank 0 talks to the servers, so what it learns there (each server's world size,
@@ -31,7 +32,7 @@ import uuid
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
@@ -51,14 +52,12 @@ from lightning_fsdp_export.targets.adapters import (
 )
 from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.targets.http import Server, ServerError, on_all
-from lightning_fsdp_export.targets.patch_lists import DEFAULT_CHUNK_BYTES, send_patch_lists
 from lightning_fsdp_export.targets.preflight import check_servers
-from lightning_fsdp_export.targets.transports import Directory, NetworkTransport, RendezvousTransport, SparseNCCL
+from lightning_fsdp_export.targets.rounds import PauseMode, Round, reset_prefix_caches, round_for, set_versions
+from lightning_fsdp_export.targets.transports import Directory, NetworkTransport, RendezvousTransport
 
 __all__ = ["DirectoryReload", "FanOutClient", "LLMClient", "NativeTransfer", "PauseMode", "pause_route",
            "reset_prefix_caches"]
-
-PauseMode = Literal["wait", "keep", "keep_old_kv"]
 
 
 def pause_route(mode: PauseMode) -> str:
@@ -210,7 +209,8 @@ class NativeTransfer(_Pauses):
         self.every_rank = transport.every_rank
         self.trainers = 1  # trainer ranks in the transfer group
         self.world_size = 0
-        self._control: Any = None  # every_rank: the trainer ranks' SyncGroup, for rank 0's decisions
+        self.control: SyncGroup | None = None
+        """Every rank joining (shard-direct) or patch lists: the trainer ranks' group, for rank 0's decisions."""
         self._plan_digest = ""  # nccl_m2n: the source's metadata the engine was built for
         self.client: FanOutClient | None = None
         self.engine: Any = None
@@ -228,7 +228,8 @@ class NativeTransfer(_Pauses):
         self.confirmed: int | None = None
         """The version every rank agreed the servers hold (the sync's, before each push); patches are made only
         against it."""
-        self._kept: str | None = None  # rank 0, sparse rounds: the id of the copy the workers keep
+        self.kept: str | None = None
+        """Rank 0, sparse rounds: the id of the copy the workers keep (set by a round that succeeded)."""
         self.last_patch: dict[str, Any] | None = None
         """This rank's last round with sparse rounds on: ``sparse`` (patched or dense), what it sent and would have
         sent dense of its parts, elements and changed elements, its copy's host bytes."""
@@ -244,7 +245,7 @@ class NativeTransfer(_Pauses):
         self.rank = trainer.global_rank
         self.source = FSDP2M2NSource(None) if self.options.layout is SourceLayout.M2N else FSDP2WeightSource(None)
         if self.every_rank or self.options.sends_patch_lists:  # (collective: every rank builds it)
-            self._control = SyncGroup(timedelta(seconds=self.timeout))
+            self.control = SyncGroup(timedelta(seconds=self.timeout))
         if self.every_rank:
             self.trainers = trainer.world_size
             return
@@ -332,9 +333,9 @@ class NativeTransfer(_Pauses):
             version: the version the servers report after it.
             resume: resume the servers at the end (``False``: they stay paused for the adapter round that follows,
                 so they never serve new base weights with an old adapter).
-            adapter: ``(name, adapter_config text)``: ``source`` is a peft adapter, which the workers write as a
-                directory on their hosts (a transport that ``carries_adapters``: gloo) and
-                every server then loads as ``name``.
+            adapter: ``(name, adapter_config text)``: ``source`` is a peft adapter, sent in the transport's
+                ``adapter_round`` (gloo: the workers write it as a directory on their hosts), which every server then
+                loads as ``name``.
         """
         if self.options.layout is not SourceLayout.FULL and not isinstance(source, (ShardSource, AdapterTensors)):
             raise TypeError(f"RemoteVLLM(transport={self.transport!r}) sends every rank's own shards: give it a"
@@ -344,41 +345,18 @@ class NativeTransfer(_Pauses):
         if not self.every_rank and self.rank != 0 and not self.options.sends_patch_lists:
             self.engine.send_weights()  # iterates the source: this rank's part of the gathers
             return
-        patching = self.patches is not None and adapter is None
-        plan_key = repr(source_metadata(self.source)) if patching else None
-        plan, paused, paused_at, sparse = self._start_round(plan_key)
-        server_dir = "" if adapter is None else f"{SERVER_ADAPTER_ROOT}/{self._run}/{adapter[0]}/v{version:06d}"
-        keep = uuid.uuid4().hex
+        this = self._round_of(version, adapter)
+        plan, paused, paused_at, sparse = self._start_round(this.plan_key(self))
         try:
             if plan is not None:
                 self._connect(plan)
                 self._plan_digest = self._digest()
             if self.rank == 0:
                 assert self.client is not None
-                self.client.version = None if adapter else str(version)
-            if patching:
-                assert self.patches is not None
-                self.patches.start(version, plan_key, sparse=sparse)
-                patch_of, self._kept, sent = (self._kept if sparse else None), None, 0
-                try:
-                    sent = self._send_patches(source, patch_of, keep)
-                finally:
-                    self.last_patch = {"sparse": sparse, "sent_bytes": sent, "copy_bytes": self.patches.nbytes,
-                                       **self.patches.stats.as_dict()}
-            elif adapter is None:
-                self.engine.send_weights()
-            else:  # our gloo trainer engine (``carries_adapters``): the workers write what it sends
-                self.engine.adapter = (server_dir, adapter[1])
-                try:
-                    self.engine.send_weights()
-                finally:
-                    self.engine.adapter = None
+                self.client.version = this.client_version(version)
+            this.run(self, version=version, sparse=sparse)
             if self.rank == 0:
-                if adapter is not None:
-                    load_adapter(self.servers, adapter[0], server_dir)
-                reset_prefix_caches(self.servers, self.pause_mode)
-                if adapter is not None:
-                    set_versions(self.servers, version)
+                this.on_servers(self, version=version)
         except BaseException:
             self.broken = True
             self._held_since = None
@@ -386,36 +364,25 @@ class NativeTransfer(_Pauses):
             if self.rank == 0 and paused:
                 self._close_round()
             raise
-        if patching:
-            assert self.patches is not None
-            self.patches.succeeded()
-            self._kept = keep
+        this.succeeded(self)
         self.broken = False  # also on a rank outside the group (sparse_nccl's others), which never connects again
         self._finish(paused_at, resume)
 
-    def _send_patches(self, source: ExportSource | AdapterTensors, patch_of: str | None, keep: str) -> int:
-        """The round with this rank's copy (``self.patches``, started): vLLM's sparse engine takes patch lists rank 0
-        collects (``sends_patch_lists``); our gloo engine takes each part through the copy itself, the workers keeping
-        theirs as ``keep`` (and patching ``patch_of``). The bytes this rank sent."""
-        assert self.patches is not None
-        if self.options.sends_patch_lists:
-            assert isinstance(self.options, SparseNCCL) and isinstance(source, ShardSource)
-            return send_patch_lists(self.engine, self.client, source, self.patches, self._control, rank=self.rank,
-                                    chunk_bytes=self.options.chunk_bytes or DEFAULT_CHUNK_BYTES,
-                                    device=_sender_device())
-        self.engine.patches, self.engine.round_ids = self.patches, (patch_of, keep)
-        try:
-            self.engine.send_weights()
-        finally:
-            self.engine.patches = None
-        return int(self.engine.sent_bytes)
+    def _round_of(self, version: int, adapter: tuple[str, str] | None) -> Round:
+        """This push's round: the transport's ``adapter_round`` for an adapter, else its ``weights_round``."""
+        if adapter is None:
+            return round_for(self.options.weights_round)
+        assert self.options.adapter_round is not None, "push_adapter reads the adapter from a directory instead"
+        name, config = adapter
+        return round_for(self.options.adapter_round, name=name, config=config,
+                         server_dir=f"{SERVER_ADAPTER_ROOT}/{self._run}/{name}/v{version:06d}")
 
     def forget(self) -> None:
         """The servers' weights are no longer what this rank last sent (a failed round, zeroed weights, a new group):
         the next round is dense."""
         if self.patches is not None:
             self.patches.failed()
-        self._kept = None
+        self.kept = None
 
     def push_adapter(self, files: AdapterFiles, *, version: int, name: str) -> None:
         """Load one adapter version on every server as ``name``: over the transport where it carries adapters
@@ -436,10 +403,10 @@ class NativeTransfer(_Pauses):
         confirmed version of this ``plan_key`` (rank 0 also the workers' copy's id) and the group stays."""
         rebuild = self.broken or self._digest() != self._plan_digest
         can_patch = (plan_key is not None and self.patches is not None and self.patches.can_patch(self.confirmed, plan_key)
-                     and (self.rank != 0 or self._kept is not None))
+                     and (self.rank != 0 or self.kept is not None))
         sparse = False
-        if self._control is not None:
-            states = self._control.gather((rebuild, can_patch))
+        if self.control is not None:
+            states = self.control.gather((rebuild, can_patch))
             rebuild = any(r for r, _ in states)
             sparse = not rebuild and all(c for _, c in states)
         decision: dict[str, Any] = {"error": None, "plan": None}
@@ -455,8 +422,8 @@ class NativeTransfer(_Pauses):
                 paused_at = self._pause()
             except Exception as err:  # noqa: BLE001 - every rank of the group learns of it just below
                 decision, failure = {"error": f"{type(err).__name__}: {err}", "plan": None}, err
-        if self._control is not None:
-            decision = self._control.broadcast(decision)
+        if self.control is not None:
+            decision = self.control.broadcast(decision)
         if decision["error"] is not None:  # nothing was paused by this round (pausing is the last step above)
             self.broken = True
             if failure is not None:
@@ -543,35 +510,6 @@ class DirectoryReload(_Pauses):
 
     def remove_adapter_files(self) -> None:
         """Nothing: the shared directory keeps the two newest adapter versions per name (the servers read them)."""
-
-
-def set_versions(servers: Sequence[Server], version: int) -> None:
-    """Every server reports ``version`` from now on (its requests' ``weight_versions``)."""
-    on_all(servers, lambda s: s.request("POST", "/update_weight_version", {"new_version": str(version)}))
-
-
-def reset_prefix_caches(servers: Sequence[Server], mode: PauseMode) -> None:
-    """After an update: drop every server's prefix cache (with ``keep``, the kept requests' blocks too, so they
-    are recomputed with the new weights); a server answering ``{"success": false}`` fails the round.
-
-    ``keep_old_kv`` resets nothing: the frozen requests hold blocks (vLLM would answer ``{"success": false}``)
-    and keep their old KV by choice; the prefix cache must then be isolated per version by the clients
-    (``cache_salt``: ``AsyncRollouts`` salts every request with the version it starts at, and
-    ``RemoteVLLM.prompt_logprobs`` salts every probe afresh)."""
-    if mode == "keep_old_kv":
-        return
-    reset = "/reset_prefix_cache?reset_running_requests=true" if mode == "keep" else "/reset_prefix_cache"
-    answers = on_all(servers, lambda s: (s, s.request("POST", reset)))
-    refused = [s.url for s, answer in answers if not (isinstance(answer, dict) and answer.get("success"))]
-    if refused:
-        raise ServerError(f"vLLM server(s) {refused} refused to reset the prefix cache after the update"
-                          " ({'success': false}: blocks still held); their cached prompts would use the old"
-                          " weights.", refused[0])
-
-
-def _sender_device() -> torch.device | None:
-    """Where rank 0 stages the patches it broadcasts: its current CUDA device (vLLM's NCCL needs it), else the host."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
 
 
 def _vllm_version() -> str:

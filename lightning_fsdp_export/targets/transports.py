@@ -3,11 +3,12 @@
 A transport is a frozen options dataclass: its fields are the only options it takes (a combination that does
 not exist cannot be built), ``name`` is the backend the servers run (``--weight-transfer-config
 '{"backend": NAME}'``), ``layout`` what the sync asks the strategy for, ``every_rank`` whether every trainer
-rank joins the transfer group (shard-direct) or rank 0 alone sends, and ``init_info()`` the trainer
-engine's init info. :data:`TRANSPORTS` maps each name to its class; ``transport="gloo"`` means ``Gloo()``.
+rank joins the transfer group (shard-direct) or rank 0 alone sends, ``weights_round`` / ``adapter_round`` the
+kinds of round it runs (:mod:`~lightning_fsdp_export.targets.rounds`), and ``init_info()`` the trainer engine's
+init info. :data:`TRANSPORTS` maps each name to its class; ``transport="gloo"`` means ``Gloo()``.
 
 Adding a network transport is one class here (with its ``init_info``) and one entry in :data:`TRANSPORTS`;
-the round (:class:`~lightning_fsdp_export.targets.transfer.NativeTransfer`) is the same for all.
+the frame of every round (:class:`~lightning_fsdp_export.targets.transfer.NativeTransfer`) is the same for all.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from lightning_fsdp_export.source import SourceLayout
 from lightning_fsdp_export.targets.directory import DEFAULT_SHARD_BYTES
+from lightning_fsdp_export.targets.rounds import RoundKind
 
 __all__ = ["IPC", "NCCL", "TRANSPORTS", "Directory", "Gloo", "NCCLM2N", "NetworkTransport", "RendezvousTransport",
            "SparseNCCL", "Transport", "parse_transport"]
@@ -48,15 +50,28 @@ class NetworkTransport:
     """What every weight-transfer transport is: a vLLM backend name, a source layout, and its init info."""
 
     name: ClassVar[str]
-    carries_adapters: ClassVar[bool] = False
-    """A LoRA adapter can travel over the transport itself (our gloo workers write it on their hosts); else the
-    servers read it from a directory they share with the trainer."""
+    adapter_round: ClassVar[RoundKind | None] = None
+    """The round a LoRA adapter travels in over the transport itself (``ADAPTER``: our gloo workers write it on their
+    hosts); ``None``: the servers read it from a directory they share with the trainer."""
     closes_failed_rounds: ClassVar[bool] = False
     """The servers' workers end a round that failed on their side themselves (our gloo backend); vLLM's engines leave
     the layerwise reload open, and the round closes it empty."""
-    sends_patch_lists: ClassVar[bool] = False
-    """Each round is a list of patches rank 0 collects from every rank and hands to vLLM's engine (``sparse_nccl``),
-    not a ``WeightSource`` the engine iterates."""
+
+    @property
+    def weights_round(self) -> RoundKind:
+        """The round that pushes the model's weights: ``DENSE`` (the engine iterates a source), ``PATCHES`` (our gloo
+        engine, parts through each rank's copy) or ``PATCH_LISTS`` (vLLM's ``sparse_nccl``: lists rank 0 collects)."""
+        return RoundKind.DENSE
+
+    @property
+    def carries_adapters(self) -> bool:
+        """A LoRA adapter travels over the transport itself (it has an ``adapter_round``)."""
+        return self.adapter_round is not None
+
+    @property
+    def sends_patch_lists(self) -> bool:
+        """Each round is a list of patches handed to vLLM's engine, not a ``WeightSource`` the engine iterates."""
+        return self.weights_round is RoundKind.PATCH_LISTS
 
     @property
     def layout(self) -> SourceLayout:
@@ -71,7 +86,7 @@ class NetworkTransport:
     @property
     def sends_patches(self) -> bool:
         """After the first round, every rank sends only the elements of its parts that changed (sparse rounds)."""
-        return False
+        return self.weights_round in (RoundKind.PATCHES, RoundKind.PATCH_LISTS)
 
     def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
                   timeout: float) -> Any:
@@ -170,7 +185,7 @@ class Gloo(RendezvousTransport):
     """
 
     name: ClassVar[str] = "gloo"
-    carries_adapters: ClassVar[bool] = True
+    adapter_round: ClassVar[RoundKind | None] = RoundKind.ADAPTER
     closes_failed_rounds: ClassVar[bool] = True
     buffer_bytes: int | None = None
     shard_direct: bool = False
@@ -188,8 +203,8 @@ class Gloo(RendezvousTransport):
         return self.shard_direct
 
     @property
-    def sends_patches(self) -> bool:
-        return self.sparse
+    def weights_round(self) -> RoundKind:
+        return RoundKind.PATCHES if self.sparse else RoundKind.DENSE
 
     def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
                   timeout: float) -> Any:
@@ -246,7 +261,6 @@ class SparseNCCL(RendezvousTransport):
     """
 
     name: ClassVar[str] = "sparse_nccl"
-    sends_patch_lists: ClassVar[bool] = True
     chunk_bytes: int | None = None
 
     def __post_init__(self) -> None:
@@ -259,8 +273,8 @@ class SparseNCCL(RendezvousTransport):
         return SourceLayout.SHARDS
 
     @property
-    def sends_patches(self) -> bool:
-        return True
+    def weights_round(self) -> RoundKind:
+        return RoundKind.PATCH_LISTS
 
     def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
                   timeout: float) -> Any:

@@ -1,0 +1,218 @@
+"""The kinds of round a :class:`~lightning_fsdp_export.targets.transfer.NativeTransfer` runs: one small class each.
+
+Every round has the same frame (``NativeTransfer.push``): rank 0 rebuilds the group if it broke or the plan changed,
+pauses the servers, every rank of the group sends, rank 0 tells the servers what follows (reset the prefix caches;
+load an adapter and set the version), then resumes them; a failure closes the round and leaves them paused. What
+differs is what is sent and what the servers are told after it, which is all a round class says:
+
+- :class:`DenseRound`: the model's weights through the transport's engine (whole from rank 0, or every rank's rows);
+- :class:`PatchRound`: the same through our gloo engine with this rank's copy: parts whole or patched (sparse rounds);
+- :class:`PatchListRound`: vLLM 0.33's ``sparse_nccl`` engine, fed lists of patches rank 0 collects;
+- :class:`AdapterRound`: a peft adapter's tensors through our gloo engine, written by the workers on their hosts,
+  then loaded by every server under one name.
+
+A transport names the kinds it runs (``NetworkTransport.weights_round`` / ``adapter_round``, :class:`RoundKind`);
+:func:`round_for` builds the round of a push. A new kind of round is one class here and its entry in ``ROUNDS``; a
+round's inputs are arguments to :meth:`Round.run`, and what it hands our gloo engine is a
+``targets.gloo.GlooRound`` argument to ``send_weights``, never state set on the engine.
+"""
+
+from __future__ import annotations
+
+import uuid
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from enum import Enum
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import torch
+from typing_extensions import override
+
+from lightning_fsdp_export._compat import source_metadata
+from lightning_fsdp_export.shards import ShardSource
+from lightning_fsdp_export.targets.adapters import load_adapter
+from lightning_fsdp_export.targets.http import Server, ServerError, on_all
+from lightning_fsdp_export.targets.patch_lists import DEFAULT_CHUNK_BYTES, send_patch_lists
+
+if TYPE_CHECKING:
+    from lightning_fsdp_export.targets.transfer import NativeTransfer
+
+__all__ = ["ROUNDS", "AdapterRound", "DenseRound", "PatchListRound", "PatchRound", "Round", "RoundKind",
+           "reset_prefix_caches", "round_for", "set_versions"]
+
+PauseMode = Literal["wait", "keep", "keep_old_kv"]
+
+
+class RoundKind(str, Enum):
+    """The kinds of round a transport may run (its ``weights_round``, its ``adapter_round``)."""
+
+    DENSE = "dense"
+    PATCHES = "patches"
+    PATCH_LISTS = "patch_lists"
+    ADAPTER = "adapter"
+
+
+class Round(ABC):
+    """One push's round through a ``NativeTransfer``: what is sent, and what rank 0 tells the servers after it."""
+
+    kind: ClassVar[RoundKind]
+
+    def plan_key(self, transfer: NativeTransfer) -> str | None:
+        """What a sparse round's copies must have been made for (the source's metadata); ``None``: no copies."""
+        return None
+
+    def client_version(self, version: int) -> str | None:
+        """The version the servers' ``finish_weight_update`` sets (``None``: set later, or not at all)."""
+        return str(version)
+
+    @abstractmethod
+    def run(self, transfer: NativeTransfer, *, version: int, sparse: bool) -> None:
+        """Every rank of the group: send this round's data (the source is ``transfer.source``'s export)."""
+
+    def on_servers(self, transfer: NativeTransfer, *, version: int) -> None:
+        """Rank 0, after the data went through: the servers drop their prefix caches (old weights' KV)."""
+        reset_prefix_caches(transfer.servers, transfer.pause_mode)
+
+    def succeeded(self, transfer: NativeTransfer) -> None:  # noqa: B027 - a default that does nothing
+        """Every rank, after a round that succeeded everywhere: keep what it made (a sparse round's copy)."""
+
+
+class DenseRound(Round):
+    """The model's weights through the transport's engine, whole from rank 0 or each rank's rows (shard-direct)."""
+
+    kind = RoundKind.DENSE
+
+    @override
+    def run(self, transfer: NativeTransfer, *, version: int, sparse: bool) -> None:
+        transfer.engine.send_weights()
+
+
+class AdapterRound(Round):
+    """A peft adapter's tensors through our gloo engine: the workers write them as a peft directory at ``server_dir``
+    on their hosts, then every server loads it as ``name`` (in place) and reports ``version``."""
+
+    kind = RoundKind.ADAPTER
+
+    def __init__(self, *, name: str, config: str, server_dir: str) -> None:
+        self.name, self.config, self.server_dir = name, config, server_dir
+
+    @override
+    def client_version(self, version: int) -> str | None:
+        return None  # the base round set the servers' version; this round's is set once the adapter is loaded
+
+    @override
+    def run(self, transfer: NativeTransfer, *, version: int, sparse: bool) -> None:
+        from lightning_fsdp_export.targets.gloo import GlooRound
+
+        transfer.engine.send_weights(GlooRound(adapter=(self.server_dir, self.config)))
+
+    @override
+    def on_servers(self, transfer: NativeTransfer, *, version: int) -> None:
+        load_adapter(transfer.servers, self.name, self.server_dir)
+        super().on_servers(transfer, version=version)
+        set_versions(transfer.servers, version)
+
+
+class _CopyRound(Round):
+    """A round that goes through this rank's copy (``transfer.patches``): patches against it where every rank holds the
+    version the servers serve (``sparse``), else whole parts and a new copy; the copy is kept only if the round
+    succeeds everywhere, under an id the workers keep theirs by."""
+
+    def __init__(self) -> None:
+        self._keep = uuid.uuid4().hex
+        self._key: str | None = None
+
+    @override
+    def plan_key(self, transfer: NativeTransfer) -> str | None:
+        self._key = repr(source_metadata(transfer.source))
+        return self._key
+
+    @override
+    def run(self, transfer: NativeTransfer, *, version: int, sparse: bool) -> None:
+        patches = transfer.patches
+        assert patches is not None
+        patches.start(version, self._key, sparse=sparse)
+        patch_of, transfer.kept = (transfer.kept if sparse else None), None
+        sent = 0
+        try:
+            sent = self.send(transfer, patch_of)
+        finally:
+            transfer.last_patch = {"sparse": sparse, "sent_bytes": sent, "copy_bytes": patches.nbytes,
+                                   **patches.stats.as_dict()}
+
+    @abstractmethod
+    def send(self, transfer: NativeTransfer, patch_of: str | None) -> int:
+        """Send every part through the copy (patching ``patch_of``, the workers' copy; ``None``: dense); bytes sent."""
+
+    @override
+    def succeeded(self, transfer: NativeTransfer) -> None:
+        assert transfer.patches is not None
+        transfer.patches.succeeded()
+        transfer.kept = self._keep
+
+
+class PatchRound(_CopyRound):
+    """Our gloo engine takes each part through the copy itself: whole, or a patch by index or by bitmap."""
+
+    kind = RoundKind.PATCHES
+
+    @override
+    def send(self, transfer: NativeTransfer, patch_of: str | None) -> int:
+        from lightning_fsdp_export.targets.gloo import GlooRound
+
+        return int(transfer.engine.send_weights(GlooRound(patches=transfer.patches, patch_of=patch_of,
+                                                          keep_as=self._keep)))
+
+
+class PatchListRound(_CopyRound):
+    """vLLM's ``sparse_nccl`` engine takes lists of patches: every rank takes its parts through its copy, rank 0
+    collects them over the control group a chunk at a time and hands them to the engine."""
+
+    kind = RoundKind.PATCH_LISTS
+
+    @override
+    def send(self, transfer: NativeTransfer, patch_of: str | None) -> int:
+        source = transfer.source.export
+        assert isinstance(source, ShardSource) and transfer.patches is not None
+        chunk_bytes = getattr(transfer.options, "chunk_bytes", None) or DEFAULT_CHUNK_BYTES
+        return send_patch_lists(transfer.engine, transfer.client, source, transfer.patches, transfer.control,
+                                rank=transfer.rank, chunk_bytes=chunk_bytes, device=_sender_device())
+
+
+ROUNDS: dict[RoundKind, type[Round]] = {RoundKind.DENSE: DenseRound, RoundKind.PATCHES: PatchRound,
+                                        RoundKind.PATCH_LISTS: PatchListRound, RoundKind.ADAPTER: AdapterRound}
+"""Each kind's class: what a transport's ``weights_round`` / ``adapter_round`` names."""
+
+
+def round_for(kind: RoundKind, **arguments: Any) -> Round:
+    """A fresh round of ``kind`` (an adapter round takes ``name``, ``config``, ``server_dir``)."""
+    return ROUNDS[kind](**arguments)
+
+
+def set_versions(servers: Sequence[Server], version: int) -> None:
+    """Every server reports ``version`` from now on (its requests' ``weight_versions``)."""
+    on_all(servers, lambda s: s.request("POST", "/update_weight_version", {"new_version": str(version)}))
+
+
+def reset_prefix_caches(servers: Sequence[Server], mode: PauseMode) -> None:
+    """After an update: drop every server's prefix cache (with ``keep``, the kept requests' blocks too, so they
+    are recomputed with the new weights); a server answering ``{"success": false}`` fails the round.
+
+    ``keep_old_kv`` resets nothing: the frozen requests hold blocks (vLLM would answer ``{"success": false}``)
+    and keep their old KV by choice; the prefix cache must then be isolated per version by the clients
+    (``cache_salt``: ``AsyncRollouts`` salts every request with the version it starts at, and
+    ``RemoteVLLM.prompt_logprobs`` salts every probe afresh)."""
+    if mode == "keep_old_kv":
+        return
+    reset = "/reset_prefix_cache?reset_running_requests=true" if mode == "keep" else "/reset_prefix_cache"
+    answers = on_all(servers, lambda s: (s, s.request("POST", reset)))
+    refused = [s.url for s, answer in answers if not (isinstance(answer, dict) and answer.get("success"))]
+    if refused:
+        raise ServerError(f"vLLM server(s) {refused} refused to reset the prefix cache after the update"
+                          " ({'success': false}: blocks still held); their cached prompts would use the old"
+                          " weights.", refused[0])
+
+
+def _sender_device() -> torch.device | None:
+    """Where rank 0 stages the patches it broadcasts: its current CUDA device (vLLM's NCCL needs it), else the host."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
