@@ -27,6 +27,7 @@ from lightning_fsdp_export.exact import EXACT_FAILED, ExactCheck, check_precondi
 from lightning_fsdp_export.pushes import Push, plan_pushes, temporary_adapter_dir
 from lightning_fsdp_export.source import ExportSource
 from lightning_fsdp_export.strategy import LazyExportFSDP2
+from lightning_fsdp_export.sync_options import OnError, SyncLora, Verify, parse_option
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,
     LoadsAdapters,
@@ -112,23 +113,25 @@ class VLLMWeightSync(Callback):
                  check_finite: bool = True, timeout: timedelta | float | None = None,
                  exact_first_sync: bool = False, name: str | None = None) -> None:
         _validate(target, every_n_train_steps, every_n_epochs, dtype)
-        _validate_sleep(target, every_n_train_steps, every_n_epochs, lora, on_error)
-        _validate_checks(target, verify=verify, verify_tolerance=verify_tolerance, lora=lora, on_error=on_error,
+        mode, errors = parse_option(SyncLora, lora, "lora"), parse_option(OnError, on_error, "on_error")
+        check = None if verify is None else parse_option(Verify, verify, "verify")
+        _validate_sleep(target, every_n_train_steps, every_n_epochs, mode, errors)
+        _validate_checks(target, verify=check, verify_tolerance=verify_tolerance, lora=mode,
                          exact_first_sync=exact_first_sync, sync_on_train_start=sync_on_train_start)
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"VLLMWeightSync(name={name!r}) must be a non-empty string (it keys the sync's state in"
                              " checkpoints), or None for the target's own name.")
         self.target = target
         self._name = target.state_name if name is None else name
-        self._lora = lora
-        self._on_error = on_error
+        self._lora = mode
+        self._on_error = errors
         self._check_finite = bool(check_finite)
         self._timeout = _as_timedelta(timeout)
         self._group: SyncGroup | None = None  # built with the target, when the fit starts
         self._adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
         self._adapter_dir_is_ours = False  # a temporary adapter directory, removed at the fit's end
         self._base_pushed = False
-        self._verify = verify
+        self._verify = check
         self._verify_tolerance = verify_tolerance
         self.last_verify_diff: float | None = None
         self._exact_pending = bool(exact_first_sync)
@@ -156,10 +159,10 @@ class VLLMWeightSync(Callback):
     def state_key(self) -> str:
         # Stable across a resume, even one that swaps the target for another of its kind (a new server); unique per
         # mode and kind of target (or name=), so one Trainer may hold syncs into an eval engine and rollout servers.
-        return self._generate_state_key(lora=self._lora, target=self._name)
+        return self._generate_state_key(lora=self._lora.value, target=self._name)
 
     @property
-    def lora(self) -> str:
+    def lora(self) -> SyncLora:
         """The mode: ``"merged"``, or ``"adapter"`` (the target serves the trained adapter, e.g. under
         ``RemoteVLLM.adapter_name``)."""
         return self._lora
@@ -263,7 +266,7 @@ class VLLMWeightSync(Callback):
         except WeightSyncError as err:
             self.stale = True
             self._base_pushed = False
-            if self._on_error == "raise":
+            if self._on_error is OnError.RAISE:
                 raise
             rank_zero_warn(f"{err} Training goes on (on_error='warn'); the next sync pushes every tensor again.")
             return
@@ -383,8 +386,8 @@ def _require_strategy(trainer: pl.Trainer) -> LazyExportFSDP2:
     return strategy
 
 
-def _validate_sleep(target: WeightTarget, every_n_train_steps: Any, every_n_epochs: Any, lora: str,
-                    on_error: str) -> None:
+def _validate_sleep(target: WeightTarget, every_n_train_steps: Any, every_n_epochs: Any, lora: SyncLora,
+                    on_error: OnError) -> None:
     """``sleep_level=2`` drops the engine's weights at every step: only a full push after every step restores them."""
     if not isinstance(target, SleepsDuringCompute) or target.sleep_level != 2:
         return
@@ -392,8 +395,8 @@ def _validate_sleep(target: WeightTarget, every_n_train_steps: Any, every_n_epoc
            " back, so VLLMWeightSync must push all weights after every optimizer step and never give up on one")
     for bad, fix in ((every_n_train_steps not in (None, 1), f"every_n_train_steps={every_n_train_steps}"),
                      (every_n_epochs is not None, f"every_n_epochs={every_n_epochs}"),
-                     (lora == "adapter", "lora='adapter' (base weights pushed once)"),
-                     (on_error == "warn", "on_error='warn'")):
+                     (lora is SyncLora.ADAPTER, "lora='adapter' (base weights pushed once)"),
+                     (on_error is OnError.WARN, "on_error='warn'")):
         if bad:
             raise ValueError(f"{why}; {fix} would leave it without weights. Use sleep_level=1 for that, or drop it.")
 
@@ -417,21 +420,17 @@ def _validate(target: Any, every_n_train_steps: Any, every_n_epochs: Any, dtype:
         raise TypeError(f"VLLMWeightSync(dtype={dtype!r}) must be a torch.dtype such as torch.bfloat16, or None.")
 
 
-def _validate_checks(target: WeightTarget, *, verify: Any, verify_tolerance: float, lora: str, on_error: str,
+def _validate_checks(target: WeightTarget, *, verify: Verify | None, verify_tolerance: float, lora: SyncLora,
                      exact_first_sync: bool, sync_on_train_start: bool) -> None:
-    if verify not in (None, "logprobs"):
-        raise ValueError(f"VLLMWeightSync(verify={verify!r}) must be None or 'logprobs'.")
-    if verify and not isinstance(target, ScoresLogprobs):
+    if verify is not None and not isinstance(target, ScoresLogprobs):
         raise TypeError(f"VLLMWeightSync(verify='logprobs') needs a target with prompt_logprobs() (a ScoresLogprobs);"
                         f" {type(target).__name__} has none (ColocatedVLLM and RemoteVLLM have).")
     if verify_tolerance <= 0:
         raise ValueError(f"VLLMWeightSync(verify_tolerance={verify_tolerance}) must be positive.")
-    if lora not in ("merged", "adapter"):
-        raise ValueError(f"VLLMWeightSync(lora={lora!r}) must be 'merged' or 'adapter'.")
-    if lora == "adapter" and not isinstance(target, LoadsAdapters):
+    if lora is SyncLora.ADAPTER and not isinstance(target, LoadsAdapters):
         raise TypeError(f"VLLMWeightSync(lora='adapter') needs a target with push_adapter() (a LoadsAdapters);"
                         f" {type(target).__name__} has none (ColocatedVLLM built with enable_lora=True has).")
-    if lora == "adapter" and (why := target.cannot_load_adapters()):  # type: ignore[union-attr]
+    if lora is SyncLora.ADAPTER and (why := target.cannot_load_adapters()):  # type: ignore[union-attr]
         raise ValueError(f"VLLMWeightSync(lora='adapter') with {type(target).__name__}: {why}. Or use lora='merged'.")
     if exact_first_sync:
         if not sync_on_train_start:
@@ -441,8 +440,6 @@ def _validate_checks(target: WeightTarget, *, verify: Any, verify_tolerance: flo
             raise TypeError(f"VLLMWeightSync(exact_first_sync=True) needs a target with weight_checksums and"
                             f" reset_weights() (an ExactCheckable); {type(target).__name__} has none (ColocatedVLLM and"
                             " RemoteVLLM have).")
-    if on_error not in ("raise", "warn"):
-        raise ValueError(f"VLLMWeightSync(on_error={on_error!r}) must be 'raise' or 'warn'.")
 
 
 def _as_timedelta(timeout: timedelta | float | None) -> timedelta | None:

@@ -17,6 +17,7 @@ import torch
 
 from lightning_fsdp_export.lora import write_adapter
 from lightning_fsdp_export.source import ExportSource, SourceLayout
+from lightning_fsdp_export.sync_options import SyncLora
 from lightning_fsdp_export.targets.adapters import prune_versions
 from lightning_fsdp_export.targets.base import LoadsAdapters, WeightTarget
 
@@ -34,7 +35,7 @@ class Push:
     consume: Callable[[ExportSource], None]
 
 
-def plan_pushes(strategy: LazyExportFSDP2, target: WeightTarget, *, lora: str, base_pushed: bool, dtype: torch.dtype | None,
+def plan_pushes(strategy: LazyExportFSDP2, target: WeightTarget, *, lora: SyncLora, base_pushed: bool, dtype: torch.dtype | None,
                 version: int, rank: int, adapter_dir: Callable[[], Path], show_progress: bool) -> list[Push]:
     """The sources this sync pushes, in the order every rank runs them.
 
@@ -56,7 +57,7 @@ def plan_pushes(strategy: LazyExportFSDP2, target: WeightTarget, *, lora: str, b
     def to_target(src: ExportSource) -> None:
         target.push_source(src, version=version)
 
-    if lora == "merged":
+    if lora is SyncLora.MERGED:
         return [Push(source("merged"), to_target)]
     assert isinstance(target, LoadsAdapters), "VLLMWeightSync(lora='adapter') refuses other targets"
     loader, module = target, strategy.export_module

@@ -221,3 +221,19 @@ def test_write_safetensors_moves_out_of_the_targets_namespace_with_a_warning() -
         assert targets.write_safetensors is write_safetensors
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         targets.nothing_here  # noqa: B018
+
+
+def test_the_syncs_modes_are_parsed_once_into_enums() -> None:
+    # issue 38: lora / on_error / verify validated in __init__ and passed on typed; the strings users write still work
+    from lightning_fsdp_export import InMemoryTarget, VLLMWeightSync
+    from lightning_fsdp_export.sync_options import OnError, SyncLora, Verify, parse_option
+
+    sync = VLLMWeightSync(InMemoryTarget(), on_error="warn")
+    assert sync.lora is SyncLora.MERGED and sync.lora == "merged" and str(sync.lora) == "merged"
+    assert sync._on_error is OnError.WARN and sync._verify is None
+    assert sync.state_key == "VLLMWeightSync{'lora': 'merged', 'target': 'InMemoryTarget'}"  # the plain string
+    assert parse_option(Verify, "logprobs", "verify") is Verify.LOGPROBS
+    with pytest.raises(ValueError, match=r"VLLMWeightSync\(on_error='ignore'\) must be one of 'raise', 'warn'\."):
+        VLLMWeightSync(InMemoryTarget(), on_error="ignore")  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"VLLMWeightSync\(lora='both'\) must be one of 'merged', 'adapter'\."):
+        VLLMWeightSync(InMemoryTarget(), lora="both")  # type: ignore[arg-type]

@@ -1,0 +1,58 @@
+"""``VLLMWeightSync``'s mode options, parsed once in its ``__init__`` and passed on typed.
+
+Each is a ``StrEnum``: users keep passing the strings (``lora="adapter"``), a member still compares equal to its
+string, and a wrong value fails at construction with a ``ValueError`` listing the accepted ones.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+from typing import Any, TypeVar
+
+__all__ = ["OnError", "SyncLora", "Verify", "parse_option"]
+
+
+class SyncLora(str, Enum):
+    """``lora=``: what a sync of a peft model pushes."""
+
+    MERGED = "merged"
+    """The base weights with the adapters merged (the staged path)."""
+    ADAPTER = "adapter"
+    """The base weights on the first sync only, then the adapter alone, loaded as a LoRA."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class OnError(str, Enum):
+    """``on_error=``: what a failed sync does."""
+
+    RAISE = "raise"
+    """Every rank raises ``WeightSyncError``: the fit stops."""
+    WARN = "warn"
+    """Every rank warns and trains on; the next sync pushes every tensor again."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class Verify(str, Enum):
+    """``verify=``: the check after each sync (``None``: none)."""
+
+    LOGPROBS = "logprobs"
+    """Score a fixed probe with the engine and with the trainer's model; they must agree within the tolerance."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+E = TypeVar("E", bound=Enum)
+
+
+def parse_option(kind: type[E], value: Any, name: str, owner: str = "VLLMWeightSync") -> E:
+    """``value`` as a member of ``kind``, or a ``ValueError`` naming the option, the value and the accepted ones."""
+    try:
+        return kind(value)
+    except ValueError:
+        accepted = ", ".join(repr(member.value) for member in kind)
+        raise ValueError(f"{owner}({name}={value!r}) must be one of {accepted}.") from None
