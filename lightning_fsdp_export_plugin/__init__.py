@@ -12,17 +12,18 @@ install the reload fixes in every vLLM process (its servers' workers included).
 """
 
 _BACKEND = "gloo"
-_MODULE = "lightning_fsdp_export.targets.gloo"
+_WORKER = "lightning_fsdp_export.targets.gloo_worker"  # each half in its own module, as vLLM keeps its engines
+_TRAINER = "lightning_fsdp_export.targets.gloo_trainer"
 
 
 def register_gloo() -> None:
     """Register the worker and trainer halves of ``gloo`` with vLLM; a repeat is a no-op."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    for factory, cls in ((WeightTransferEngineFactory, "GlooWeightTransferEngine"),
-                         (WeightTransferTrainerFactory, "GlooTrainerWeightTransferEngine")):
+    for factory, module, cls in ((WeightTransferEngineFactory, _WORKER, "GlooWeightTransferEngine"),
+                                 (WeightTransferTrainerFactory, _TRAINER, "GlooTrainerWeightTransferEngine")):
         try:
-            factory.register_engine(_BACKEND, _MODULE, cls)
+            factory.register_engine(_BACKEND, module, cls)
         except ValueError as err:  # "already registered" (vLLM raises on a duplicate name)
             if "already registered" not in str(err):
                 raise

@@ -48,7 +48,11 @@ def test_after_the_first_sync_only_the_adapter_travels_and_the_server_serves_it(
     assert first["metrics"]["weight_sync/tensors"] > 28, first  # the base weights went first
     if how == "gloo":  # the base push checked bit for bit; the workers wrote the adapter on the server's host
         assert got["exact"]["mismatched"] == [] and got["exact"]["compared"] > 0, got["exact"]
-        assert len(got["server_dirs"]) == 2, got["server_dirs"]  # the current and the previous version kept
+        # the current and the previous version kept while the fit runs, in a private directory never named like a
+        # module; removed when the fit ends (the server shares this host)
+        assert len(got["server_dirs_at_last_sync"]) == 2, got["server_dirs_at_last_sync"]
+        assert all("/lightning-fsdp-export-" in d for d in got["server_dirs_at_last_sync"]), got
+        assert got["server_dirs_after_fit"] == [] and got["adapter_root_mode"] == "0o700", got
     elif how == "directory":
         assert got["shared_dirs"] == [f"v{v:06d}" for v in (len(records) - 1, len(records))], got
 

@@ -183,6 +183,8 @@ def test_the_package_has_no_import_cycle() -> None:
 # vLLM plugin module, which imports this package), peft (only peft models need it; it costs seconds to import), and APIs of a version newer than the
 # package's minimum (transformers 5's conversion rules, torch's HuggingFaceStorageReader).
 LAZY_IMPORTS = ("vllm", "lightning_fsdp_export.targets.vllm_source", "lightning_fsdp_export.targets.gloo",
+                "lightning_fsdp_export.targets.gloo_infos", "lightning_fsdp_export.targets.gloo_trainer",
+                "lightning_fsdp_export.targets.gloo_worker",
                 "lightning_fsdp_export_plugin", "peft", "transformers.core_model_loading",
                 "transformers.conversion_mapping", "torch.distributed.checkpoint")
 

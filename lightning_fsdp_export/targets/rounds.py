@@ -14,7 +14,7 @@ differs is what is sent and what the servers are told after it, which is all a r
 A transport names the kinds it runs (``NetworkTransport.weights_round`` / ``adapter_round``, :class:`RoundKind`);
 :func:`round_for` builds the round of a push. A new kind of round is one class here and its entry in ``ROUNDS``; a
 round's inputs are arguments to :meth:`Round.run`, and what it hands our gloo engine is a
-``targets.gloo.GlooRound`` argument to ``send_weights``, never state set on the engine.
+``targets.gloo_trainer.GlooRound`` argument to ``send_weights``, never state set on the engine.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class AdapterRound(Round):
 
     @override
     def run(self, transfer: NativeTransfer, *, version: int, sparse: bool) -> None:
-        from lightning_fsdp_export.targets.gloo import GlooRound
+        from lightning_fsdp_export.targets.gloo_trainer import GlooRound
 
         transfer.engine.send_weights(GlooRound(adapter=(self.server_dir, self.config)))
 
@@ -158,7 +158,7 @@ class PatchRound(_CopyRound):
 
     @override
     def send(self, transfer: NativeTransfer, patch_of: str | None) -> int:
-        from lightning_fsdp_export.targets.gloo import GlooRound
+        from lightning_fsdp_export.targets.gloo_trainer import GlooRound
 
         return int(transfer.engine.send_weights(GlooRound(patches=transfer.patches, patch_of=patch_of,
                                                           keep_as=self._keep)))

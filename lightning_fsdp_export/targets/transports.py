@@ -208,7 +208,8 @@ class Gloo(RendezvousTransport):
 
     def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
                   timeout: float) -> Any:
-        from lightning_fsdp_export.targets.gloo import GlooTrainerInitInfo, register
+        from lightning_fsdp_export.targets.gloo_infos import GlooTrainerInitInfo
+        from lightning_fsdp_export.targets.gloo_trainer import register
 
         register()
         return GlooTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size,

@@ -33,12 +33,13 @@ from lightning.pytorch import Trainer, seed_everything
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync, WeightSyncError  # noqa: E402
 from lightning_fsdp_export.targets import Directory, Gloo  # noqa: E402
+from lightning_fsdp_export.targets.adapters import SERVER_ADAPTER_ROOT  # noqa: E402
 from lightning_fsdp_export.testing import VOCAB, tiny_lora_qwen2, tiny_qwen2  # noqa: E402
 from tests.scripts.common import CausalLM, end_script, run_scenarios, start_script, token_loader  # noqa: E402
 
 PROMPT = [(5 * j + 2) % VOCAB for j in range(32)]
 GEN = 8
-ADAPTER_ROOT = Path("/tmp/lightning_fsdp_export/adapters")
+ADAPTER_ROOT = Path(SERVER_ADAPTER_ROOT)  # where the gloo workers write adapters (the server runs on this host)
 
 
 class LoraLM(CausalLM):
@@ -77,6 +78,7 @@ class AfterSync(pl.Callback):
         if self.sync.version == self.seen or self.sync.stale:
             return
         self.seen = self.sync.version
+        self.server_dirs = sorted(str(p) for p in ADAPTER_ROOT.glob("*/policy/v*"))  # what the workers keep now
         weights = dict(trainer.strategy.export_weights(dtype=torch.bfloat16))  # merged: collective, every rank
         if trainer.global_rank == 0:
             server = self.sync.target.servers[0]
@@ -111,14 +113,17 @@ def fit(target: RemoteVLLM, model_dir: Path, steps: int, lora: str, root: Path, 
         module = LoraLM()
     trainer.fit(module, token_loader())
     check = sync_cb.last_exact_check
-    return {"records": after.records, "exact": None if check is None else vars(check), "version": sync_cb.version}
+    return {"records": after.records, "exact": None if check is None else vars(check), "version": sync_cb.version,
+            "server_dirs_at_last_sync": getattr(after, "server_dirs", [])}
 
 
 def scenario_gloo(root: Path, url: str, model_dir: Path) -> dict[str, Any]:
     before = set(ADAPTER_ROOT.glob("*/policy/v*"))
     target = RemoteVLLM(url, transport=Gloo(), timeout=60.0)
     out = fit(target, model_dir, 3, "adapter", root, exact_first_sync=True)
-    out["server_dirs"] = sorted(str(p) for p in set(ADAPTER_ROOT.glob("*/policy/v*")) - before)
+    out["server_dirs_at_last_sync"] = sorted(set(out["server_dirs_at_last_sync"]) - {str(p) for p in before})
+    out["server_dirs_after_fit"] = sorted(str(p) for p in set(ADAPTER_ROOT.glob("*/policy/v*")) - before)
+    out["adapter_root_mode"] = oct(ADAPTER_ROOT.parent.stat().st_mode & 0o777)
     return out
 
 
