@@ -22,7 +22,8 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
-from lightning_fsdp_export.agreement import SyncGroup, WeightSyncError, agree_after, agree_before
+from lightning_fsdp_export._common import SyncGroup, WeightSyncError
+from lightning_fsdp_export.agreement import agree_after, agree_before
 from lightning_fsdp_export.exact import EXACT_FAILED, ExactCheck, check_precondition, exact_verdict
 from lightning_fsdp_export.pushes import Push, plan_pushes, temporary_adapter_dir
 from lightning_fsdp_export.source import ExportSource

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lightning_fsdp_export.agreement import SyncGroup
+from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export.targets.base import ExactCheckable
 
 if TYPE_CHECKING:

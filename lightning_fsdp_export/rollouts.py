@@ -47,7 +47,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
 from typing_extensions import override
 
-from lightning_fsdp_export.agreement import SyncGroup
+from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export.callback import VLLMWeightSync
 from lightning_fsdp_export.targets.http import Server, ServerError, interrupt
 from lightning_fsdp_export.targets.remote import RemoteVLLM

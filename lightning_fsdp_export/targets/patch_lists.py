@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fsdp_export.agreement import SyncGroup
+from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export.patches import INDEX_DTYPE, PatchBase
 from lightning_fsdp_export.shards import ShardMeta, ShardSource
 

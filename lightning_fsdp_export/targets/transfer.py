@@ -39,7 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_fsdp_export._compat import json_safe_update_info, source_metadata
-from lightning_fsdp_export.agreement import SyncGroup
+from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export.patches import PatchBase
 from lightning_fsdp_export.shards import ShardSource
 from lightning_fsdp_export.source import ExportSource, SourceLayout

@@ -230,7 +230,7 @@ def scenario_patch_lists() -> dict[str, Any]:
     import importlib.util
     from datetime import timedelta
 
-    from lightning_fsdp_export.agreement import SyncGroup
+    from lightning_fsdp_export._common import SyncGroup
     from lightning_fsdp_export.patches import PatchBase
     from lightning_fsdp_export.targets.patch_lists import send_patch_lists
 
