@@ -50,8 +50,8 @@ from torch.distributed.tensor import DTensor
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lightning_fsdp_export.export import lazy_export, plan_export  # noqa: E402
-from lightning_fsdp_export.offload import move_module  # noqa: E402
+from lightning_fsdp_export.export.lazy import lazy_export, plan_export  # noqa: E402
+from lightning_fsdp_export.phases.offload import move_module  # noqa: E402
 
 SHAPES = {  # name: (vocab, hidden, layers)
     "default": (32000, 1024, 12),  # 200.8M params; the tied embedding is 16% of the bytes
@@ -229,7 +229,7 @@ def push_methods(args: argparse.Namespace, workdir: Path) -> tuple[dict[str, Cal
 
 def lora_methods(model: torch.nn.Module, device: torch.device) -> dict[str, Callable[[], tuple[int, int, int]]]:
     """A peft model's two exports: merged base weights (the staged path) vs adapter tensors only."""
-    from lightning_fsdp_export.lora import entries_for, staged_merged_export
+    from lightning_fsdp_export.export.lora import entries_for, staged_merged_export
 
     def merged() -> tuple[int, int, int]:
         return drain(staged_merged_export(model, device=device, dtype=None, stage=lambda: False, unstage=lambda: None,

@@ -30,9 +30,9 @@ from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.export_bench import drain, measure, start_two_ranks  # noqa: E402
-from lightning_fsdp_export.checkpoint_format import CheckpointFormat  # noqa: E402
-from lightning_fsdp_export.export import lazy_export, plan_export  # noqa: E402
-from lightning_fsdp_export.shards import row_bounds, shard_export  # noqa: E402
+from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat  # noqa: E402
+from lightning_fsdp_export.export.lazy import lazy_export, plan_export  # noqa: E402
+from lightning_fsdp_export.export.shards import row_bounds, shard_export  # noqa: E402
 
 
 def qwen3_moe(experts: int, hidden: int, layers: int) -> torch.nn.Module:

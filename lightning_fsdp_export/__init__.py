@@ -6,12 +6,16 @@ only when a vLLM target is built.
 
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_fsdp_export.callback import VLLMWeightSync, WeightSyncError
-from lightning_fsdp_export.export import ExportReport, lazy_export
-from lightning_fsdp_export.names import export_name
-from lightning_fsdp_export.rollouts import AsyncRollouts, RolloutBatch, RolloutError
-from lightning_fsdp_export.strategy import LazyExportFSDP2
-from lightning_fsdp_export.targets import ColocatedVLLM, DirectoryTarget, InMemoryTarget, RemoteVLLM, WeightTarget
+from lightning_fsdp_export import _moved
+
+_moved.install()  # the modules' old paths (before the rooms' folders) still import, with a DeprecationWarning
+
+from lightning_fsdp_export._common import WeightSyncError  # noqa: E402
+from lightning_fsdp_export.export import ExportReport, export_name, lazy_export  # noqa: E402
+from lightning_fsdp_export.rollouts import AsyncRollouts, RolloutBatch, RolloutError  # noqa: E402
+from lightning_fsdp_export.strategy import LazyExportFSDP2  # noqa: E402
+from lightning_fsdp_export.sync.callback import VLLMWeightSync  # noqa: E402
+from lightning_fsdp_export.targets import ColocatedVLLM, DirectoryTarget, InMemoryTarget, RemoteVLLM, WeightTarget  # noqa: E402,E501
 
 __all__ = [
     "AsyncRollouts",

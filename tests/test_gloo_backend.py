@@ -17,10 +17,10 @@ import torch
 
 pytest.importorskip("vllm")
 
-from lightning_fsdp_export.source import ExportSource  # noqa: E402
+from lightning_fsdp_export.export.source import ExportSource  # noqa: E402
 from lightning_fsdp_export.targets import gloo, gloo_protocol  # noqa: E402
 from lightning_fsdp_export.targets.gloo import GlooRound  # noqa: E402
-from lightning_fsdp_export.targets.vllm_source import FSDP2WeightSource  # noqa: E402
+from lightning_fsdp_export.export.vllm_source import FSDP2WeightSource  # noqa: E402
 from tests.conftest import free_port  # noqa: E402
 
 
@@ -200,7 +200,7 @@ def shard_source_of(tensors: dict[str, torch.Tensor], rank: int, *, tied: tuple[
                     fail_at: str | None = None) -> FSDP2WeightSource:
     """Trainer rank ``rank`` of 2 holding torch.chunk rows of every 2-D tensor (as FSDP2 shards them), the rest
     whole; ``tied`` names one tensor twice."""
-    from lightning_fsdp_export.shards import ShardSource
+    from lightning_fsdp_export.export.shards import ShardSource
 
     entries = [([n], t) for n, t in tensors.items()]
     if tied is not None:
@@ -326,7 +326,7 @@ def sparse_round(engines: list[Any], bases: list[Any], version: int, ids: tuple[
 
 
 def test_sparse_rounds_patch_each_workers_copy_bit_exact_and_send_a_fraction() -> None:
-    from lightning_fsdp_export.patches import PatchBase
+    from lightning_fsdp_export.export.patches import PatchBase
 
     tensors = uneven()
     engines, models, _ = connect_shards(2, tensors, buffer_bytes=700)
@@ -359,7 +359,7 @@ def test_sparse_rounds_patch_each_workers_copy_bit_exact_and_send_a_fraction() -
 
 
 def test_a_patch_that_does_not_fit_its_part_is_refused_naming_the_rank_and_tensor() -> None:
-    from lightning_fsdp_export.patches import pack_bits
+    from lightning_fsdp_export.export.patches import pack_bits
 
     tensor = gloo_protocol.PlannedTensor("w", torch.bfloat16, (4, 4), (0, 2, 4))  # rank 0: rows 0-1, rank 1: 2-3
     base = {"w": torch.zeros(4, 4, dtype=torch.bfloat16)}

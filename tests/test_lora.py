@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from lightning_fsdp_export.lora import parse_lora_mode
+from lightning_fsdp_export.export.lora import parse_lora_mode
 from tests.conftest import NO_NAME_DIFF, run_torchrun, scenario
 from tests.test_sync import ENGINE_ENV, LOGPROB_TOLERANCE
 

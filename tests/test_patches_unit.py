@@ -11,7 +11,7 @@ import torch
 
 from lightning_fsdp_export import LazyExportFSDP2, VLLMWeightSync
 from lightning_fsdp_export._common import WeightSyncError
-from lightning_fsdp_export.patches import PatchBase, changed_mask, pack_bits, unpack_bits
+from lightning_fsdp_export.export.patches import PatchBase, changed_mask, pack_bits, unpack_bits
 from lightning_fsdp_export.targets import SendsPatches, WeightTarget
 
 

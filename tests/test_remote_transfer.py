@@ -149,7 +149,7 @@ def test_shard_sources_rows_uneven_shards_tied_heads_and_what_goes_whole(results
 _DYING_TRAINER = textwrap.dedent("""
     import sys, time, torch
     sys.path.insert(0, {root!r})
-    from lightning_fsdp_export.source import ExportSource
+    from lightning_fsdp_export.export.source import ExportSource
     from lightning_fsdp_export.targets.http import Server
     from lightning_fsdp_export.targets.transfer import NativeTransfer
     from lightning_fsdp_export.targets.transports import Gloo
@@ -172,7 +172,7 @@ _DYING_TRAINER = textwrap.dedent("""
 
 
 def test_a_trainer_killed_mid_round_frees_the_server_after_the_timeout(servers: Any) -> None:
-    from lightning_fsdp_export.source import ExportSource
+    from lightning_fsdp_export.export.source import ExportSource
     from lightning_fsdp_export.targets.http import Server
     from lightning_fsdp_export.targets.transfer import NativeTransfer
     from lightning_fsdp_export.targets.transports import Gloo

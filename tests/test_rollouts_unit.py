@@ -40,25 +40,25 @@ def test_bad_arguments_are_named(build: object, error: type[Exception], match: s
 
 def test_admission_is_paced_by_the_version_each_group_will_be_consumed_at() -> None:
     r = rollouts(batch_size=2, max_staleness=1)
-    r._versions_every = 1
-    r._anchor = (0, 1, 0)  # nothing consumed yet, the servers on version 1
-    assert [r._consumed_at(i) for i in range(6)] == [1, 1, 2, 2, 3, 3]
-    r._anchor = (2, 1, 2)  # the batch of version 1 taken: the next groups are consumed at 2, 3, ...
-    assert [r._consumed_at(i) for i in range(2, 6)] == [2, 2, 3, 3]
-    r._versions_every = 2  # a sync every 2 batches (or gradient accumulation 2): 4 groups per version
-    r._anchor = (2, 1, 2)
-    assert [r._consumed_at(i) for i in range(2, 8)] == [1, 1, 2, 2, 2, 2]
+    r.pacing.versions_every = 1
+    r.pacing.anchor = (0, 1, 0)  # nothing consumed yet, the servers on version 1
+    assert [r.pacing.consumed_at(i) for i in range(6)] == [1, 1, 2, 2, 3, 3]
+    r.pacing.anchor = (2, 1, 2)  # the batch of version 1 taken: the next groups are consumed at 2, 3, ...
+    assert [r.pacing.consumed_at(i) for i in range(2, 6)] == [2, 2, 3, 3]
+    r.pacing.versions_every = 2  # a sync every 2 batches (or gradient accumulation 2): 4 groups per version
+    r.pacing.anchor = (2, 1, 2)
+    assert [r.pacing.consumed_at(i) for i in range(2, 8)] == [1, 1, 2, 2, 2, 2]
 
 
 def test_bound_zero_admits_the_next_batch_only_after_the_sync() -> None:
     r = rollouts(batch_size=1, max_staleness=0)
-    r._versions_every = 1
+    r.pacing.versions_every = 1
     r.sync.served_version = 3
-    r._anchor = (1, 3, 1)  # the step at version 3 took its batch
-    r._consumed = 1
-    assert not r._may_admit()  # its group would be consumed at 4
+    r.pacing.anchor = (1, 3, 1)  # the step at version 3 took its batch
+    r.state.consumed = 1
+    assert not r.pacing.may_admit(r.state, r.sync.served_version)  # its group would be consumed at 4
     r.sync.served_version = 4
-    assert r._may_admit()
+    assert r.pacing.may_admit(r.state, r.sync.served_version)
 
 
 def sample(prompt: list[int], tokens: list[int], versions: list[int], reward: float) -> Sample:
@@ -93,10 +93,10 @@ def test_spans_become_per_token_versions_and_unknown_labels_are_oldest() -> None
     choice = {"token_ids": [7, 8, 9], "finish_reason": "length",
               "weight_versions": [{"version": "default", "start": 0, "end": 1}, {"version": "4", "start": 1, "end": 3}],
               "logprobs": {"content": [{"logprob": -1.0}, {"logprob": -2.0}, {"logprob": -3.0}]}}
-    s = r._sample(0, [1], choice, server)
+    s = r.clients.sample(0, [1], choice, server)
     assert s.versions == [-1, 4, 4] and s.logprobs == [-1.0, -2.0, -3.0] and s.min_version == -1
     with pytest.raises(ValueError, match="returned no weight_versions"):
-        r._sample(0, [1], {**choice, "weight_versions": None}, server)
+        r.clients.sample(0, [1], {**choice, "weight_versions": None}, server)
 
 
 def test_the_benchmarks_timeline_is_a_picture_of_every_interval() -> None:
@@ -170,5 +170,5 @@ def test_with_an_adapter_sync_the_rollouts_ask_for_the_adapter(lora: str, model:
             bodies.append(body)
             raise ServerError("recorded", URL)
 
-    assert r._generate("r0", 0, Recording(), 1) is None  # type: ignore[arg-type]
+    assert r.clients._generate("r0", 0, Recording(), 1) is None  # type: ignore[arg-type]
     assert bodies[0].get("model") == model and bodies[0]["cache_salt"] == "lfe-v1", bodies

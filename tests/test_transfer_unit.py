@@ -22,7 +22,7 @@ pytest.importorskip("vllm")
 
 from lightning_fsdp_export import RemoteVLLM  # noqa: E402
 from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL  # noqa: E402
-from lightning_fsdp_export.source import ExportSource, layerwise_entries, layerwise_groups  # noqa: E402
+from lightning_fsdp_export.export.source import ExportSource, layerwise_entries, layerwise_groups  # noqa: E402
 from lightning_fsdp_export._compat import iter_full, source_metadata, weight_source_contract  # noqa: E402
 from lightning_fsdp_export.targets.http import ServerError  # noqa: E402
 
@@ -439,7 +439,7 @@ def fake_m2n(monkeypatch: pytest.MonkeyPatch) -> FakeM2N:
 
 
 def shard_source() -> Any:
-    from lightning_fsdp_export.shards import ShardSource
+    from lightning_fsdp_export.export.shards import ShardSource
 
     items = [("model.embed_tokens.weight", torch.arange(8.0).reshape(4, 2)), ("model.norm.weight", torch.ones(2))]
 
@@ -735,7 +735,7 @@ def sparse_engine(monkeypatch: pytest.MonkeyPatch) -> type[RecordingSparseEngine
 
 def row_source(tensors: dict[str, torch.Tensor]) -> Any:
     """A one-rank shard-direct source: every 2-D tensor as rows (bounds), the rest whole."""
-    from lightning_fsdp_export.shards import ShardSource
+    from lightning_fsdp_export.export.shards import ShardSource
 
     entries = [([n], t) for n, t in tensors.items()]
 

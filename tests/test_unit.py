@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 from lightning_fsdp_export import ExportReport, LazyExportFSDP2, export_name, lazy_export
-from lightning_fsdp_export.names import is_lora_name
-from lightning_fsdp_export.offload import OffloadMode
+from lightning_fsdp_export.export.names import is_lora_name
+from lightning_fsdp_export.phases.offload import OffloadMode
 from lightning_fsdp_export.testing import tiny_qwen2
 
 NAMES = [
@@ -106,13 +107,13 @@ def test_import_does_not_import_vllm() -> None:
 
 
 def test_sharding_defaults_come_from_hf_no_split_modules() -> None:
-    from lightning_fsdp_export.sharding import default_shard_classes
+    from lightning_fsdp_export.prepare.sharding import default_shard_classes
 
     assert default_shard_classes(nn.ModuleDict({"m": tiny_qwen2()})) == {"Qwen2DecoderLayer"}
 
 
 def test_auto_shard_refuses_parameters_held_by_the_lightning_module() -> None:
-    from lightning_fsdp_export.sharding import auto_shard
+    from lightning_fsdp_export.prepare.sharding import auto_shard
 
     class Holder(nn.Module):
         def __init__(self) -> None:
@@ -125,7 +126,7 @@ def test_auto_shard_refuses_parameters_held_by_the_lightning_module() -> None:
 
 
 def test_pretrained_directory_without_safetensors_is_named(tmp_path) -> None:
-    from lightning_fsdp_export.pretrained import checkpoint_shapes
+    from lightning_fsdp_export.prepare.pretrained import checkpoint_shapes
 
     with pytest.raises(FileNotFoundError, match=r"holds no \*\.safetensors file"):
         checkpoint_shapes(tmp_path)
@@ -135,7 +136,7 @@ def test_layer_key_partitions_names_as_vllm_layerwise_groups() -> None:
     """The grouped gathers split at layer boundaries the way vLLM's weight transfer groups names."""
     from vllm.distributed.weight_transfer.base import layerwise_groups
 
-    from lightning_fsdp_export.buckets import layer_key
+    from lightning_fsdp_export.export.buckets import layer_key
     from lightning_fsdp_export.testing import tiny_qwen2
 
     names = [*tiny_qwen2().state_dict(), "model.layers.1.mlp.experts.7.w1", "visual.blocks.0.attn.qkv.weight"]
@@ -179,10 +180,85 @@ def test_the_package_has_no_import_cycle() -> None:
         visit(module, [])
 
 
+ROOMS = ("prepare", "phases", "export", "sync", "targets", "rollouts")
+BOTTOM = ("_common", "_compat", "_fsdp", "_moved")
+
+
+def _room(module: str) -> str:
+    """The room of a module of the package (docs/architecture.md): its folder, ``bottom``, or ``glue``."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return "package"
+    return parts[0] if parts[0] in ROOMS else "bottom" if parts[0] in BOTTOM else "glue" if parts[0] == "strategy" \
+        else parts[0]
+
+
+def room_imports() -> dict[str, set[str]]:
+    """Which rooms each room imports, at module level or inside a function (not under ``TYPE_CHECKING``)."""
+    import ast
+    from pathlib import Path
+
+    import lightning_fsdp_export
+
+    root = Path(lightning_fsdp_export.__file__).parent
+    edges: dict[str, set[str]] = {}
+    for path in root.rglob("*.py"):
+        name = "lightning_fsdp_export." + ".".join(path.relative_to(root).with_suffix("").parts)
+        name = name.removesuffix(".__init__")
+        tree = ast.parse(path.read_text())
+        typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
+                       and getattr(node.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(node)}
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lightning_fsdp_export"):
+                modules = [node.module] if node.module != "lightning_fsdp_export" else [
+                    f"lightning_fsdp_export.{a.name}" for a in node.names]
+            elif isinstance(node, ast.Import):
+                modules = [a.name for a in node.names if a.name.startswith("lightning_fsdp_export")]
+            else:
+                continue
+            for module in modules:
+                a, b = _room(name), _room(module)
+                if a != b and b != "package":
+                    edges.setdefault(a, set()).add(b)
+    return edges
+
+
+def test_the_rooms_import_each_other_without_a_cycle_as_architecture_md_says() -> None:
+    # issue 38: the rooms are folders, and no room imports one that imports it back (directly or through others)
+    edges = room_imports()
+    seen: dict[str, int] = {}
+
+    def visit(room: str, trail: list[str]) -> None:
+        assert seen.get(room) != 1, "room cycle: " + " -> ".join([*trail, room])
+        if seen.get(room) == 2:
+            return
+        seen[room] = 1
+        for dep in sorted(edges.get(room, ())):
+            visit(dep, [*trail, room])
+        seen[room] = 2
+
+    for room in sorted(edges):
+        if room != "package":
+            visit(room, [])
+    # docs/architecture.md's table "Which rooms a room imports" is this graph
+    import re
+
+    text = (Path(__file__).resolve().parent.parent / "docs" / "architecture.md").read_text()
+    section = text.split("### Which rooms a room imports", 1)[1]
+    table = section[section.index("| room | imports |"):].split("\n\n", 1)[0]
+    documented = {}
+    for line in table.splitlines()[2:]:
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        documented[cells[0].strip("*`")] = set(re.findall(r"`([a-z_]+)`", cells[1]))
+    assert documented == {room: deps for room, deps in edges.items() if room != "package"}, edges
+
+
 # What a function-local import may guard: an optional dependency (vLLM; our modules that import vLLM at their top; the
 # vLLM plugin module, which imports this package), peft (only peft models need it; it costs seconds to import), and APIs of a version newer than the
 # package's minimum (transformers 5's conversion rules, torch's HuggingFaceStorageReader).
-LAZY_IMPORTS = ("vllm", "lightning_fsdp_export.targets.vllm_source", "lightning_fsdp_export.targets.gloo",
+LAZY_IMPORTS = ("vllm", "lightning_fsdp_export.export.vllm_source", "lightning_fsdp_export.targets.gloo",
                 "lightning_fsdp_export.targets.gloo_infos", "lightning_fsdp_export.targets.gloo_trainer",
                 "lightning_fsdp_export.targets.gloo_worker",
                 "lightning_fsdp_export_plugin", "peft", "transformers.core_model_loading",
@@ -228,7 +304,7 @@ def test_write_safetensors_moves_out_of_the_targets_namespace_with_a_warning() -
 def test_the_syncs_modes_are_parsed_once_into_enums() -> None:
     # issue 38: lora / on_error / verify validated in __init__ and passed on typed; the strings users write still work
     from lightning_fsdp_export import InMemoryTarget, VLLMWeightSync
-    from lightning_fsdp_export.sync_options import OnError, SyncLora, Verify, parse_option
+    from lightning_fsdp_export.sync.options import OnError, SyncLora, Verify, parse_option
 
     sync = VLLMWeightSync(InMemoryTarget(), on_error="warn")
     assert sync.lora is SyncLora.MERGED and sync.lora == "merged" and str(sync.lora) == "merged"
@@ -239,3 +315,26 @@ def test_the_syncs_modes_are_parsed_once_into_enums() -> None:
         VLLMWeightSync(InMemoryTarget(), on_error="ignore")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"VLLMWeightSync\(lora='both'\) must be one of 'merged', 'adapter'\."):
         VLLMWeightSync(InMemoryTarget(), lora="both")  # type: ignore[arg-type]
+
+
+def test_the_modules_old_paths_still_import_with_a_warning_naming_the_new_one() -> None:
+    # issue 38: the rooms became folders; an old import keeps working for one more minor
+    import importlib
+    import sys
+
+    from lightning_fsdp_export import _moved
+    from lightning_fsdp_export.sync import callback
+
+    for old, new in _moved.MOVED.items():
+        sys.modules.pop(old, None)
+        with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
+            assert importlib.import_module(old) is importlib.import_module(new)
+        assert sys.modules[new].__spec__.name == new  # the moved module keeps its own spec
+    sys.modules.pop("lightning_fsdp_export.callback")
+    with pytest.warns(DeprecationWarning, match="lightning_fsdp_export.callback moved to lightning_fsdp_export.sync"):
+        from lightning_fsdp_export.callback import VLLMWeightSync  # noqa: F401
+    assert VLLMWeightSync is callback.VLLMWeightSync
+    with pytest.warns(DeprecationWarning, match=r"export.gather_full moved to lightning_fsdp_export.export.lazy"):
+        from lightning_fsdp_export.export import gather_full  # noqa: F401
+    with pytest.warns(DeprecationWarning, match=r"phases.move_module moved to lightning_fsdp_export.phases.compute"):
+        from lightning_fsdp_export.phases import move_module  # noqa: F401

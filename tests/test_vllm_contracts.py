@@ -22,9 +22,9 @@ import torch
 pytest.importorskip("vllm")
 
 from lightning_fsdp_export import _compat  # noqa: E402
-from lightning_fsdp_export.shards import ShardSource  # noqa: E402
-from lightning_fsdp_export.source import ExportSource  # noqa: E402
-from lightning_fsdp_export.targets.vllm_source import FSDP2M2NSource, FSDP2WeightSource, RowShardMeta  # noqa: E402
+from lightning_fsdp_export.export.shards import ShardSource  # noqa: E402
+from lightning_fsdp_export.export.source import ExportSource  # noqa: E402
+from lightning_fsdp_export.export.vllm_source import FSDP2M2NSource, FSDP2WeightSource, RowShardMeta  # noqa: E402
 from tests.conftest import ROOT  # noqa: E402
 
 OVERLAY = ROOT / ".vllm033" / "weight_transfer"

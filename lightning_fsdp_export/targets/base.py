@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from lightning_fsdp_export.source import ExportSource, SourceLayout
+from lightning_fsdp_export.export.source import ExportSource, SourceLayout
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

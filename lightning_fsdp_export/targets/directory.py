@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from torch import Tensor
 
 from lightning_fsdp_export._common import compare_shapes
-from lightning_fsdp_export.pretrained import checkpoint_shapes
+from lightning_fsdp_export.prepare.pretrained import checkpoint_shapes
 from lightning_fsdp_export.targets.base import WeightTarget
 
 if TYPE_CHECKING:

@@ -28,7 +28,7 @@ Sparse rounds (``RemoteVLLM(transport=Gloo(shard_direct=True, sparse=True))``): 
 ``keep_as`` leaves each worker a host copy of every tensor it loaded (the whole model, in the wire dtype, per
 worker); a later round with ``patch_of`` naming that copy carries, per trainer rank and tensor, either its part
 whole or a patch of the elements that changed, named by int32 indices or by a bitmap of the part, whichever is
-smaller (:mod:`lightning_fsdp_export.patches`); the worker applies them
+smaller (:mod:`lightning_fsdp_export.export.patches`); the worker applies them
 to its copy and loads the full tensors as a dense round would (vLLM 0.32 has no loader for patches), so only
 the wire is sparse. A worker whose copy is not the one named fails the round; any failed round drops the copy.
 

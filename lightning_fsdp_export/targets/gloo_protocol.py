@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_fsdp_export.patches import unpack_bits
+from lightning_fsdp_export.export.patches import unpack_bits
 
 DATA, END, ABORT = 1, 0, -1
 NOBODY = 1 << 62  # the origin a member that did not abort reports (the all-reduce keeps the smallest)

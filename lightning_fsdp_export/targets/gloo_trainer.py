@@ -16,7 +16,7 @@ import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
 from lightning_fsdp_export._compat import iter_full, source_metadata
-from lightning_fsdp_export.patches import PatchBase
+from lightning_fsdp_export.export.patches import PatchBase
 from lightning_fsdp_export.targets.gloo_infos import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_TIMEOUT_S,

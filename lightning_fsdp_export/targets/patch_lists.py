@@ -7,7 +7,7 @@ through the model's own loaders (tensor-parallel shards and packed parameters in
 dense mode: a dense round is a patch of every element.
 
 :func:`send_patch_lists` makes those lists from a shard-direct pass. Each rank takes its own part of each tensor
-(its rows; rank 0 also what goes whole) through its :class:`~lightning_fsdp_export.patches.PatchBase` (the
+(its rows; rank 0 also what goes whole) through its :class:`~lightning_fsdp_export.export.patches.PatchBase` (the
 elements that changed since the confirmed version, or every element in a dense round), offsets the indices to the
 full tensor, and rank 0 collects the patches (never the weights) over the trainer ranks' gloo control group, a
 chunk of tensors at a time, and sends each chunk inside one update (``send_weight_chunk`` between the client's
@@ -25,8 +25,8 @@ import torch
 from torch import Tensor
 
 from lightning_fsdp_export._common import SyncGroup
-from lightning_fsdp_export.patches import INDEX_DTYPE, PatchBase
-from lightning_fsdp_export.shards import ShardMeta, ShardSource
+from lightning_fsdp_export.export.patches import INDEX_DTYPE, PatchBase
+from lightning_fsdp_export.export.shards import ShardMeta, ShardSource
 
 __all__ = ["DEFAULT_CHUNK_BYTES", "send_patch_lists"]
 

@@ -19,7 +19,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_fsdp_export.source import ExportSource, SourceLayout
+from lightning_fsdp_export.export.source import ExportSource, SourceLayout
 from lightning_fsdp_export.targets.adapters import AdapterFiles, adapter_problems, adapter_rank
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,

@@ -29,7 +29,7 @@ import torch
 from typing_extensions import override
 
 from lightning_fsdp_export._compat import source_metadata
-from lightning_fsdp_export.shards import ShardSource
+from lightning_fsdp_export.export.shards import ShardSource
 from lightning_fsdp_export.targets.adapters import load_adapter
 from lightning_fsdp_export.targets.http import Server, ServerError, on_all
 from lightning_fsdp_export.targets.patch_lists import DEFAULT_CHUNK_BYTES, send_patch_lists

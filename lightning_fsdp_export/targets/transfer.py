@@ -40,9 +40,9 @@ from torch import Tensor
 
 from lightning_fsdp_export._compat import json_safe_update_info, source_metadata
 from lightning_fsdp_export._common import SyncGroup
-from lightning_fsdp_export.patches import PatchBase
-from lightning_fsdp_export.shards import ShardSource
-from lightning_fsdp_export.source import ExportSource, SourceLayout
+from lightning_fsdp_export.export.patches import PatchBase
+from lightning_fsdp_export.export.shards import ShardSource
+from lightning_fsdp_export.export.source import ExportSource, SourceLayout
 from lightning_fsdp_export.targets.adapters import (
     SERVER_ADAPTER_ROOT,
     AdapterFiles,
@@ -240,7 +240,7 @@ class NativeTransfer(_Pauses):
         """Every rank: rank 0 alone sending: rendezvous here (a server that does not answer: a warning, and the
         first sync retries inside the ranks' agreement); every rank sending: build the trainer ranks' control
         group (collective), the rendezvous is at the first push."""
-        from lightning_fsdp_export.targets.vllm_source import FSDP2M2NSource, FSDP2WeightSource
+        from lightning_fsdp_export.export.vllm_source import FSDP2M2NSource, FSDP2WeightSource
 
         self.rank = trainer.global_rank
         self.source = FSDP2M2NSource(None) if self.options.layout is SourceLayout.M2N else FSDP2WeightSource(None)

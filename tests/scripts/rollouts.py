@@ -168,7 +168,7 @@ def summary(rollouts: AsyncRollouts, sync: VLLMWeightSync, batches: list[Rollout
         "servers_used": sorted({s.server for s in samples}),
         "paused_seconds": rollouts.sync.target.last_paused_seconds,
         "sync_seconds": sync.last_metrics.get("weight_sync/seconds"),
-        "errors": rollouts._errors[-5:],
+        "errors": rollouts.errors[-5:],
         "produced_multi_version": int(produced[0]), "produced": int(produced[1]),
     }
 
@@ -220,7 +220,7 @@ def a_request_frozen_by_a_push(trainer: Trainer, sync: VLLMWeightSync, rollouts:
         if rank0:
             counted = generation_tokens(url)
             body = {"request_id": f"frozen-{attempt}", "token_ids": prompt,
-                    "sampling_params": {**rollouts._sampling, "n": 1}, "cache_salt": f"lfe-v{before}"}
+                    "sampling_params": {**rollouts.clients.sampling, "n": 1}, "cache_salt": f"lfe-v{before}"}
 
             def ask(body: dict[str, Any] = body) -> None:
                 answer.update(server.request("POST", GENERATE_ROUTE, body), answered=time.monotonic())
@@ -246,7 +246,7 @@ def a_request_frozen_by_a_push(trainer: Trainer, sync: VLLMWeightSync, rollouts:
             policy.versions[sync.served_version] = weights
             assert worker is not None
             worker.join(timeout=TIMEOUT)
-            sample = rollouts._sample(0, prompt, answer["choices"][0], server)
+            sample = rollouts.clients.sample(0, prompt, answer["choices"][0], server)
             spans = [(v, len(list(g))) for v, g in itertools.groupby(sample.versions)]
             tried.append({"paused_after": round(paused, 3), "delay": delay, "spans": spans})
             if len(spans) > 1:
@@ -412,7 +412,7 @@ def scenario_replica_dies(root: Path, urls: list[str]) -> dict[str, Any]:
     events["servers_used"] = sorted({s.server for b in policy.batches for s in b.samples})
     events["steps_done"] = len(policy.batches)
     errors: list[Any] = [None] * dist.get_world_size()  # each rank's requests: the one the replica died with
-    dist.all_gather_object(errors, rollouts._errors[-3:])
+    dist.all_gather_object(errors, rollouts.errors[-3:])
     events["request_errors"] = [e for rank in errors for e in rank]
     if dist.get_rank() == 0:  # the first server, left paused by the failed sync, serves again for what follows
         from lightning_fsdp_export.targets.http import Server

@@ -36,7 +36,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.shards import ShardSource  # noqa: E402
+from lightning_fsdp_export.export.shards import ShardSource  # noqa: E402
 from lightning_fsdp_export.targets import Gloo  # noqa: E402
 from lightning_fsdp_export.testing import tiny_qwen2  # noqa: E402
 from tests.scripts.common import (CausalLM, end_script, run_scenarios, sparse_nccl_stand_in,  # noqa: E402
@@ -231,7 +231,7 @@ def scenario_patch_lists() -> dict[str, Any]:
     from datetime import timedelta
 
     from lightning_fsdp_export._common import SyncGroup
-    from lightning_fsdp_export.patches import PatchBase
+    from lightning_fsdp_export.export.patches import PatchBase
     from lightning_fsdp_export.targets.patch_lists import send_patch_lists
 
     name = "vllm.distributed.weight_transfer.sparse_nccl_engine"

@@ -133,7 +133,7 @@ def scenario_pool(pool: bool) -> dict[str, Any]:
     and swaps the shard's storage (through the FSDP2 internals in _compat), every load copies back.
     """
     from lightning_fsdp_export._compat import fsdp_params, sharded_storage
-    from lightning_fsdp_export.offload import HostPool
+    from lightning_fsdp_export.phases.offload import HostPool
 
     seed_everything(0)
     build = lambda: tiny_qwen2(intermediate_size=513)  # noqa: E731

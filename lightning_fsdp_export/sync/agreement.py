@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 from lightning_fsdp_export._common import SyncGroup, WeightSyncError
 
 if TYPE_CHECKING:
-    from lightning_fsdp_export.source import ExportSource
+    from lightning_fsdp_export.export.source import ExportSource
 
 __all__ = ["agree_after", "agree_before", "plan_digest"]
 
@@ -32,7 +32,7 @@ def agree_before(group: SyncGroup, version: int, sources: list[ExportSource],
     Args:
         group: the sync's control group.
         version: the sync's version (for messages).
-        sources: this sync's :class:`~lightning_fsdp_export.source.ExportSource` s, in push order.
+        sources: this sync's :class:`~lightning_fsdp_export.export.source.ExportSource` s, in push order.
         check: ``check(kind, shapes)``, the target's refusals of one source's names and shapes (its
             ``check_weights``, or a ``LoadsAdapters``' ``check_adapter`` for the adapter).
         check_finite: refuse NaN or Inf in this rank's local shards.

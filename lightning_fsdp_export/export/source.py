@@ -26,9 +26,9 @@ import torch
 from torch import Tensor
 from tqdm.auto import tqdm
 
-from lightning_fsdp_export.buckets import layer_key
-from lightning_fsdp_export.checkpoint_format import CheckpointFormat
-from lightning_fsdp_export.export import nonfinite
+from lightning_fsdp_export.export.buckets import layer_key
+from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
+from lightning_fsdp_export.export.lazy import nonfinite
 
 __all__ = ["ExportSource", "SourceLayout", "TensorMeta", "layerwise_groups", "layerwise_entries"]
 
@@ -42,7 +42,7 @@ class SourceLayout(str, Enum):
 
     * ``FULL``: every tensor gathered whole on every rank (:class:`ExportSource`);
     * ``SHARDS``: each rank yields its own rows of every FSDP2 shard, no gather
-      (:class:`~lightning_fsdp_export.shards.ShardSource`; fused experts as each rank's own experts'
+      (:class:`~lightning_fsdp_export.export.shards.ShardSource`; fused experts as each rank's own experts'
       checkpoint pieces), for shard-direct transports;
     * ``M2N``: ``SHARDS`` within vLLM's ``nccl_m2n`` limits (split tensors and rows that do not divide by
       the ranks go whole; rows staged on the strategy's device).

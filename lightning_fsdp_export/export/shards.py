@@ -31,11 +31,11 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_fsdp_export.buckets import bucketable
-from lightning_fsdp_export.checkpoint_format import CheckpointFormat
-from lightning_fsdp_export.export import ExportReport, _converted, gather_full
-from lightning_fsdp_export.sharding import chunk_bounds
-from lightning_fsdp_export.source import Entries, ExportSource, wire_dtype
+from lightning_fsdp_export.export.buckets import bucketable
+from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
+from lightning_fsdp_export.export.lazy import ExportReport, _converted, gather_full
+from lightning_fsdp_export._fsdp import chunk_bounds
+from lightning_fsdp_export.export.source import Entries, ExportSource, wire_dtype
 
 __all__ = ["Layout", "ShardMeta", "ShardSource", "owner_bounds", "row_bounds", "shard_export", "trainer_world"]
 
@@ -162,7 +162,7 @@ def _local_cast(tensor: Tensor, dtype: torch.dtype | None, device: torch.device 
 
 
 class ShardSource(ExportSource):
-    """:class:`~lightning_fsdp_export.source.ExportSource` of a shard-direct pass: ``metadata()`` also says,
+    """:class:`~lightning_fsdp_export.export.source.ExportSource` of a shard-direct pass: ``metadata()`` also says,
     per tensor, which rows each rank yields (:class:`ShardMeta`); ``iter()`` is a :func:`shard_export` pass.
 
     Built by ``LazyExportFSDP2.export_source(layout="shards")``; ``weight_source(layout="m2n")`` its vLLM view.

@@ -25,8 +25,8 @@ import torch
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from lightning_fsdp_export.offload import HostPool, OffloadMode, move_module, move_optimizer_state
-from lightning_fsdp_export.sharding import outermost
+from lightning_fsdp_export.phases.offload import HostPool, OffloadMode, move_module, move_optimizer_state
+from lightning_fsdp_export._fsdp import outermost
 
 __all__ = ["ComputePhases", "PhaseListener"]
 

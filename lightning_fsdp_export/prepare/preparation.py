@@ -4,7 +4,7 @@ At setup, in this order (:meth:`ModelPreparation.prepare`): refuse FSDP1, find t
 ``fully_shard`` where ``configure_model`` did not, allocate meta tensors and fill them (``pretrained=``
 checkpoints first, then each model's own init), and put plain tensors where they belong. It owns the
 sharding options and the checkpoint directories; it does not move shards between phases
-(:mod:`~lightning_fsdp_export.phases`) and does not export (:mod:`~lightning_fsdp_export.model_export`).
+(:mod:`~lightning_fsdp_export.phases.compute`) and does not export (:mod:`~lightning_fsdp_export.export.model_export`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
-from lightning_fsdp_export.lora import is_peft_model
-from lightning_fsdp_export.materialize import materialize_meta
-from lightning_fsdp_export.offload import OffloadMode
-from lightning_fsdp_export.pretrained import load_hf_checkpoint
-from lightning_fsdp_export.sharding import auto_shard, is_fully_sharded, outermost, reject_fsdp1
+from lightning_fsdp_export.export.lora import is_peft_model
+from lightning_fsdp_export.prepare.materialize import materialize_meta
+from lightning_fsdp_export.phases.offload import OffloadMode
+from lightning_fsdp_export.prepare.pretrained import load_hf_checkpoint
+from lightning_fsdp_export.prepare.sharding import auto_shard, is_fully_sharded, outermost, reject_fsdp1
 
 __all__ = ["ModelPreparation", "validate_options", "validate_pretrained"]
 

@@ -2,8 +2,8 @@
 
 Each rank reads only the slices its shards hold (``torch.distributed.checkpoint`` with
 ``HuggingFaceStorageReader``), so no rank ever holds a full copy of the model. Names go through the
-same mapping the export uses (:func:`~lightning_fsdp_export.names.export_name`, then the model's
-:class:`~lightning_fsdp_export.checkpoint_format.CheckpointFormat`), so a checkpoint written by
+same mapping the export uses (:func:`~lightning_fsdp_export.export.names.export_name`, then the model's
+:class:`~lightning_fsdp_export.export.checkpoint_format.CheckpointFormat`), so a checkpoint written by
 ``save_pretrained`` (or by this package's ``DirectoryTarget``) loads back into the model it came from; a
 tied tensor is read once, under whichever of its names the checkpoint holds. A tensor kept in another
 layout in memory (fused MoE experts) is assembled on each rank from the checkpoint tensors of its own
@@ -20,10 +20,10 @@ from safetensors import safe_open
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_fsdp_export.checkpoint_format import CheckpointFormat
-from lightning_fsdp_export.export import plan_export
-from lightning_fsdp_export.names import is_lora_name
-from lightning_fsdp_export.sharding import chunk_bounds, unsharded_class
+from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
+from lightning_fsdp_export.export.lazy import plan_export
+from lightning_fsdp_export.export.names import is_lora_name
+from lightning_fsdp_export.prepare.sharding import chunk_bounds, unsharded_class
 
 __all__ = ["checkpoint_shapes", "load_hf_checkpoint"]
 

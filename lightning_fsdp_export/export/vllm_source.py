@@ -27,8 +27,8 @@ from torch import Tensor
 from vllm.distributed.weight_transfer.base import ParamMeta, WeightSource
 
 from lightning_fsdp_export._compat import weight_source_contract
-from lightning_fsdp_export.shards import ShardSource
-from lightning_fsdp_export.source import ExportSource
+from lightning_fsdp_export.export.shards import ShardSource
+from lightning_fsdp_export.export.source import ExportSource
 
 __all__ = ["FSDP2M2NSource", "FSDP2WeightSource", "RowShardMeta"]
 
@@ -77,7 +77,7 @@ class _Repointable:
 
 
 class FSDP2WeightSource(_Repointable, WeightSource):
-    """A vLLM ``WeightSource`` over :class:`~lightning_fsdp_export.source.ExportSource`.
+    """A vLLM ``WeightSource`` over :class:`~lightning_fsdp_export.export.source.ExportSource`.
 
     ``metadata`` is the export plan (no collective); each iteration (``iter(source)`` on vLLM 0.32,
     ``iter_full()`` on 0.33) is a fresh collective export pass in the same, layerwise order. vLLM's trainer
@@ -93,7 +93,7 @@ class FSDP2WeightSource(_Repointable, WeightSource):
         self.export = export
 
     def _metadata(self) -> list[ParamMeta]:
-        """``ParamMeta`` per tensor; over a :class:`~lightning_fsdp_export.shards.ShardSource` a :class:`RowShardMeta`
+        """``ParamMeta`` per tensor; over a :class:`~lightning_fsdp_export.export.shards.ShardSource` a :class:`RowShardMeta`
         (with each rank's rows, for the gloo backend's shard-direct mode)."""
         if isinstance(self.export, ShardSource):
             return [RowShardMeta(m.name, m.dtype, m.shape, m.bounds) for m in self.export.metadata()]
@@ -109,7 +109,7 @@ if _CONTRACT == "0.33":
 
     class FSDP2M2NSource(_Repointable, WeightSource):
         """The source ``nccl_m2n`` takes on vLLM 0.33: a plain ``WeightSource`` over a
-        :class:`~lightning_fsdp_export.shards.ShardSource` whose ``ParamMeta`` says the layout.
+        :class:`~lightning_fsdp_export.export.shards.ShardSource` whose ``ParamMeta`` says the layout.
 
         A row shard sent as it is: ``owners`` every trainer rank, ``mesh_shape=(world,)``,
         ``placements=(Shard(0),)`` (FSDP2's rows follow ``torch.chunk``, vLLM's rule); a tensor sent whole
@@ -136,7 +136,7 @@ else:
     from vllm.distributed.weight_transfer.m2n_source import M2NWeightSource
 
     class FSDP2M2NSource(_Repointable, M2NWeightSource):  # type: ignore[no-redef]
-        """vLLM 0.32's ``M2NWeightSource`` (``nccl_m2n``) over a :class:`~lightning_fsdp_export.shards.ShardSource`.
+        """vLLM 0.32's ``M2NWeightSource`` (``nccl_m2n``) over a :class:`~lightning_fsdp_export.export.shards.ShardSource`.
 
         ``mesh()`` is the trainer's ranks as one FSDP axis, ``(world, 1)``; ``metadata()`` gives each tensor's
         checkpoint name, wire dtype, full shape and placement: ``(0, REPLICATE)`` (rows over the ranks) for a

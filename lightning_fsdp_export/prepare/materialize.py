@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate
 from transformers import PreTrainedModel
 
-from lightning_fsdp_export.sharding import outermost, unsharded_class
+from lightning_fsdp_export.prepare.sharding import outermost, unsharded_class
 
 __all__ = ["materialize_meta"]
 

@@ -22,9 +22,9 @@ import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from lightning_fsdp_export.buckets import bucketable, cast_before_gather, gather_in_order
-from lightning_fsdp_export.checkpoint_format import CheckpointFormat
-from lightning_fsdp_export.names import export_name
+from lightning_fsdp_export.export.buckets import bucketable, cast_before_gather, gather_in_order
+from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
+from lightning_fsdp_export.export.names import export_name
 
 __all__ = ["ExportReport", "lazy_export", "nonfinite", "plan_export"]
 
@@ -35,7 +35,7 @@ class ExportReport:
 
     Attributes:
         path: ``"lazy"`` (per-tensor staging), ``"staged"`` (the module moved as a whole; LoRA) or
-            ``"shards"`` (shard-direct: each rank's own rows; see :mod:`~lightning_fsdp_export.shards`).
+            ``"shards"`` (shard-direct: each rank's own rows; see :mod:`~lightning_fsdp_export.export.shards`).
         tensors: number of ``(name, tensor)`` pairs yielded (a tied tensor counts once per name).
         bytes: bytes of the yielded tensors, after the ``dtype`` cast.
         seconds: time spent inside the exporter (gathers, copies, casts), not in the consumer.
@@ -78,7 +78,7 @@ def plan_export(
         module: the module to export (FSDP2-sharded or not).
         keep: which raw state-dict names to export (default: all).
         rename: maps a raw name to the exported one (default:
-            :func:`~lightning_fsdp_export.names.export_name`).
+            :func:`~lightning_fsdp_export.export.names.export_name`).
     """
     groups: dict[int, tuple[list[str], Tensor]] = {}
     for name, tensor in module.state_dict(keep_vars=True).items():
@@ -93,7 +93,7 @@ def gather_full(tensor: Tensor, *, device: torch.device, dtype: torch.dtype | No
     """Stage one tensor on ``device`` and return it whole, cast to ``dtype`` (collective for a DTensor).
 
     The cast happens before the gather wherever that gives the same bits (``Shard``/``Replicate``
-    placements, plain tensors; see :func:`~lightning_fsdp_export.buckets.cast_before_gather`), so
+    placements, plain tensors; see :func:`~lightning_fsdp_export.export.buckets.cast_before_gather`), so
     fewer bytes move. The result never shares memory with the module's own tensor, so a consumer may
     keep it while training goes on (a plain tensor already on ``device``, or a replicated DTensor, is
     copied). ``stats[0]``, if given, grows by the bytes gathered.
@@ -141,7 +141,7 @@ def lazy_export(
     A collective generator: every rank of the module's mesh must drain it in the same order.
     Floating tensors are cast to ``dtype`` before their gather wherever the result is bit-identical.
     Runs of consecutive FSDP2 shards (``Shard(0)``, one 1-D mesh) go through
-    :func:`~lightning_fsdp_export.buckets.gather_in_order` (grouped per layer up to ``bucket_bytes``,
+    :func:`~lightning_fsdp_export.export.buckets.gather_in_order` (grouped per layer up to ``bucket_bytes``,
     larger tensors in blocks of it, ``prefetch`` collectives in flight); other layouts one by one.
 
     Args:
@@ -157,7 +157,7 @@ def lazy_export(
             up to ``prefetch`` more tensors (or buckets) of memory.
         checkpoint_format: maps each gathered entry to the tensors of the model's checkpoint (a fused
             MoE expert tensor is split into per-expert views; see
-            :mod:`~lightning_fsdp_export.checkpoint_format`). Default: ``CheckpointFormat.of(module)``.
+            :mod:`~lightning_fsdp_export.export.checkpoint_format`). Default: ``CheckpointFormat.of(module)``.
     """
     if bucket_bytes < 0:
         raise ValueError(f"lazy_export(bucket_bytes={bucket_bytes}) must be 0 (no buckets) or a positive size.")

@@ -1,9 +1,9 @@
 """``VLLMWeightSync``: when to sync, and a sync's path through the rooms (``docs/architecture.md``).
 
 A sync reads: should I sync -> the ranks agree on the sources' metadata -> the target consumes the
-sources -> verify -> report. The sources come from the strategy (:mod:`~lightning_fsdp_export.pushes`
-chooses their kinds once), the agreement from :mod:`~lightning_fsdp_export.agreement`, the checks from
-:mod:`~lightning_fsdp_export.verify` and :mod:`~lightning_fsdp_export.exact`.
+sources -> verify -> report. The sources come from the strategy (:mod:`~lightning_fsdp_export.sync.pushes`
+chooses their kinds once), the agreement from :mod:`~lightning_fsdp_export.sync.agreement`, the checks from
+:mod:`~lightning_fsdp_export.sync.verify` and :mod:`~lightning_fsdp_export.sync.exact`.
 """
 
 from __future__ import annotations
@@ -23,12 +23,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_fsdp_export._common import SyncGroup, WeightSyncError
-from lightning_fsdp_export.agreement import agree_after, agree_before
-from lightning_fsdp_export.exact import EXACT_FAILED, ExactCheck, check_precondition, exact_verdict
-from lightning_fsdp_export.pushes import Push, plan_pushes, temporary_adapter_dir
-from lightning_fsdp_export.source import ExportSource
+from lightning_fsdp_export.sync.agreement import agree_after, agree_before
+from lightning_fsdp_export.sync.exact import EXACT_FAILED, ExactCheck, check_precondition, exact_verdict
+from lightning_fsdp_export.sync.pushes import Push, plan_pushes, temporary_adapter_dir
+from lightning_fsdp_export.export.source import ExportSource
 from lightning_fsdp_export.strategy import LazyExportFSDP2
-from lightning_fsdp_export.sync_options import OnError, SyncLora, Verify, parse_option
+from lightning_fsdp_export.sync.options import OnError, SyncLora, Verify, parse_option
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,
     LoadsAdapters,
@@ -37,7 +37,7 @@ from lightning_fsdp_export.targets.base import (
     SleepsDuringCompute,
     WeightTarget,
 )
-from lightning_fsdp_export.verify import check_logprobs
+from lightning_fsdp_export.sync.verify import check_logprobs
 
 __all__ = ["VLLMWeightSync", "WeightSyncError"]
 

@@ -15,9 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from lightning_fsdp_export.lora import write_adapter
-from lightning_fsdp_export.source import ExportSource, SourceLayout
-from lightning_fsdp_export.sync_options import SyncLora
+from lightning_fsdp_export.export.lora import write_adapter
+from lightning_fsdp_export.export.source import ExportSource, SourceLayout
+from lightning_fsdp_export.sync.options import SyncLora
 from lightning_fsdp_export.targets.adapters import prune_versions
 from lightning_fsdp_export.targets.base import LoadsAdapters, WeightTarget
 

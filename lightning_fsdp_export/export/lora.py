@@ -7,7 +7,7 @@ Merging adapters does real weight math on the module, so a peft model does not t
    base layer) are snapshotted;
 3. ``merge_adapter()`` (peft's own math, which works on DTensor parameters) merges in place;
 4. the merged base weights are gathered one by one, as the lazy path does, under the base model's
-   HF names (:func:`~lightning_fsdp_export.names.export_name`), adapter tensors left out;
+   HF names (:func:`~lightning_fsdp_export.export.names.export_name`), adapter tensors left out;
 5. ``unmerge_adapter()`` resets peft's merge state and the snapshots are copied back, because merge
    then unmerge is not exact in floating point (measured: bf16 up to 4.9e-4 per round trip). The
    module ends bit-identical to before;
@@ -31,9 +31,9 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
-from lightning_fsdp_export.checkpoint_format import CheckpointFormat
-from lightning_fsdp_export.export import ExportReport, lazy_export, plan_export
-from lightning_fsdp_export.names import adapter_file_name, export_name, is_lora_name, is_peft_model
+from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
+from lightning_fsdp_export.export.lazy import ExportReport, lazy_export, plan_export
+from lightning_fsdp_export.export.names import adapter_file_name, export_name, is_lora_name, is_peft_model
 
 __all__ = ["LoraMode", "check_adapters_loadable", "entries_for", "is_peft_model", "staged_merged_export",
            "write_adapter"]
@@ -133,8 +133,8 @@ def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torc
         stage: moves offloaded shards to the device; returns whether it moved anything.
         unstage: moves them back (called only if ``stage`` moved them).
         on_finish: receives the :class:`ExportReport` once the generator is exhausted.
-        bucket_bytes: as in :func:`~lightning_fsdp_export.export.lazy_export`.
-        prefetch: as in :func:`~lightning_fsdp_export.export.lazy_export`.
+        bucket_bytes: as in :func:`~lightning_fsdp_export.export.lazy.lazy_export`.
+        prefetch: as in :func:`~lightning_fsdp_export.export.lazy.lazy_export`.
         reorder: rearranges the merged entries (``entries_for(module, "merged")``, planned after the
             shards are staged) before the pass, e.g. into vLLM's layerwise order.
         checkpoint_format: maps merged base tensors to the checkpoint's layout (default: the base model's).

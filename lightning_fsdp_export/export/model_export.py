@@ -1,7 +1,7 @@
 """The export side of the strategy: the exported model, its checkpoint format, and sources of its weights.
 
 :class:`ModelExport` answers, for the model the strategy found at setup, "give me the weights of kind K"
-with an :class:`~lightning_fsdp_export.source.ExportSource` (metadata without a collective, a fresh
+with an :class:`~lightning_fsdp_export.export.source.ExportSource` (metadata without a collective, a fresh
 collective pass per iteration). The kinds are the LoRA modes, chosen once per source:
 
 - ``"merged"``: every base weight in checkpoint format; for a peft model with its adapters merged (the
@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from lightning_fsdp_export.checkpoint_format import CheckpointFormat
-from lightning_fsdp_export.export import ExportReport, lazy_export
-from lightning_fsdp_export.lora import (
+from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
+from lightning_fsdp_export.export.lazy import ExportReport, lazy_export
+from lightning_fsdp_export.export.lora import (
     LoraMode,
     check_adapters_loadable,
     entries_for,
@@ -31,8 +31,8 @@ from lightning_fsdp_export.lora import (
     parse_lora_mode,
     staged_merged_export,
 )
-from lightning_fsdp_export.shards import Layout, ShardSource, row_bounds, shard_export, trainer_world
-from lightning_fsdp_export.source import Entries, ExportSource, SourceLayout, layerwise_entries
+from lightning_fsdp_export.export.shards import Layout, ShardSource, row_bounds, shard_export, trainer_world
+from lightning_fsdp_export.export.source import Entries, ExportSource, SourceLayout, layerwise_entries
 
 __all__ = ["ModelExport"]
 
@@ -122,7 +122,7 @@ class ModelExport:
 
     def shard_source(self, mode: LoraMode, *, dtype: torch.dtype | None, even: bool = False,
                      device: torch.device | str | None = None, show_progress: bool = False) -> ShardSource:
-        """The weights of kind ``mode`` for a shard-direct consumer (:mod:`~lightning_fsdp_export.shards`).
+        """The weights of kind ``mode`` for a shard-direct consumer (:mod:`~lightning_fsdp_export.export.shards`).
 
         ``even=True`` sends uneven shards whole (vLLM's ``nccl_m2n`` needs rows that divide by the ranks);
         ``device`` is where each rank's rows are yielded (``None``: where the shard lives). A peft model
@@ -157,7 +157,7 @@ class ModelExport:
     def weight_source(self, mode: LoraMode, layout: SourceLayout, *, dtype: torch.dtype | None,
                       device: torch.device | str | None) -> Any:
         """:meth:`source_for` as a vLLM ``WeightSource`` (``M2N``: its ``M2NWeightSource``); imports vLLM."""
-        from lightning_fsdp_export.targets.vllm_source import FSDP2M2NSource, FSDP2WeightSource
+        from lightning_fsdp_export.export.vllm_source import FSDP2M2NSource, FSDP2WeightSource
 
         source = self.source_for(mode, layout, dtype=dtype, device=device)
         return FSDP2M2NSource(source) if layout is SourceLayout.M2N else FSDP2WeightSource(source)

@@ -1,0 +1,213 @@
+"""The client threads of :class:`~.callback.AsyncRollouts`: each admits a prompt when the pacing allows, sends it to
+the least loaded server, and turns the answer into a :class:`~.samples.SampleGroup` with a version per token."""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from lightning_fsdp_export.rollouts.pacing import Pacing
+from lightning_fsdp_export.rollouts.samples import GENERATE_ROUTE, UNKNOWN_VERSION, RolloutError, Sample, SampleGroup
+from lightning_fsdp_export.rollouts.state import RolloutState
+from lightning_fsdp_export.sync.callback import VLLMWeightSync
+from lightning_fsdp_export.targets.http import Server, ServerError, interrupt
+
+__all__ = ["RolloutClients"]
+
+
+class RolloutClients:
+    """A rank's client threads over the servers of ``sync.target``.
+
+    Args:
+        state: what they share with the batch fill.
+        pacing: when a prompt may be admitted.
+        sync: the sync updating the servers (its ``served_version`` paces admission; ``lora`` names the model).
+        prompts: token-id prompts, or ``index -> prompt``.
+        reward: ``Sample -> float``.
+        sampling: vLLM sampling parameters of every request.
+        request_timeout: seconds for one request.
+    """
+
+    DOWN_SECONDS = 5.0
+    """A server whose request failed gets no new request for this long (unless every server failed)."""
+    MAX_ATTEMPTS = 3
+    """A prompt whose request failed this often (on any servers) is dropped and counted."""
+
+    def __init__(self, state: RolloutState, pacing: Pacing, *, sync: VLLMWeightSync,
+                 prompts: Sequence[list[int]] | Callable[[int], list[int]], reward: Callable[[Sample], float],
+                 sampling: dict[str, Any], request_timeout: float) -> None:
+        self.state = state
+        self.pacing = pacing
+        self.sync = sync
+        self.servers: list[Server] = list(sync.target.servers)  # type: ignore[attr-defined]
+        self.prompts = prompts
+        self.reward = reward
+        self.sampling = sampling
+        self.request_timeout = request_timeout
+        self.rank, self.world = 0, 1
+        self._threads: list[threading.Thread] = []
+
+    def start(self, count: int, *, rank: int, world: int) -> None:
+        """Start ``count`` threads for trainer rank ``rank`` of ``world`` (it takes prompts ``rank, rank + world, ...``)."""
+        self.rank, self.world = rank, world
+        self.state.stopping.clear()
+        for i in range(count):
+            thread = threading.Thread(target=self._run, name=f"AsyncRollouts-{rank}-{i}", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+
+    def stop(self) -> None:
+        """Stop admitting, abort what is in flight on every server, join every thread; what was admitted and not
+        consumed is sent again by the next fit (or after a resume)."""
+        state = self.state
+        state.stopping.set()
+        with state.lock:
+            state.lock.notify_all()
+            by_server: dict[str, tuple[Server, list[str]]] = {}
+            for rid, (server, _) in state.in_flight.items():
+                by_server.setdefault(server.url, (server, []))[1].append(rid)
+        for server, ids in by_server.values():
+            try:
+                server.request("POST", "/inference/v1/abort_requests", {"request_ids": ids}, timeout=10.0)
+            except ServerError:
+                pass  # a dead server has nothing running
+        # a paused server (a failed sync) answers nothing, aborted requests included: stop waiting for them
+        for conn in list(state.connections.values()):
+            interrupt(conn)
+        for thread in self._threads:
+            thread.join(timeout=self.request_timeout)
+        alive = [t.name for t in self._threads if t.is_alive()]
+        self._threads = []
+        with state.lock:
+            unconsumed = [i for _, i in state.in_flight.values()] + [g.prompt_index for g in state.ready]
+            state.retry.extend(sorted(unconsumed))
+            state.ready.clear()
+            state.in_flight.clear()
+            state.connections.clear()
+        if alive:
+            raise RolloutError(f"AsyncRollouts: client threads {alive} did not stop within {self.request_timeout}s.")
+
+    def all_down(self) -> bool:
+        """Every server failed a request within ``DOWN_SECONDS``."""
+        now = time.monotonic()
+        return all(self._is_down(s, now) for s in self.servers)
+
+    def _is_down(self, server: Server, now: float) -> bool:
+        return now - self.state.down.get(server.url, -math.inf) < self.DOWN_SECONDS
+
+    # -- one thread ------------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        state = self.state
+        while not state.stopping.is_set():
+            with state.lock:
+                while not state.stopping.is_set() and not self.pacing.may_admit(state, self.sync.served_version):
+                    state.lock.wait(timeout=0.5)
+                if state.stopping.is_set():
+                    return
+                if state.retry:
+                    index = state.retry.popleft()
+                else:
+                    index = self.rank + self.world * state.next
+                    state.next += 1
+                    if index in state.done:  # consumed before the checkpoint this run resumed from
+                        continue
+                admitted_version = self.sync.served_version  # (a push may have started since may_admit: None)
+                server = self._pick()
+                rid = f"lfe-{self.rank}-{index}-{time.monotonic_ns()}"
+                state.in_flight[rid] = (server, index)
+            group = self._generate(rid, index, server, admitted_version)
+            with state.lock:
+                state.in_flight.pop(rid, None)
+                if group is not None and not state.stopping.is_set():
+                    state.ready.append(group)
+                elif group is None and not state.stopping.is_set():
+                    state.attempts[index] = state.attempts.get(index, 0) + 1
+                    if state.attempts[index] < self.MAX_ATTEMPTS:
+                        state.retry.append(index)
+                    else:
+                        state.dropped += 1
+                        state.attempts.pop(index)
+                state.lock.notify_all()
+
+    def _pick(self) -> Server:
+        """The server with the fewest requests in flight (ties: the one sent least), among those not down."""
+        now = time.monotonic()
+        load = {s.url: 0 for s in self.servers}
+        for server, _ in self.state.in_flight.values():
+            load[server.url] += 1
+        up = [s for s in self.servers if not self._is_down(s, now)] or self.servers
+        server = min(up, key=lambda s: (load[s.url], self.state.sent.get(s.url, 0)))
+        self.state.sent[server.url] = self.state.sent.get(server.url, 0) + 1
+        return server
+
+    def prompt(self, index: int) -> list[int]:
+        """The prompt at ``index`` (a sequence is cycled)."""
+        if callable(self.prompts):
+            return list(self.prompts(index))
+        return list(self.prompts[index % len(self.prompts)])
+
+    def _generate(self, rid: str, index: int, server: Server, admitted_version: Any) -> SampleGroup | None:
+        prompt = self.prompt(index)
+        # a prefix cache per version: with pause_mode="keep_old_kv" the servers keep blocks of older weights
+        body = {"request_id": rid, "token_ids": prompt, "sampling_params": self.sampling,
+                "cache_salt": f"lfe-v{admitted_version}"}
+        if self.sync.lora == "adapter":  # the policy is the adapter the sync loads, not the base model
+            body["model"] = self.sync.target.adapter_name  # type: ignore[attr-defined]
+        admitted = time.time()
+        state = self.state
+        try:
+            answer = server.post_interruptible(GENERATE_ROUTE, body, timeout=self.request_timeout,
+                                               opened=lambda conn: self._opened(rid, conn))
+            samples = [self.sample(index, prompt, choice, server) for choice in answer["choices"]]
+        except (ServerError, KeyError, TypeError, ValueError) as err:
+            with state.lock:
+                state.connections.pop(rid, None)
+                if state.stopping.is_set():
+                    return None  # interrupted by stop()
+                state.down[server.url] = time.monotonic()
+                hint = ""
+                if isinstance(err, ServerError) and " 404" in str(err):
+                    hint = (f" ({GENERATE_ROUTE} is registered by `--enable-scale-out`: start the server with it, it"
+                            " returns the weight version of every token)")
+                state.errors.append(f"{server.url}: {err}{hint}")
+            return None
+        with state.lock:
+            state.connections.pop(rid, None)
+        if any(s.finish_reason == "abort" for s in samples):
+            return None
+        for s in samples:
+            s.reward = float(self.reward(s))
+        with state.lock:
+            state.produced_samples += len(samples)
+            state.multi_version_samples += sum(s.min_version != s.max_version for s in samples)
+        return SampleGroup(index, samples, admitted_version, admitted, time.time())
+
+    def _opened(self, rid: str, conn: Any) -> None:
+        with self.state.lock:
+            self.state.connections[rid] = conn
+            stopping = self.state.stopping.is_set()
+        if stopping:  # stop() ran between this request's admission and its connection
+            interrupt(conn)
+
+    @staticmethod
+    def sample(index: int, prompt: list[int], choice: dict[str, Any], server: Server) -> Sample:
+        """One of the server's choices as a :class:`Sample`: its tokens, vLLM's logprobs and a version per token
+        from the ``weight_versions`` spans (a label that is no version of the sync's: ``UNKNOWN_VERSION``)."""
+        tokens = list(choice.get("token_ids") or [])
+        spans = choice.get("weight_versions")
+        if spans is None:
+            raise ValueError(f"{server.url} returned no weight_versions: the server is older than vLLM 0.32")
+        versions = [UNKNOWN_VERSION] * len(tokens)
+        for span in spans:
+            label = str(span["version"])
+            value = int(label) if label.isdigit() else UNKNOWN_VERSION
+            versions[span["start"]:span["end"]] = [value] * (span["end"] - span["start"])
+        content = (choice.get("logprobs") or {}).get("content") or []
+        logprobs = [float(c["logprob"]) for c in content]
+        if len(logprobs) != len(tokens):
+            raise ValueError(f"{server.url} returned {len(logprobs)} logprobs for {len(tokens)} tokens")
+        return Sample(index, prompt, tokens, logprobs, versions, str(choice.get("finish_reason")), server.url)
