@@ -414,7 +414,7 @@ def test_an_llm_in_this_process_through_the_adapter(tmp_path: Any) -> None:
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from lightning_fsdp_export.targets.transfer import LLMClient
+    from lightning_fsdp_export.targets.clients import LLMClient
     from lightning_fsdp_export.testing import tiny_qwen2
 
     tiny_qwen2(seed=99).to(torch.bfloat16).save_pretrained(tmp_path)

@@ -338,3 +338,39 @@ def test_the_modules_old_paths_still_import_with_a_warning_naming_the_new_one() 
         from lightning_fsdp_export.export import gather_full  # noqa: F401
     with pytest.warns(DeprecationWarning, match=r"phases.move_module moved to lightning_fsdp_export.phases.compute"):
         from lightning_fsdp_export.phases import move_module  # noqa: F401
+
+
+def test_every_method_a_target_implements_from_its_bases_says_override() -> None:
+    # issue 38: @override on every method a target implements from WeightTarget and the capability classes
+    import ast
+    import inspect
+
+    import lightning_fsdp_export.targets.base as base
+
+    bases = {n: c for n, c in vars(base).items() if inspect.isclass(c) and c.__module__ == base.__name__}
+    members = {m for c in bases.values() for m in vars(c) if not m.startswith("__")}
+    missing = []
+    for path in (Path(base.__file__).parent).glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and any(getattr(b, "id", "") in bases for b in node.bases):
+                missing += [f"{path.name}: {node.name}.{f.name}" for f in node.body
+                            if isinstance(f, ast.FunctionDef) and f.name in members and "override" not in
+                            [getattr(d, "id", getattr(d, "attr", "")) for d in f.decorator_list]]
+    assert missing == [], missing
+
+
+def test_no_module_over_500_lines_and_no_class_over_300() -> None:
+    # issue 38: the places the next features go stay small enough to read whole
+    import ast
+
+    import lightning_fsdp_export
+
+    root = Path(lightning_fsdp_export.__file__).parent
+    big = []
+    for path in root.rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > 500:
+            big.append(f"{path.relative_to(root)}: {text.count(chr(10))} lines")
+        big += [f"{path.relative_to(root)}: class {n.name} {n.end_lineno - n.lineno + 1} lines"
+                for n in ast.walk(ast.parse(text)) if isinstance(n, ast.ClassDef) and n.end_lineno - n.lineno >= 300]
+    assert big == [], big

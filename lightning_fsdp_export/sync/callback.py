@@ -12,6 +12,7 @@ import os
 import shutil
 import time
 from datetime import timedelta
+from functools import partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -25,7 +26,7 @@ from typing_extensions import override
 from lightning_fsdp_export._common import SyncGroup, WeightSyncError
 from lightning_fsdp_export.sync.agreement import agree_after, agree_before
 from lightning_fsdp_export.sync.exact import EXACT_FAILED, ExactCheck, check_precondition, exact_verdict
-from lightning_fsdp_export.sync.pushes import Push, plan_pushes, temporary_adapter_dir
+from lightning_fsdp_export.sync.pushes import consume, plan_pushes, refusals, temporary_adapter_dir
 from lightning_fsdp_export.export.source import ExportSource
 from lightning_fsdp_export.strategy import LazyExportFSDP2
 from lightning_fsdp_export.sync.options import OnError, SyncLora, Verify, parse_option
@@ -275,16 +276,19 @@ class VLLMWeightSync(Callback):
         self._base_pushed = True
         self.served_version = self.version
         self.last_synced_step = trainer.global_step
-        self._log(trainer, time.perf_counter() - start, sources)
+        self.last_metrics = _metrics(time.perf_counter() - start, sources, self.version)
+        if trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(self.last_metrics, step=trainer.global_step)
 
     def _sync(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> list[ExportSource]:
         pushes = plan_pushes(strategy, self.target, lora=self._lora, base_pushed=self._base_pushed,
                              dtype=self._dtype or self.target.dtype, version=self.version, rank=trainer.global_rank,
                              adapter_dir=self._adapter_root, show_progress=trainer.is_global_zero)
-        agree_before(self._ranks, self.version, [p.source for p in pushes], self._refusals,
+        agree_before(self._ranks, self.version, [p.source for p in pushes], partial(refusals, self.target),
                      check_finite=self._check_finite)
         exact, self._exact_pending = self._exact_pending, False
-        baseline, mine = self._consume(pushes, exact)
+        baseline, mine = consume(pushes, self.target if exact else None)  # type: ignore[arg-type]
         agree_after(self._ranks, self.version, mine, "Weight sync of version {version} failed ({lines}). The target"
                     " is stale.")
         if exact:
@@ -300,37 +304,6 @@ class VLLMWeightSync(Callback):
             self.last_verify_diff = diff if diff is not None else self.last_verify_diff
             agree_after(self._ranks, self.version, mine, "Weight sync of version {version} did not verify ({lines}).")
         return [p.source for p in pushes]
-
-    def _refusals(self, kind: str, shapes: list[tuple[str, tuple[int, ...]]]) -> list[str]:
-        """What the target would refuse of one source (names and full shapes), before any gather."""
-        if kind != "adapter":
-            return self.target.check_weights(shapes)
-        return self.target.check_adapter(shapes) if isinstance(self.target, LoadsAdapters) else []
-
-    def _consume(self, pushes: list[Push], exact: bool) -> tuple[dict[str, dict[str, str]], str | None]:
-        """Every source into the target (the exact check zeroes the engine first); this rank's failure, if any.
-
-        Every source is drained whatever happens, so no other rank waits forever in one of its gathers.
-        """
-        error: BaseException | None = None
-        failed_at = ""
-        baseline: dict[str, dict[str, str]] = {}
-        if exact:
-            assert isinstance(self.target, ExactCheckable)
-            try:
-                baseline = self.target.weight_checksums()
-                self.target.reset_weights()
-            except Exception as err:  # noqa: BLE001 - reported on every rank, after the ranks agree
-                error, failed_at = err, "before the push, taking the engine's checksums or zeroing it"
-        for push in pushes:
-            try:
-                if error is None:
-                    push.consume(push.source)
-            except Exception as err:  # noqa: BLE001 - reported on every rank, after the ranks agree
-                error, failed_at = err, push.source.where()
-            finally:
-                push.source.drain()
-        return baseline, None if error is None else f"{type(error).__name__}: {error} ({failed_at})"
 
     def _ensure_target(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> None:
         if self._target_ready:
@@ -351,15 +324,6 @@ class VLLMWeightSync(Callback):
 
     # -- report and state ----------------------------------------------------------------------------------
 
-    def _log(self, trainer: pl.Trainer, seconds: float, sources: list[ExportSource]) -> None:
-        self.last_metrics = {"weight_sync/seconds": seconds,
-                             "weight_sync/gigabytes": sum(s.pass_bytes() for s in sources) / 1e9,
-                             "weight_sync/tensors": float(sum(s.tensors for s in sources)),
-                             "weight_sync/version": float(self.version)}
-        if trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(self.last_metrics, step=trainer.global_step)
-
     @override
     def state_dict(self) -> dict[str, Any]:
         return {"version": self.version, "last_synced_step": self.last_synced_step, "stale": self.stale}
@@ -375,6 +339,12 @@ class VLLMWeightSync(Callback):
             self._exact_pending = False
             rank_zero_info("VLLMWeightSync(exact_first_sync=True): skipped in a resumed run (the trainer's weights are"
                            " no longer the engine's checkpoint); syncs are checked by verify='logprobs' only.")
+
+
+def _metrics(seconds: float, sources: list[ExportSource], version: int) -> dict[str, float]:
+    """A sync's metrics: its seconds, the gigabytes and tensors its sources yielded (at full size), its version."""
+    return {"weight_sync/seconds": seconds, "weight_sync/gigabytes": sum(s.pass_bytes() for s in sources) / 1e9,
+            "weight_sync/tensors": float(sum(s.tensors for s in sources)), "weight_sync/version": float(version)}
 
 
 def _require_strategy(trainer: pl.Trainer) -> LazyExportFSDP2:

@@ -19,12 +19,12 @@ from lightning_fsdp_export.export.lora import write_adapter
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
 from lightning_fsdp_export.sync.options import SyncLora
 from lightning_fsdp_export.targets.adapters import prune_versions
-from lightning_fsdp_export.targets.base import LoadsAdapters, WeightTarget
+from lightning_fsdp_export.targets.base import ExactCheckable, LoadsAdapters, WeightTarget
 
 if TYPE_CHECKING:
     from lightning_fsdp_export.strategy import LazyExportFSDP2
 
-__all__ = ["Push", "plan_pushes"]
+__all__ = ["Push", "consume", "plan_pushes", "refusals"]
 
 
 @dataclass
@@ -77,3 +77,36 @@ def _push_adapter(source: ExportSource, target: LoadsAdapters, module: Any, rank
 def temporary_adapter_dir() -> Path:
     """A fresh directory for adapters when the user gave none."""
     return Path(tempfile.mkdtemp(prefix="lora_sync_"))
+
+
+def refusals(target: WeightTarget, kind: str, shapes: list[tuple[str, tuple[int, ...]]]) -> list[str]:
+    """What ``target`` would refuse of one source of kind ``kind`` (names and full shapes), before any gather."""
+    if kind != "adapter":
+        return target.check_weights(shapes)
+    return target.check_adapter(shapes) if isinstance(target, LoadsAdapters) else []
+
+
+def consume(pushes: list[Push], exact: ExactCheckable | None) -> tuple[dict[str, dict[str, str]], str | None]:
+    """Every source into its target (``exact``: that engine's checksums taken and its weights zeroed first); the
+    checksums, and this rank's failure if any.
+
+    Every source is drained whatever happens, so no other rank waits forever in one of its gathers.
+    """
+    error: BaseException | None = None
+    failed_at = ""
+    baseline: dict[str, dict[str, str]] = {}
+    if exact is not None:
+        try:
+            baseline = exact.weight_checksums()
+            exact.reset_weights()
+        except Exception as err:  # noqa: BLE001 - reported on every rank, after the ranks agree
+            error, failed_at = err, "before the push, taking the engine's checksums or zeroing it"
+    for push in pushes:
+        try:
+            if error is None:
+                push.consume(push.source)
+        except Exception as err:  # noqa: BLE001 - reported on every rank, after the ranks agree
+            error, failed_at = err, push.source.where()
+        finally:
+            push.source.drain()
+    return baseline, None if error is None else f"{type(error).__name__}: {error} ({failed_at})"

@@ -21,7 +21,7 @@ from lightning_fsdp_export.targets.colocated import ColocatedVLLM
 from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.targets.memory import InMemoryTarget
 from lightning_fsdp_export.targets.remote import RemoteVLLM
-from lightning_fsdp_export.targets.transfer import LLMClient
+from lightning_fsdp_export.targets.clients import LLMClient
 from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL
 
 __all__ = ["IPC", "NCCL", "NCCLM2N", "ColocatedVLLM", "Directory", "DirectoryTarget", "ExactCheckable", "Gloo",

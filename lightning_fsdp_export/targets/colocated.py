@@ -117,9 +117,11 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
         return _AwakeEngine(self._engine, self)
 
     @property
+    @override
     def dtype(self) -> torch.dtype | None:
         return None if self._engine is None else engine_dtype(self._engine)
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         if self.sleep_level is not None and trainer.accumulate_grad_batches > 1 and self.sleep_level == 2:
             raise ValueError(
@@ -174,6 +176,7 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
 
     # -- the phases (VLLMWeightSync forwards the strategy's events here) ------------------------------
 
+    @override
     def before_compute(self) -> None:
         """The trainer takes the device: sleep (``sleep_level``), after the rollouts are done."""
         if self.sleep_level is None or self._engine is None or self._asleep:
@@ -183,6 +186,7 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
         self.weights_discarded = self.sleep_level == 2
         self.calls.append(f"sleep({self.sleep_level})")
 
+    @override
     def after_compute(self) -> None:
         """The trainer gave the device back: wake the weights, ready for a push (the KV cache waits)."""
         self._wake("weights")
@@ -209,6 +213,7 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
             )
         self._wake("kv_cache")
 
+    @override
     def push(self, weights: Iterator[tuple[str, Tensor]], *, version: int) -> None:
         if self._engine is None:
             raise RuntimeError("ColocatedVLLM.push() before setup(): the engine is built when the fit starts.")
@@ -220,6 +225,7 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
         self._engine.reset_prefix_cache()
         set_weight_version(self._engine, str(version))  # outputs' weight_versions name it, as on the servers
 
+    @override
     def check_weights(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
         """Where ``exported`` disagrees with the engine's checkpoint (names and shapes from its safetensors
         headers); empty when they agree, or when the checkpoint is not a local directory."""
@@ -227,10 +233,12 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
             self._checkpoint = CheckpointCheck(self._model or engine_model_path(self._engine))
         return self._checkpoint.problems(exported)
 
+    @override
     def checkpoint_path(self) -> str:
         """The checkpoint directory (or model name) this rank's engine was built from."""
         return self._model or engine_model_path(self._engine)
 
+    @override
     def weight_checksums(self) -> dict[str, dict[str, str]]:
         """``{"rank N": {vLLM parameter: sha256}}`` of this rank's engine (vLLM's weight checker)."""
         merged: dict[str, str] = {}
@@ -238,10 +246,12 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
             merged.update(worker)
         return {f"rank {int(os.environ.get('RANK', '0'))}'s engine": merged}
 
+    @override
     def reset_weights(self) -> None:
         """Zero every weight of this rank's engine (vLLM's weight checker), before an exact check's push."""
         self._engine.collective_rpc("reset_weights")
 
+    @override
     def push_adapter(self, path: str | os.PathLike[str], *, version: int) -> None:
         """Load the peft adapter directory ``path`` as a new LoRA (id ``version``) and drop the previous one."""
         from vllm.lora.request import LoRARequest
@@ -256,6 +266,7 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
         self._engine.reset_prefix_cache()
         set_weight_version(self._engine, str(version))
 
+    @override
     def prompt_logprobs(self, token_ids: list[int]) -> list[float]:
         """The engine's logprob of each token of ``token_ids`` given the ones before it (used by ``verify``).
 
@@ -268,6 +279,7 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
                                    lora_request=self.lora_request)  # awake-checked with sleep_level
         return [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], token_ids[1:])]
 
+    @override
     def teardown(self) -> None:
         """At the end of the fit the engine is left awake, for evaluation (unless level 2 left it empty)."""
         if self._asleep and not self.weights_discarded:

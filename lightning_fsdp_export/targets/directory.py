@@ -13,6 +13,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_fsdp_export._common import compare_shapes
 from lightning_fsdp_export.prepare.pretrained import checkpoint_shapes
@@ -108,9 +109,11 @@ class DirectoryTarget(WeightTarget):
         self.current: Path | None = None
 
     @property
+    @override
     def dtype(self) -> torch.dtype | None:
         return self._dtype
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._is_writer = trainer.global_rank == 0
         self._config = getattr(trainer.strategy.export_module, "config", None)
@@ -118,6 +121,7 @@ class DirectoryTarget(WeightTarget):
     def version_dir(self, version: int) -> Path:
         return self.directory / f"v{version:06d}"
 
+    @override
     def push(self, weights: Iterator[tuple[str, Tensor]], *, version: int) -> None:
         path = self.version_dir(version)
         write_safetensors(weights, path, shard_bytes=self._shard_bytes, write=self._is_writer)
@@ -134,6 +138,7 @@ class DirectoryTarget(WeightTarget):
             if old.is_dir() and int(old.name[1:]) <= version - self._keep_last:
                 shutil.rmtree(old, ignore_errors=True)
 
+    @override
     def teardown(self) -> None:
         pass
 

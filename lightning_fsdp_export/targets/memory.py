@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
+from typing_extensions import override
 
 from lightning_fsdp_export.targets.base import WeightTarget
 
@@ -32,13 +33,16 @@ class InMemoryTarget(WeightTarget):
         self._trainer: pl.Trainer | None = None
 
     @property
+    @override
     def dtype(self) -> torch.dtype | None:
         return self._dtype
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         self._rank = trainer.global_rank
         self._trainer = trainer
 
+    @override
     def push(self, weights: Iterator[tuple[str, Tensor]], *, version: int) -> None:
         keep = self._rank == 0 or self._keep_all
         received = {name: tensor for name, tensor in weights if keep}
@@ -46,5 +50,6 @@ class InMemoryTarget(WeightTarget):
         self.versions.append(version)
         self.steps.append(self._trainer.global_step if self._trainer is not None else -1)
 
+    @override
     def teardown(self) -> None:
         pass

@@ -161,6 +161,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Se
         return f"RemoteVLLM({self.transport}{', sparse' if getattr(self.options, 'sends_patches', False) else ''})"
 
     @property
+    @override
     def dtype(self) -> torch.dtype | None:
         return self._dtype
 
@@ -177,16 +178,19 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Se
         return self._round.last_pause
 
     @property  # type: ignore[override]
+    @override
     def source_layout(self) -> SourceLayout:
         """What ``VLLMWeightSync`` asks the strategy for: the transport's layout (``SHARDS`` for
         ``Gloo(shard_direct=True)``, ``M2N`` for ``NCCLM2N``, else ``FULL``)."""
         return self.options.layout
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         """Every rank: the network transports rendezvous here (rank 0 with every server)."""
         self._is_rank_zero = trainer.global_rank == 0
         self._round.setup(trainer)
 
+    @override
     def check_weights(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
         """Names and shapes the servers' checkpoints would refuse, when rank 0 can read them.
 
@@ -205,6 +209,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Se
                                " shapes are not checked before sending (the servers' load checks them).")
         return [f"{s.url}: {line}" for s, check in zip(self.servers, self._checks) for line in check.problems(exported)]
 
+    @override
     def check_adapter(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
         """Rank 0, before anything of a ``lora="adapter"`` sync is sent: every server loads adapters of this rank
         at run time (``--enable-lora``, ``--max-lora-rank``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``)."""
@@ -212,12 +217,14 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Se
             return []
         return adapter_problems(self.servers, adapter_rank(exported))
 
+    @override
     def push_base(self, source: ExportSource, *, version: int) -> None:
         """The base weights of an adapter sync: one transfer round that leaves the servers paused, so they never
         serve the new base with the previous adapter; :meth:`push_adapter` resumes them."""
         self.adapter_version = None
         self._round.push(source, version=version, resume=False)
 
+    @override
     def push_adapter(self, path: str | os.PathLike[str], *, version: int) -> None:
         """Load this version's adapter (the peft directory ``path`` the sync wrote on this rank) on every server as
         ``adapter_name``; every rank calls it (over ``Gloo`` it is a transfer round)."""
@@ -225,6 +232,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Se
         self._round.push_adapter(AdapterFiles(Path(path)), version=version, name=self.adapter_name)
         self.adapter_version = version
 
+    @override
     def prompt_logprobs(self, token_ids: list[int]) -> dict[str, list[float]]:
         """Each server's logprob of each token of ``token_ids`` given the ones before it, by URL (for
         ``VLLMWeightSync(verify="logprobs")``), with the adapter once one is loaded; asked from rank 0 only (``{}``
@@ -242,12 +250,14 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Se
 
         return dict(zip((s.url for s in self.servers), on_all(self.servers, score)))
 
+    @override
     def checkpoint_path(self) -> str:
         """The first server's checkpoint directory (its ``/v1/models`` root); rank 0 only (``""`` elsewhere)."""
         if not self._is_rank_zero:
             return ""
         return str(self.servers[0].request("GET", "/v1/models")["data"][0].get("root", ""))
 
+    @override
     def weight_checksums(self) -> dict[str, dict[str, str]]:
         """``{url: {vLLM parameter: sha256}}`` of every server (``/weight_checker``); rank 0 only (``{}`` elsewhere)."""
         if not self._is_rank_zero:
@@ -255,6 +265,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Se
         sums = on_all(self.servers, lambda s: s.request("POST", "/weight_checker", {"action": "checksum"})["checksums"])
         return dict(zip((s.url for s in self.servers), sums))
 
+    @override
     def confirm(self, version: int | None) -> None:
         """Every rank, before each sync: the version the servers hold as every rank agreed (``None``: unknown); with
         ``Gloo(sparse=True)`` the push patches only that version, else it is dense."""
@@ -268,6 +279,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Se
         copy); ``None`` otherwise."""
         return self._round.last_patch if isinstance(self._round, NativeTransfer) else None
 
+    @override
     def reset_weights(self) -> None:
         """Pause every server and zero its weights (``/weight_checker`` reset) before an exact check's push; rank 0
         only. The push resumes them; a push that fails leaves them paused, never serving the zeroed weights."""
@@ -277,11 +289,13 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Se
             on_all(self.servers, lambda s: s.request("POST", pause_route(self._round.pause_mode)))
             on_all(self.servers, lambda s: s.request("POST", "/weight_checker", {"action": "reset"}))
 
+    @override
     def push_source(self, source: ExportSource, *, version: int) -> None:
         """Send one version from ``source`` (every rank; a collective export pass): one transfer round."""
         self.adapter_version = None
         self._round.push(source, version=version)
 
+    @override
     def push(self, weights: Iterator[tuple[str, Tensor]], *, version: int) -> None:
         """A plain stream of ``(name, tensor)``: only ``Directory`` can take one (network transports need the
         source's metadata first: :meth:`push_source`, which ``VLLMWeightSync`` calls)."""
@@ -294,6 +308,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Se
         """One HTTP request to the first server; raises ``ConnectionError`` naming the URL on any failure."""
         return self.servers[0].request(method, route, body)
 
+    @override
     def teardown(self) -> None:
         """Shut the transfer engine down on every server that answers (network transports); remove this fit's adapter
         directories that gloo workers wrote on this host."""

