@@ -122,7 +122,7 @@ def test_sleep_level_2_refuses_what_would_leave_the_engine_without_weights(kwarg
         target.push_adapter = lambda *a, **k: None  # type: ignore[method-assign]
     with pytest.raises(ValueError, match=f"sleep_level=2.*{match}"):
         VLLMWeightSync(target, **kwargs)
-    VLLMWeightSync(ColocatedVLLM(model="unused", sleep_level=1), **kwargs)  # level 1 keeps the weights
+    VLLMWeightSync(ColocatedVLLM(model="unused", sleep_level=1, enable_lora=True), **kwargs)  # level 1 keeps the weights
 
 
 @pytest.mark.parametrize("bad", [0, 3, True, "1"])

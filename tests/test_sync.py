@@ -165,6 +165,11 @@ def test_two_syncs_share_a_trainer_when_their_targets_differ_or_are_named() -> N
     with pytest.raises(ValueError, match="name=''"):
         VLLMWeightSync(InMemoryTarget(), name="")
 
+    class Failing(InMemoryTarget):  # a user's subclass is of its kind: a resume may swap one for the other
+        pass
+
+    assert VLLMWeightSync(Failing()).state_key == VLLMWeightSync(InMemoryTarget()).state_key
+
 
 def test_adapter_mode_into_an_engine_without_lora_is_refused_at_construction() -> None:
     # issue 38, defect 3: it passed construction and failed at the first adapter push, after the base weights went

@@ -56,9 +56,13 @@ class WeightTarget(ABC):
 
     @property
     def state_name(self) -> str:
-        """Names this target in ``VLLMWeightSync``'s checkpoint state key, so two syncs into different kinds of target
-        can share a Trainer; stable across a resume (never a URL or a port). Default: the class name."""
-        return type(self).__name__
+        """Names this target's kind in ``VLLMWeightSync``'s checkpoint state key, so two syncs into different kinds of
+        target can share a Trainer; stable across a resume, also one that swaps the target for another of its kind
+        (never a URL or a port). Default: the first target class of this package it derives from (a subclass of
+        ``InMemoryTarget`` is an ``InMemoryTarget``), else its own class name."""
+        ours = [c for c in type(self).__mro__ if c.__module__.startswith("lightning_fsdp_export.targets.")
+                and c.__module__ != __name__]
+        return (ours[0] if ours else type(self)).__name__
 
     def setup(self, trainer: pl.Trainer) -> None:  # noqa: B027 - a default that does nothing
         """Prepare before the first push (build an engine, reach a server); default: nothing."""
