@@ -135,8 +135,7 @@ def test_the_callback_confirms_only_a_version_every_rank_agreed_on(monkeypatch: 
 
     monkeypatch.setattr(sync, "_ensure_target", lambda *a: None)
     monkeypatch.setattr(sync, "_sync", fake_sync)
-    monkeypatch.setattr(sync, "_log", lambda *a: None)
-    trainer = SimpleNamespace(strategy=LazyExportFSDP2(), global_step=0)
+    trainer = SimpleNamespace(strategy=LazyExportFSDP2(), global_step=0, is_global_zero=True, loggers=[])
     with pytest.warns(UserWarning, match="lost"):
         for _ in range(4):
             sync.sync(trainer)  # type: ignore[arg-type]

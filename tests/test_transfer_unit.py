@@ -799,3 +799,17 @@ def test_sparse_nccl_needs_vllm_with_the_engine(monkeypatch: pytest.MonkeyPatch)
         RemoteVLLM(URL, transport=SparseNCCL())
     with pytest.raises(ValueError, match=r"SparseNCCL\(chunk_bytes=0\) must be a positive number of bytes"):
         SparseNCCL(chunk_bytes=0)
+
+
+def test_a_server_target_sends_patches_only_when_its_transport_does() -> None:
+    # issue 38: a capability follows the configuration (RemoteVLLM was a SendsPatches whatever its transport)
+    from lightning_fsdp_export.targets import LoadsAdapters, SendsPatches
+    from lightning_fsdp_export.targets.remote import PatchingRemoteVLLM
+
+    dense = [RemoteVLLM(URL, transport=t) for t in (Gloo(), Gloo(shard_direct=True), "gloo", Directory("/x"), None)]
+    assert not any(isinstance(t, SendsPatches) for t in dense) and all(type(t) is RemoteVLLM for t in dense)
+    sparse = RemoteVLLM(URL, transport=Gloo(shard_direct=True, sparse=True))
+    assert type(sparse) is PatchingRemoteVLLM and isinstance(sparse, SendsPatches) and isinstance(sparse, RemoteVLLM)
+    assert all(isinstance(t, LoadsAdapters) for t in [*dense, sparse])  # every transport loads adapters
+    with pytest.raises(ValueError, match="transport='tcp'"):  # a wrong transport is still refused by __init__
+        RemoteVLLM(URL, transport="tcp")

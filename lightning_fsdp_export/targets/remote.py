@@ -46,7 +46,7 @@ _MOVED = {"directory": ("Directory", "path"), "shard_bytes": ("Directory", "shar
           "buffer_bytes": ("NCCL / IPC / Gloo", "buffer_bytes"), "packed": ("NCCL / IPC", "packed")}
 
 
-class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, SendsPatches):
+class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
     """Push each version to one or several running vLLM servers (replicas), all in the same sync.
 
     Transports (``transport=``, an options object from :mod:`~lightning_fsdp_export.targets.transports`, or
@@ -109,6 +109,12 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Se
     transports the servers read the directory ``VLLMWeightSync`` wrote (its ``adapter_dir``, which must then be on
     a filesystem they share, at the same path). A server that cannot load it leaves every server paused.
     """
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> RemoteVLLM:
+        # a capability follows the configuration: a transport that sends patches builds a PatchingRemoteVLLM
+        if cls is RemoteVLLM and _sends_patches(kwargs.get("transport")):
+            cls = PatchingRemoteVLLM
+        return super().__new__(cls)
 
     def __init__(self, base_url: str | Sequence[str], *, transport: Transport | str | None = None,
                  api_key: str | None = None, dtype: torch.dtype | None = torch.bfloat16, timeout: float = 300.0,
@@ -265,13 +271,6 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Se
         sums = on_all(self.servers, lambda s: s.request("POST", "/weight_checker", {"action": "checksum"})["checksums"])
         return dict(zip((s.url for s in self.servers), sums))
 
-    @override
-    def confirm(self, version: int | None) -> None:
-        """Every rank, before each sync: the version the servers hold as every rank agreed (``None``: unknown); with
-        ``Gloo(sparse=True)`` the push patches only that version, else it is dense."""
-        if isinstance(self._round, NativeTransfer):
-            self._round.confirmed = version
-
     @property
     def last_patch(self) -> dict[str, Any] | None:
         """This rank's last round with ``Gloo(sparse=True)``: ``sparse`` (patches, or dense), ``sent_bytes``,
@@ -314,4 +313,25 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Se
         directories that gloo workers wrote on this host."""
         self._round.disconnect()
         self._round.remove_adapter_files()
+
+
+class PatchingRemoteVLLM(RemoteVLLM, SendsPatches):
+    """What ``RemoteVLLM(...)`` builds for a transport that sends patches (``Gloo(shard_direct=True, sparse=True)``,
+    ``SparseNCCL()``): a :class:`~lightning_fsdp_export.targets.base.SendsPatches`, told before each sync which version
+    every rank agreed the servers hold."""
+
+    @override
+    def confirm(self, version: int | None) -> None:
+        """Every rank, before each sync: the version the servers hold as every rank agreed (``None``: unknown); with
+        ``Gloo(sparse=True)`` the push patches only that version, else it is dense."""
+        if isinstance(self._round, NativeTransfer):
+            self._round.confirmed = version
+
+
+def _sends_patches(transport: Any) -> bool:
+    """Whether ``transport`` (as ``RemoteVLLM`` takes it) sends patches; a wrong one is refused by ``__init__``."""
+    try:
+        return bool(getattr(parse_transport(transport), "sends_patches", False)) if transport is not None else False
+    except (TypeError, ValueError):
+        return False
 
