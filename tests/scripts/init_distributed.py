@@ -68,18 +68,18 @@ def scenario_meta(build: Any) -> dict[str, Any]:
         "was_meta": was_meta,
         "warnings": init_warnings,
         "norms": {n: [t.min().item(), t.max().item()] for n, t in weights.items() if "norm" in n},
-        "inv_freq_equal": capture.inv_freq is not None
-        and torch.equal(capture.inv_freq, fresh.model.rotary_emb.inv_freq),
+        "inv_freq_max_diff": None if capture.inv_freq is None
+        else (capture.inv_freq - fresh.model.rotary_emb.inv_freq).abs().max().item(),
         "initializer_range": std,
         "stds": {n: t.float().std().item() for n, t in matrices.items()},
         # rank 1's rows are not a copy of rank 0's (DTensor random ops on CPU would repeat them)
         "halves_differ": {n: not torch.equal(t[: t.shape[0] // 2], t[t.shape[0] // 2 : 2 * (t.shape[0] // 2)])
                           for n, t in matrices.items()},
         # tied (Qwen2) still tied after init; untied (Llama) not made equal by it
-        "tied_as_configured": torch.equal(weights["lm_head.weight"], weights["model.embed_tokens.weight"])
-        == bool(fresh.config.tie_word_embeddings),
-        "losses": module.losses,
-        "finite": all(torch.isfinite(torch.tensor(module.losses))),
+        "tied": bool(fresh.config.tie_word_embeddings),
+        "head_vs_embedding_max_diff": (weights["lm_head.weight"].float()
+                                       - weights["model.embed_tokens.weight"].float()).abs().max().item(),
+        "losses": [float(x) for x in module.losses],
     }
 
 
@@ -109,7 +109,8 @@ def scenario_meta_warns() -> dict[str, Any]:
     init_warnings = fit_recording_warnings(trainer, module)
     head = module.value_head.weight
     local = head.to_local() if hasattr(head, "to_local") else head
-    return {"warnings": init_warnings, "head_finite": bool(torch.isfinite(local).all())}
+    return {"warnings": init_warnings, "head_nonfinite": int((~torch.isfinite(local)).sum()),
+            "head_std": local.float().std().item()}
 
 
 def save_checkpoints(root: str) -> dict[str, str]:
@@ -149,10 +150,10 @@ def scenario_pretrained(build: Any, path: str, *, meta: bool) -> dict[str, Any]:
         "names_diff": name_diff(got, reference),
         "mismatched": [n for n, t in got.items() if n not in reference or not torch.equal(t, reference[n])],
         "dtypes": sorted({str(t.dtype) for t in got.values()}),
-        "inv_freq_equal": capture.inv_freq is not None
-        and torch.equal(capture.inv_freq, build().model.rotary_emb.inv_freq),
+        "inv_freq_max_diff": None if capture.inv_freq is None
+        else (capture.inv_freq - build().model.rotary_emb.inv_freq).abs().max().item(),
         "warnings": init_warnings,
-        "finite": all(torch.isfinite(torch.tensor(module.losses))),
+        "losses": [float(x) for x in module.losses],
     }
 
 

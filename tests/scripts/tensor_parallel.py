@@ -29,7 +29,7 @@ from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, 
 
 from lightning_fsdp_export import InMemoryTarget, LazyExportFSDP2, VLLMWeightSync  # noqa: E402
 from lightning_fsdp_export.testing import qwen2_config, tiny_qwen2  # noqa: E402
-from tests.scripts.common import end_script, token_loader  # noqa: E402
+from tests.scripts.common import end_script, name_diff, token_loader  # noqa: E402
 
 PLAN = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
@@ -57,7 +57,7 @@ class TensorParallelLM(pl.LightningModule):
         for dtype in (torch.float32, torch.bfloat16):
             got = dict(strategy.export_weights(dtype=dtype))
             want = {name: t.to(dtype) for name, t in self.checkpoint.items()}
-            self.report[f"names_{dtype}"] = sorted(got) == sorted(want) or sorted(set(got) ^ set(want))
+            self.report[f"names_{dtype}"] = name_diff(got, want)
             self.report[f"unequal_{dtype}"] = [n for n in want if n in got and not torch.equal(got[n], want[n])]
             self.report[f"dtypes_{dtype}"] = sorted({str(t.dtype) for t in got.values()})
         whole = rows = 0
@@ -101,10 +101,11 @@ def main() -> None:
         report = {**module.report, "mesh": dict(zip(trainer.strategy.device_mesh.mesh_dim_names,
                                                     trainer.strategy.device_mesh.shape)),
                   "synced_versions": target.versions,
-                  "sync_equals_export": dist.get_rank() != 0 or (
-                      sorted(target.weights) == sorted(after)
-                      and all(torch.equal(target.weights[n], after[n]) for n in after)),
-                  "trained": any(not torch.equal(after[n], checkpoint[n]) for n in after)}
+                  # rank 0's target holds the pushed tensors; other ranks push nothing of their own
+                  "sync_names_diff": name_diff(target.weights, after) if dist.get_rank() == 0 else None,
+                  "sync_not_equal": [n for n in after if n in target.weights
+                                     and not torch.equal(target.weights[n], after[n])],
+                  "trained": [n for n in after if not torch.equal(after[n], checkpoint[n])]}
     except Exception:  # noqa: BLE001 - reported to the test
         report = {"crash": traceback.format_exc()}
     everyone: list[Any] = [None] * dist.get_world_size()
