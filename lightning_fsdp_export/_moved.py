@@ -39,19 +39,21 @@ def _warn(old: str, new: str, stacklevel: int = 3) -> None:
 class _OldPaths(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Finds an old module path and hands out the moved module itself."""
 
+    def __init__(self) -> None:
+        self._own_specs: dict[str, importlib.machinery.ModuleSpec] = {}  # old path -> the moved module's own spec
+
     def find_spec(self, fullname: str, path: Any, target: Any = None) -> importlib.machinery.ModuleSpec | None:
         return importlib.util.spec_from_loader(fullname, self) if fullname in MOVED else None
 
     def create_module(self, spec: importlib.machinery.ModuleSpec) -> ModuleType:
         _warn(spec.name, MOVED[spec.name])
         module = importlib.import_module(MOVED[spec.name])
-        self._specs = getattr(self, "_specs", {})
-        self._specs[spec.name] = module.__spec__  # importlib sets the alias's spec on it: put its own back after
+        self._own_specs[spec.name] = module.__spec__  # importlib sets the alias's spec on it: put its own back after
         return module
 
     def exec_module(self, module: ModuleType) -> None:
         """Nothing to run (the moved module ran under its own name): give it back its own spec."""
-        module.__spec__ = self._specs.pop(module.__spec__.name)
+        module.__spec__ = self._own_specs.pop(module.__spec__.name)
 
 
 def install() -> None:
@@ -61,7 +63,8 @@ def install() -> None:
 
 
 def forward_old_attribute(package: str, old_module: str, name: str) -> Any:
-    """A package's ``__getattr__`` for the names of the module it replaced (``export`` was ``export/lazy.py``)."""
+    """A module's ``__getattr__`` for names that moved to ``old_module`` (``export`` was ``export/lazy.py``;
+    ``targets.write_safetensors`` is ``targets.directory``'s own step)."""
     module = importlib.import_module(old_module)
     if name.startswith("__") or not hasattr(module, name):
         raise AttributeError(f"module {package!r} has no attribute {name!r}")

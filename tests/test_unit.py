@@ -295,7 +295,8 @@ def test_write_safetensors_moves_out_of_the_targets_namespace_with_a_warning() -
     from lightning_fsdp_export.targets.directory import write_safetensors
 
     assert "write_safetensors" not in targets.__all__
-    with pytest.warns(DeprecationWarning, match="write_safetensors is internal to DirectoryTarget"):
+    with pytest.warns(DeprecationWarning, match=r"targets.write_safetensors moved to lightning_fsdp_export.targets"
+                                                r".directory.write_safetensors"):
         assert targets.write_safetensors is write_safetensors
     with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
         targets.nothing_here  # noqa: B018

@@ -6,9 +6,9 @@ A target subclasses :class:`WeightTarget` (and the capabilities it has: :class:`
 ``RemoteVLLM``'s transports are options objects (:mod:`.transports`): ``Gloo(shard_direct=True)``, ``Directory(path)``.
 """
 
-import warnings
+from typing import Any
 
-from lightning_fsdp_export.targets import directory as _directory
+from lightning_fsdp_export._moved import forward_old_attribute
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,
     LoadsAdapters,
@@ -17,11 +17,11 @@ from lightning_fsdp_export.targets.base import (
     SleepsDuringCompute,
     WeightTarget,
 )
+from lightning_fsdp_export.targets.clients import LLMClient
 from lightning_fsdp_export.targets.colocated import ColocatedVLLM
 from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.targets.memory import InMemoryTarget
 from lightning_fsdp_export.targets.remote import RemoteVLLM
-from lightning_fsdp_export.targets.clients import LLMClient
 from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL
 
 __all__ = ["IPC", "NCCL", "NCCLM2N", "ColocatedVLLM", "Directory", "DirectoryTarget", "ExactCheckable", "Gloo",
@@ -29,11 +29,8 @@ __all__ = ["IPC", "NCCL", "NCCLM2N", "ColocatedVLLM", "Directory", "DirectoryTar
            "SleepsDuringCompute", "SparseNCCL", "WeightTarget"]
 
 
-def __getattr__(name: str) -> object:
+def __getattr__(name: str) -> Any:
     # write_safetensors was exported here but is DirectoryTarget's own step: importable from here for one more minor
-    if name == "write_safetensors":
-        warnings.warn("lightning_fsdp_export.targets.write_safetensors is internal to DirectoryTarget and will be"
-                      " removed; use DirectoryTarget (or safetensors.torch.save_file) instead.", DeprecationWarning,
-                      stacklevel=2)
-        return _directory.write_safetensors
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if name != "write_safetensors":
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return forward_old_attribute(__name__, "lightning_fsdp_export.targets.directory", name)

@@ -164,7 +164,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
     @property
     @override
     def state_name(self) -> str:
-        return f"RemoteVLLM({self.transport}{', sparse' if getattr(self.options, 'sends_patches', False) else ''})"
+        return f"RemoteVLLM({self.transport}{', sparse' if isinstance(self, SendsPatches) else ''})"
 
     @property
     @override

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import traceback
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -65,11 +66,9 @@ class OddNet(torch.nn.Module):
 
 def name_diff(names: Any, reference: Any) -> dict[str, list[str]]:
     """What a test compares instead of a flag: names missing from ``names``, extra in it, and repeated in it."""
-    names, reference = list(names), list(reference)
-    seen: set[str] = set()
-    repeated = sorted({n for n in names if n in seen or seen.add(n)})  # type: ignore[func-returns-value]
-    return {"missing": sorted(set(reference) - set(names)), "extra": sorted(set(names) - set(reference)),
-            "repeated": repeated}
+    counts = Counter(names)
+    return {"missing": sorted(set(reference) - set(counts)), "extra": sorted(set(counts) - set(reference)),
+            "repeated": sorted(n for n, c in counts.items() if c > 1)}
 
 
 def start_script(default_only: str, work: str) -> tuple[argparse.Namespace, Path]:
