@@ -66,7 +66,7 @@ class OddNet(torch.nn.Module):
 
 def name_diff(names: Any, reference: Any) -> dict[str, list[str]]:
     """What a test compares instead of a flag: names missing from ``names``, extra in it, and repeated in it."""
-    counts = Counter(names)
+    counts = Counter(list(names))  # a dict gives its keys (Counter(dict) would read its values as counts)
     return {"missing": sorted(set(reference) - set(counts)), "extra": sorted(set(counts) - set(reference)),
             "repeated": sorted(n for n, c in counts.items() if c > 1)}
 
