@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from datetime import timedelta
 from typing import Any
 
 import pytest
@@ -46,8 +47,9 @@ def worker_engine(model: Model) -> gloo.GlooWeightTransferEngine:
     engine._store = None
     engine._reloading = False
     engine._start_reload = lambda: None  # vLLM's layerwise reload needs a real model; Model records its loads
-    engine._adapter = None
-    engine._base, engine._kept, engine._info = {}, None, None
+    engine._base, engine._kept, engine._staging = {}, None, None
+    engine.timeout = timedelta(seconds=20)
+    engine.times = {}
     engine.buffer_bytes = gloo.DEFAULT_BUFFER_BYTES
     engine.trainers = 1
     return engine
@@ -176,6 +178,64 @@ def test_a_trainer_that_fails_mid_export_aborts_the_workers() -> None:
     assert time.monotonic() - start < 10
 
 
+def swap(client: InProcessClient, stage_id: str) -> None:
+    """A swap round, as ``rounds.swap_staged`` sends it to every server under the pause."""
+    client.update_weights(gloo.swap_update_info(stage_id))
+
+
+def test_a_staged_round_touches_no_model_until_its_swap_which_loads_it_bit_exact() -> None:
+    tensors = weights()
+    engine, models, client = connect(2, tensors, buffer_bytes=700)
+    engine.send_weights(GlooRound(stage_as="s1"))
+    # the update session ended before the data travelled: the engines generate on while it arrives
+    assert client.calls == ["init", "start", "update", "finish"]
+    assert [m.loaded for m in models] == [{}, {}]  # every byte arrived (digests checked), nothing loaded
+    swap(client, "s1")
+    for model in models:
+        assert list(model.loaded) == list(tensors)
+        assert all(torch.equal(model.loaded[n], t) and model.loaded[n].dtype == t.dtype for n, t in tensors.items())
+    tensors["lm_head.weight"] += 1
+    engine.send_weights(GlooRound(stage_as="s2"))
+    with pytest.raises(RuntimeError, match="swap to the staged round 's1', but this worker holds 's2'"):
+        swap(client, "s1")
+    assert all(not torch.equal(m.loaded["lm_head.weight"], tensors["lm_head.weight"]) for m in models)
+    swap(client, "s2")
+    assert all(torch.equal(m.loaded["lm_head.weight"], tensors["lm_head.weight"]) for m in models)
+    with pytest.raises(RuntimeError, match="swap to the staged round 's2', but this worker holds none"):
+        swap(client, "s2")  # a staging is loaded once
+
+
+def test_a_staged_round_that_fails_mid_transfer_drops_the_staging_and_touches_no_model() -> None:
+    tensors = weights()
+    engine, models, client = connect(1, tensors, fail_at="model.layers.1.mlp.up_proj.weight", buffer_bytes=100)
+    start = time.monotonic()
+    with pytest.raises(RuntimeError, match="export failed at model.layers.1"):
+        engine.send_weights(GlooRound(stage_as="s1"))
+    assert time.monotonic() - start < 10
+    with pytest.raises(RuntimeError, match="'s1', which failed: trainer rank 0 aborted"):
+        swap(client, "s1")
+    assert models[0].loaded == {} and client.engines[0]._staging.tensors == {}  # nothing loaded, nothing kept
+
+
+def test_a_staged_round_checks_each_trainer_ranks_bytes_and_crc_on_every_worker(monkeypatch: Any) -> None:
+    from lightning_fsdp_export.targets import gloo_trainer
+
+    tensors = weights()
+    engine, models, client = connect(2, tensors, buffer_bytes=700)
+    real = gloo_trainer.crc32
+    monkeypatch.setattr(gloo_trainer, "crc32", lambda crc, t: real(crc, t) ^ 1)  # as if a byte changed on the way
+    with pytest.raises(RuntimeError, match=r"refused this weight update round \(staged: the workers dropped it"):
+        engine.send_weights(GlooRound(stage_as="s1"))
+    with pytest.raises(RuntimeError, match=r"trainer rank 0 sent \d+ bytes \(CRC-32 0x[0-9a-f]+\) but this worker"
+                                           r" received \d+ \(CRC-32"):
+        swap(client, "s1")
+    assert [m.loaded for m in models] == [{}, {}]
+    monkeypatch.undo()
+    engine.send_weights(GlooRound(stage_as="s2"))  # the same group carries the next round
+    swap(client, "s2")
+    assert all(torch.equal(m.loaded["lm_head.weight"], tensors["lm_head.weight"]) for m in models)
+
+
 def test_metadata_that_disagrees_with_iteration_is_named() -> None:
     tensors = weights()
     engine, _, _ = connect(1, tensors)
@@ -191,6 +251,11 @@ def test_update_info_is_validated() -> None:
         gloo.GlooWeightTransferUpdateInfo(names=["a"], dtype_names=["nn"], shapes=[[1]])
     with pytest.raises(ValueError, match="1 names, 2 dtype_names and 1 shapes"):
         gloo.GlooWeightTransferUpdateInfo(names=["a"], dtype_names=["float32", "float32"], shapes=[[1]])
+    with pytest.raises(ValueError, match="swap_to='s' loads a staged round: it carries no tensors"):
+        gloo.GlooWeightTransferUpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[1]], swap_to="s")
+    with pytest.raises(ValueError, match="stage_as='s': an adapter round is written to files, never staged"):
+        gloo.GlooWeightTransferUpdateInfo(names=[], dtype_names=[], shapes=[], stage_as="s", adapter_dir="/a",
+                                          adapter_config="{}")
 
 
 # -- shard-direct: two trainer ranks (threads), each sending its own rows ------------------------------------
@@ -356,6 +421,39 @@ def test_sparse_rounds_patch_each_workers_copy_bit_exact_and_send_a_fraction() -
     tensors["lm_head.weight"][0, 0] += 1
     assert sparse_round(engines, bases, 4, (None, "v4"), sparse=False) == [None, None]
     assert all(torch.equal(m.loaded["lm_head.weight"], tensors["lm_head.weight"]) for m in models)
+
+
+def test_staged_sparse_rounds_patch_the_workers_copy_and_load_it_only_at_the_swap() -> None:
+    from lightning_fsdp_export.export.patches import PatchBase
+
+    tensors = uneven()
+    engines, models, client = connect_shards(2, tensors, buffer_bytes=700)
+    bases = [PatchBase(bitmaps=True), PatchBase(bitmaps=True)]
+
+    def staged(version: int, ids: tuple[str | None, str], sparse: bool) -> list[BaseException | None]:
+        for base in bases:
+            base.start(version, "plan", sparse=sparse)
+        errors = both(lambda rank: engines[rank].send_weights(GlooRound(patches=bases[rank], patch_of=ids[0],
+                                                                         keep_as=ids[1], stage_as=f"stage{version}")))
+        for base, error in zip(bases, errors):
+            base.succeeded() if error is None else base.failed()
+        return errors
+
+    assert staged(1, (None, "v1"), sparse=False) == [None, None]
+    assert [m.loaded for m in models] == [{}, {}]
+    swap(client, "stage1")
+    assert all(m.loaded.keys() == tensors.keys() for m in models)
+    copies = [e._base for e in client.engines]  # the staging of a kept round is the copy itself: no second one
+    tensors["model.embed_tokens.weight"][3, 1] += 1
+    tensors["model.embed_tokens.weight"][39, 7] += 1
+    old = {n: t.clone() for n, t in models[0].loaded.items()}
+    assert staged(2, ("v1", "v2"), sparse=True) == [None, None]
+    assert all(torch.equal(m.loaded[n], old[n]) for m in models for n in old)  # patched the copy, not the model
+    assert bases[0].stats.patched >= 1 and bases[1].stats.patched >= 1
+    swap(client, "stage2")
+    for model in models:
+        assert all(torch.equal(model.loaded[n], t) for n, t in tensors.items())
+    assert [e._base for e in client.engines] == copies and all(e._kept == "v2" for e in client.engines)
 
 
 def test_a_patch_that_does_not_fit_its_part_is_refused_naming_the_rank_and_tensor() -> None:

@@ -32,6 +32,13 @@ smaller (:mod:`lightning_fsdp_export.export.patches`); the worker applies them
 to its copy and loads the full tensors as a dense round would (vLLM 0.32 has no loader for patches), so only
 the wire is sparse. A worker whose copy is not the one named fails the round; any failed round drops the copy.
 
+Staged rounds (``RemoteVLLM(transport=Gloo(background=True))``): a round whose update info has ``stage_as`` returns
+from ``update_weights`` at once; a thread of each worker receives it into host memory (whole tensors; with
+``keep_as`` into the copy it keeps, patched in place by a sparse round) while the engine goes on generating, and
+after the end every member all-reduces each trainer rank's byte count and CRC-32 of what it sent, which every worker
+compares with what it received. A later swap round (``swap_update_info``: ``swap_to`` and no tensors), sent under
+the servers' pause, loads it inside the layerwise reload. A staged round that fails touches no model.
+
 Two additions make a failed round end instead of hang: every chunk starts with a header all-reduced
 over the group (data, end, or "trainer rank r aborted": any trainer rank's failure ends the round for
 every member), and after the last chunk every member all-reduces a status, so a tensor one worker
@@ -48,9 +55,15 @@ from lightning_fsdp_export.targets.gloo_infos import (
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
 )
-from lightning_fsdp_export.targets.gloo_trainer import DENSE, GlooRound, GlooTrainerWeightTransferEngine, register
+from lightning_fsdp_export.targets.gloo_trainer import (
+    DENSE,
+    GlooRound,
+    GlooTrainerWeightTransferEngine,
+    register,
+    swap_update_info,
+)
 from lightning_fsdp_export.targets.gloo_worker import GlooWeightTransferEngine, write_adapter_dir
 
 __all__ = ["BACKEND", "DEFAULT_BUFFER_BYTES", "DEFAULT_TIMEOUT_S", "DENSE", "GlooRound", "GlooTrainerInitInfo",
            "GlooTrainerWeightTransferEngine", "GlooWeightTransferEngine", "GlooWeightTransferInitInfo",
-           "GlooWeightTransferUpdateInfo", "register", "write_adapter_dir"]
+           "GlooWeightTransferUpdateInfo", "register", "swap_update_info", "write_adapter_dir"]

@@ -94,6 +94,14 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     """Each worker keeps a host copy of every tensor of this round under this id: the base of the next sparse round."""
     patch_of: str | None = None
     """A sparse round: the trainer ranks send patches against the copy the workers keep as ``patch_of``."""
+    stage_as: str | None = None
+    """A staged round (``Gloo(background=True)``): ``update_weights`` returns at once and a thread of each worker
+    receives the round into a staging area on its host under this id (whole tensors; a sparse round patches the host
+    copy it keeps), while the engine goes on generating: the model is not touched. Every member checks every trainer
+    rank's byte count and CRC-32 before the round succeeds; a failed round drops the staging."""
+    swap_to: str | None = None
+    """A swap round (no tensors): load the round staged as ``swap_to`` into the model (inside vLLM's layerwise reload,
+    under the servers' pause), then drop the staging."""
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -113,3 +121,9 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                 self.adapter_dir is not None and self.keep_as is not None):
             raise ValueError(f"gloo update_info: patch_of={self.patch_of!r} needs keep_as, and an adapter round keeps no"
                              f" copy (got keep_as={self.keep_as!r}).")
+        if self.stage_as is not None and self.adapter_dir is not None:
+            raise ValueError(f"gloo update_info: stage_as={self.stage_as!r}: an adapter round is written to files, never"
+                             " staged.")
+        if self.swap_to is not None and (self.names or self.stage_as is not None or self.adapter_dir is not None):
+            raise ValueError(f"gloo update_info: swap_to={self.swap_to!r} loads a staged round: it carries no tensors"
+                             " and stages nothing.")

@@ -12,11 +12,17 @@ A sparse round (``patch_of`` in the update info) sends, per chunk and trainer ra
 int32 flat indices into the part, ``-2 - n`` a patch of ``n`` elements by a bitmap of the part), then its payload:
 per tensor its part whole, or a patch (its indices or bitmap, then the values), each piece padded to ``ALIGN``.
 The worker applies the patches to the copy it kept of the previous round.
+
+A staged round (``stage_as``, ``Gloo(background=True)``) is received by a thread of each worker into host memory; after
+the end header every member all-reduces a digest table (each trainer rank's bytes and CRC-32 of all it sent,
+:func:`exchange_digests`), every worker compares it with what it received, and the status says whether anyone
+failed. A later swap round (``swap_to``, no tensors) loads it.
 """
 
 from __future__ import annotations
 
 import math
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
@@ -125,9 +131,10 @@ def sparse_segment(chunk: list[PlannedTensor], rank: int, counts: list[int]) -> 
 
 
 def patch_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], counts: list[list[int] | None],
-                trainers: int, base: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+                trainers: int, base: dict[str, torch.Tensor], *, fresh: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """A sparse round's chunk: each tensor is its copy in ``base`` (the previous round's, updated here in place)
-    with every trainer rank's part written whole or patched; yielded as a fresh tensor (the copy stays ours)."""
+    with every trainer rank's part written whole or patched; yielded as a fresh tensor (the copy stays ours), or
+    with ``fresh=False`` as the copy itself (a staged round, which loads from the copy later)."""
     offsets = [0] * trainers
     for i, tensor in enumerate(chunk):
         full = base.get(tensor.name)
@@ -159,7 +166,7 @@ def patch_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], co
                                        f" its {elements} elements.")
                 where = where.long()
             flat[start:end][where] = _take(parts[rank], offsets, rank, count, tensor.dtype)
-        yield tensor.name, full.clone()
+        yield tensor.name, full.clone() if fresh else full
 
 
 def _take(part: torch.Tensor | None, offsets: list[int], rank: int, count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -200,6 +207,24 @@ def exchange_status(pg: dist.ProcessGroup, failed: bool) -> bool:
     opts.reduceOp = dist.ReduceOp.MAX
     pg.allreduce([flag], opts).wait()
     return bool(flag.item())
+
+
+def exchange_digests(pg: dist.ProcessGroup, trainers: int, mine: tuple[int, int, int] | None) -> list[tuple[int, int]]:
+    """A staged round's check: every trainer rank's ``(bytes, CRC-32)`` of what it sent, on every member (a trainer
+    rank gives ``mine`` as ``(its rank, bytes, crc)``; a worker ``None``): an all-reduce (sum) of one row each."""
+    table = torch.zeros(trainers, 2, dtype=torch.int64)
+    if mine is not None:
+        rank, nbytes, crc = mine
+        table[rank] = torch.tensor([nbytes, crc], dtype=torch.int64)
+    pg.allreduce([table]).wait()
+    return [(int(n), int(c)) for n, c in table.tolist()]
+
+
+def crc32(crc: int, tensor: torch.Tensor | None) -> int:
+    """``crc`` extended by ``tensor``'s bytes (a contiguous host tensor; ``None``: nothing)."""
+    if tensor is None or not tensor.numel():
+        return crc
+    return zlib.crc32(tensor.contiguous().view(-1).view(torch.uint8).numpy(), crc)
 
 
 def abort_message(origin: int) -> str:

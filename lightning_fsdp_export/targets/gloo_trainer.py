@@ -31,6 +31,8 @@ from lightning_fsdp_export.targets.gloo_protocol import (
     Plan,
     PlannedTensor,
     abort_message,
+    crc32,
+    exchange_digests,
     aligned,
     exchange_header,
     exchange_status,
@@ -39,7 +41,7 @@ from lightning_fsdp_export.targets.gloo_protocol import (
     sparse_segment,
 )
 
-__all__ = ["DENSE", "GlooRound", "GlooTrainerWeightTransferEngine", "register"]
+__all__ = ["DENSE", "GlooRound", "GlooTrainerWeightTransferEngine", "register", "swap_update_info"]
 
 @dataclass(frozen=True)
 class GlooRound:
@@ -54,12 +56,16 @@ class GlooRound:
             and keep a new copy); ``None``: a plain dense round.
         patch_of: rank 0, with ``patches``: the workers' copy the patches apply to (``None``: a dense round).
         keep_as: rank 0, with ``patches``: the id under which the workers keep this round's copy.
+        stage_as: a staged round (``Gloo(background=True)``): the workers receive it in a thread under this id while
+            their engines go on generating, and load it only at a swap round (``swap_update_info``); every member
+            checks each trainer rank's bytes and CRC-32 before the round succeeds. Every rank of the group gives it.
     """
 
     adapter: tuple[str, str] | None = None
     patches: PatchBase | None = None
     patch_of: str | None = None
     keep_as: str | None = None
+    stage_as: str | None = None
 
 
 DENSE = GlooRound()
@@ -142,16 +148,25 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                                             adapter_dir=adapter[0] if adapter else None,
                                             adapter_config=adapter[1] if adapter else None,
                                             patch_of=payload.patch_of if patching else None,
-                                            keep_as=payload.keep_as if patching else None)
+                                            keep_as=payload.keep_as if patching else None,
+                                            stage_as=payload.stage_as)
         plan = Plan.of(info, self.trainers, self.buffer_bytes)
+        staged = payload.stage_as is not None
         if self.rank != 0:
-            self._stream(plan, self._checked(source, meta), None, payload.patches)
+            self._stream(plan, self._checked(source, meta), None, payload.patches, staged)
             return self.sent_bytes
         self.client.start_weight_update()
+        if staged:  # the workers' threads receive it; their engines generate on, out of any update session
+            try:
+                self.client.update_weights(asdict(info))
+            finally:
+                self.client.finish_weight_update()
+            self._stream(plan, self._checked(source, meta), None, payload.patches, staged)
+            return self.sent_bytes
         pool = ThreadPoolExecutor(max_workers=1)
         try:
             answer = pool.submit(self.client.update_weights, asdict(info))
-            self._stream(plan, self._checked(source, meta), answer, payload.patches)
+            self._stream(plan, self._checked(source, meta), answer, payload.patches, staged)
             answer.result()
         finally:
             pool.shutdown(wait=False)  # a worker stuck in a collective must not turn an error into a hang
@@ -159,8 +174,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         return self.sent_bytes
 
     def _stream(self, plan: Plan, pairs: Iterator[tuple[str, torch.Tensor]], answer: Any,
-                base: PatchBase | None) -> None:
+                base: PatchBase | None, staged: bool) -> None:
         assert self.group is not None
+        digest = [0, 0]  # a staged round: bytes and CRC-32 of all this rank sent (each worker gets the same)
         inflight: list[Any] = [None]  # the last chunk's buffer and sends: the next chunk is packed while they run
         for index, chunk in enumerate(plan.chunks):
             try:
@@ -180,6 +196,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 work.wait(self.timeout)
             counts, part = part
             inflight = [(counts, part)]
+            if staged:
+                for piece in (counts, part):
+                    if piece is not None:
+                        digest[0] += piece.nbytes
+                        digest[1] = crc32(digest[1], piece)
             if counts is not None:  # a sparse round: the counts first (the workers size the payload from them)
                 inflight += [self.group.send([counts], w, 2 * index) for w in self.workers]
                 self.sent_bytes += counts.numel() * 8 * len(self.workers)
@@ -197,10 +218,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         code, origin = exchange_header(self.group, END)
         if code == ABORT:
             raise RuntimeError(abort_message(origin))
+        if staged:
+            exchange_digests(self.group, self.trainers, (self.rank, digest[0], digest[1]))
         if exchange_status(self.group, False):
             if answer is not None:
                 answer.result()  # the worker's own error, through its server
-            raise RuntimeError("a worker refused this weight update round")
+            raise RuntimeError("a worker refused this weight update round" + (
+                " (staged: the workers dropped it; the servers serve the previous version)" if staged else ""))
 
     def _pack(self, plan: Plan, chunk: list[PlannedTensor], pairs: Iterator[tuple[str, torch.Tensor]],
               base: PatchBase | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -278,6 +302,11 @@ def _bounds(meta: Any, trainers: int) -> list[int] | None:
     return None if trainers == 1 else list(bounds)
 
 
+
+
+def swap_update_info(stage_id: str) -> dict[str, Any]:
+    """The update info of a swap round: every worker loads the round it staged as ``stage_id`` (no tensors travel)."""
+    return asdict(GlooWeightTransferUpdateInfo(names=[], dtype_names=[], shapes=[], swap_to=stage_id))
 
 
 def register() -> None:

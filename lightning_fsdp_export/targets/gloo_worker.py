@@ -1,14 +1,17 @@
 """The worker half of the ``gloo`` backend (:mod:`.gloo`): the engine each vLLM worker builds from
 ``--weight-transfer-config '{"backend": "gloo"}'`` (registered by our vLLM plugin), which receives each round's
-chunks, loads them inside vLLM's layerwise reload (or keeps and patches its host copy, or writes an adapter)."""
+chunks, loads them inside vLLM's layerwise reload (or keeps and patches its host copy, or writes an adapter, or
+stages them in a thread for a later swap)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import threading
 import time
 import uuid
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -32,6 +35,8 @@ from lightning_fsdp_export.targets.gloo_protocol import (
     Plan,
     PlannedTensor,
     abort_message,
+    crc32,
+    exchange_digests,
     exchange_header,
     exchange_status,
     join_group,
@@ -62,11 +67,54 @@ class _Received:
     works: list[Any]
     trainers: int
     counts: list[list[int] | None] | None = None  # a sparse round: each trainer rank's counts (None: no part)
+    messages: list[torch.Tensor | None] | None = None  # a sparse round: the counts as received (for the digest)
+
+
+@dataclass
+class _Staging:
+    """A staged round (``stage_as``): received by a thread while the engine generates; loaded by a swap round.
+
+    ``tensors`` maps each name to its tensor, or to ``None`` where it is read from ``base`` (the host copy a
+    ``keep_as`` round keeps: the staging is that copy, never a second one)."""
+
+    id: str
+    base: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    thread: threading.Thread | None = None
+    error: BaseException | None = None
+    complete: bool = False  # every member checked the digests and nobody failed
+
+    @property
+    def nbytes(self) -> int:
+        return sum((t if t is not None else self.base[n]).nbytes for n, t in self.tensors.items())
+
+    def pairs(self) -> Iterator[tuple[str, torch.Tensor]]:
+        for name, tensor in self.tensors.items():
+            yield name, tensor if tensor is not None else self.base[name].clone()  # the copy stays ours
+
+
+@dataclass
+class _Round:
+    """What one round's receive works on: a round that outlives its group (a staged one whose trainer vanished)
+    writes only here, never into the engine's state of a newer round."""
+
+    info: GlooWeightTransferUpdateInfo
+    group: dist.ProcessGroup
+    base: dict[str, torch.Tensor]
+    adapter: dict[str, torch.Tensor] | None = None  # an adapter round's tensors
+    staging: _Staging | None = None
+    digests: list[list[int]] = field(default_factory=list)  # a staged round: per trainer rank, [bytes, crc]
+    times: dict[str, float] = field(default_factory=lambda: {"round": time.perf_counter(), "waiting": 0.0,
+                                                             "loading": 0.0})
 
 
 class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
     """Worker side: receives every trainer rank's parts of each chunk over gloo, assembles each tensor in a
-    fresh buffer, and loads them with the layerwise reload; a chunk is loaded while the next one arrives."""
+    fresh buffer, and loads them with the layerwise reload; a chunk is loaded while the next one arrives.
+
+    A staged round (``Gloo(background=True)``) is received by a thread into host memory while the engine goes on
+    generating, and loaded by a later swap round under the servers' pause; the staging costs a host copy of the model
+    in the wire dtype per worker (a sparse round's is the copy it keeps anyway)."""
 
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
@@ -80,10 +128,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.trainers = 1
         self.timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
         self._reloading = False
-        self._adapter: dict[str, torch.Tensor] | None = None  # an adapter round's tensors
         self._base: dict[str, torch.Tensor] = {}  # the copy of the last kept round (sparse rounds patch it)
         self._kept: str | None = None  # its id, once its round succeeded
-        self._info: GlooWeightTransferUpdateInfo | None = None  # the round being received
+        self._staging: _Staging | None = None  # the last staged round, until a swap loads it
         self.times = {"round": 0.0, "waiting": 0.0, "loading": 0.0}  # the last round's, in seconds
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
@@ -102,7 +149,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def start_weight_update(self) -> None:
         """Nothing yet: the round's update info says whether it reloads the model (the layerwise reload starts at
-        its first ``update_weights``) or writes an adapter."""
+        its first ``update_weights``), stages a round, or writes an adapter."""
 
     def _start_reload(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -125,14 +172,78 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         # gloo is synchronous, so there is nothing to wait for.
         try:
             info = self.parse_update_info(update_info)
+            if info.stage_as is not None:
+                self._stage(info)  # returns at once: the model is not touched
+                return
+            staging = self._staged(info.swap_to) if info.swap_to is not None else None  # checked before the reload
             if info.adapter_dir is None and not self._reloading:
                 self._start_reload()
+            if staging is not None:
+                self._swap(staging)
+                return
             self.receive_weights(info)
         except BaseException:
             self.finish_weight_update()  # leaves the model loadable: the next round can start
             raise
 
-    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo) -> None:
+    # -- staged rounds -----------------------------------------------------------------------------
+
+    def _stage(self, info: GlooWeightTransferUpdateInfo) -> None:
+        """Start receiving ``info``'s round in a thread into a fresh staging area (the previous one is dropped)."""
+        assert info.stage_as is not None
+        old = self._staging
+        if old is not None and old.thread is not None and old.thread.is_alive():
+            raise RuntimeError(f"staged round {old.id!r} is still being received; a new staged round can start only"
+                               " when it ended (the trainer waits for its round before the next one).")
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer is not initialized: call init_weight_transfer_engine first.")
+        if info.keep_as is not None and info.patch_of is None:
+            self._base = {}  # a dense round that keeps a copy: the staging is that copy
+        staging = _Staging(info.stage_as, self._base)
+        staging.thread = threading.Thread(target=self._receive_staged, args=(info, staging), daemon=True,
+                                          name=f"gloo-staged-{info.stage_as[:8]}")
+        self._staging = staging
+        staging.thread.start()
+
+    def _receive_staged(self, info: GlooWeightTransferUpdateInfo, staging: _Staging) -> None:
+        try:
+            self.receive_weights(info, staging)
+            staging.complete = True
+        except BaseException as err:  # noqa: BLE001 - the swap round (or the trainer's status) reports it
+            staging.error = err
+            staging.tensors.clear()
+            _logger().warning("gloo staged round %s failed; the served weights are unchanged: %s", staging.id, err)
+
+    def _staged(self, stage_id: str) -> _Staging:
+        """The staged round ``stage_id``, complete (its thread joined), or why a swap to it cannot run."""
+        staging = self._staging
+        if staging is None or staging.id != stage_id:
+            held = "none" if staging is None else repr(staging.id)
+            raise RuntimeError(f"swap to the staged round {stage_id!r}, but this worker holds {held} (restarted, or a"
+                               " newer round replaced it); the next sync pushes every tensor whole.")
+        if staging.thread is not None:
+            staging.thread.join(self.timeout.total_seconds())
+        if not staging.complete:
+            why = "is still being received" if staging.error is None else f"failed: {staging.error}"
+            raise RuntimeError(f"swap to the staged round {stage_id!r}, which {why}; the served weights are unchanged.")
+        return staging
+
+    def _swap(self, staging: _Staging) -> None:
+        """Load ``staging`` into the model (the layerwise reload is open; ``finish_weight_update`` closes it)."""
+        self._staging = None
+        start = time.perf_counter()
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        with disable_mtp_completeness_check():
+            load_naming_refusals(self.model.load_weights, self.model, staging.pairs())
+        _logger().info("gloo weight update: swapped in the staged round %s (%d tensors, %.1f MB) in %.3f s", staging.id,
+                       len(staging.tensors), staging.nbytes / 1e6, time.perf_counter() - start)
+
+    # -- receiving a round -------------------------------------------------------------------------
+
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo, staging: _Staging | None = None) -> None:
+        """Receive one round: load it (inside the layerwise reload), write it as an adapter, or (``staging``) keep
+        it for a swap round."""
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialized: call init_weight_transfer_engine first.")
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
@@ -140,118 +251,146 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         plan = Plan.of(update_info, self.trainers, self.buffer_bytes)
         error: BaseException | None = None
         held: _Received | None = None  # the last chunk received: loaded while the next one arrives
-        self._adapter: dict[str, torch.Tensor] | None = None if update_info.adapter_dir is None else {}
-        self._info = update_info
-        if self._adapter is None:  # the model's weights change: the copy is valid again only if this round succeeds
+        adapter = update_info.adapter_dir is not None
+        if not adapter and staging is None:  # the model's weights change: the copy is valid only if this round succeeds
+            if update_info.patch_of is None:
+                self._base = {}
+        r = _Round(update_info, self.group, self._base if staging is None else staging.base,
+                   adapter={} if adapter else None, staging=staging)
+        if not adapter:
             if update_info.patch_of is not None and update_info.patch_of != self._kept:
                 error = RuntimeError(f"sparse round against the copy {update_info.patch_of!r}, but this worker keeps"
                                      f" {self._kept!r} (restarted, or its last round failed); the next sync pushes"
                                      " every tensor whole.")
-            if update_info.patch_of is None:
-                self._base = {}
             self._kept = None
-        self.times = {"round": time.perf_counter(), "waiting": 0.0, "loading": 0.0}
-        with disable_mtp_completeness_check():
+        if staging is not None:
+            r.digests = [[0, 0] for _ in range(plan.trainers)]
+        with disable_mtp_completeness_check() if staging is None else contextlib.nullcontext():
             for index, chunk in enumerate(plan.chunks):
-                code, origin = self._header()
+                code, origin = self._header(r)
                 if code == ABORT:
                     raise RuntimeError(abort_message(origin))
                 if code == END:
                     left = sum(len(c) for c in plan.chunks[index:])
                     error = error or RuntimeError(f"the trainer ended the round with {left} announced tensors unsent")
                     break
-                posted = self._post(plan, chunk, index)
-                error = self._load(held, error)
+                posted = self._post(r, plan, chunk, index)
+                error = self._load(r, held, error)
                 held = posted
             else:
-                error = self._load(held, error)
+                error = self._load(r, held, error)
                 held = None
-                code, origin = self._header()
+                code, origin = self._header(r)
                 if code == ABORT:
                     raise RuntimeError(abort_message(origin))
             if held is not None:
-                self._load(held, error or RuntimeError("the round ended early"))  # its sends complete
-        if error is None and self._adapter is not None:
+                self._load(r, held, error or RuntimeError("the round ended early"))  # its sends complete
+        if error is None and r.adapter is not None:
             try:
                 assert update_info.adapter_dir is not None and update_info.adapter_config is not None
-                write_adapter_dir(update_info.adapter_dir, self._adapter, update_info.adapter_config)
+                write_adapter_dir(update_info.adapter_dir, r.adapter, update_info.adapter_config)
             except Exception as err:  # noqa: BLE001 - the whole group learns of it in the status
                 error = err
-        failed = exchange_status(self.group, error is not None)
-        if self._adapter is None:
-            self._base = {} if failed or update_info.keep_as is None else self._base
+        if staging is not None:
+            error = error or _digest_mismatch(exchange_digests(r.group, plan.trainers, None), r.digests)
+        failed = exchange_status(r.group, error is not None)
+        current = staging is None or staging is self._staging  # a staged round replaced since writes nothing more
+        if r.adapter is None and current:
+            self._base = {} if failed or update_info.keep_as is None else r.base
             self._kept = None if failed else update_info.keep_as
-        times = self.times
+        if current:
+            self.times = r.times
+        times = r.times
+        kept = sum(t.nbytes for t in r.base.values()) if not failed and update_info.keep_as else 0
         _logger().info("gloo weight update: %d tensors, %.1f MB from %d trainer rank(s) in %.3f s (waiting for the"
-                       " trainers and data %.3f s, loading %.3f s)%s", len(plan.tensors), plan.nbytes / 1e6, plan.trainers,
-                       time.perf_counter() - times["round"], times["waiting"], times["loading"],
+                       " trainers and data %.3f s, %s %.3f s)%s", len(plan.tensors), plan.nbytes / 1e6, plan.trainers,
+                       time.perf_counter() - times["round"], times["waiting"],
+                       "staging" if staging is not None else "loading", times["loading"],
                        (", failed" if failed else "") + (
-                           f", {'patched' if update_info.patch_of else 'kept'} a host copy of"
-                           f" {sum(t.numel() * t.element_size() for t in self._base.values()) / 1e6:.1f} MB"
-                           if self._kept else ""))
+                           f", {'patched' if update_info.patch_of else 'kept'} a host copy of {kept / 1e6:.1f} MB"
+                           if kept else ""))
         if failed:
             raise error or RuntimeError("another member of the weight-transfer group failed this round")
 
-    def _header(self) -> tuple[int, int]:
-        assert self.group is not None
+    def _header(self, r: _Round) -> tuple[int, int]:
         start = time.perf_counter()
         try:
-            return exchange_header(self.group)
+            return exchange_header(r.group)
         finally:
-            self.times["waiting"] += time.perf_counter() - start
+            r.times["waiting"] += time.perf_counter() - start
 
-    def _post(self, plan: Plan, chunk: list[PlannedTensor], index: int) -> _Received:
+    def _post(self, r: _Round, plan: Plan, chunk: list[PlannedTensor], index: int) -> _Received:
         """Start receiving each trainer rank's part of ``chunk`` (``None`` where it sends nothing)."""
-        assert self.group is not None and self._info is not None
-        sparse = self._info.patch_of is not None
+        sparse = r.info.patch_of is not None
         parts: list[torch.Tensor | None] = []
         counts: list[list[int] | None] = []
+        messages: list[torch.Tensor | None] = []
         works = []
         for rank in range(plan.trainers):
             size = plan.segment(chunk, rank)
             counts.append(None)
+            messages.append(None)
             if size and sparse:  # a sparse round: this rank's counts first, its payload's size from them
                 message = torch.empty(len(chunk), dtype=torch.int64)
-                self.group.recv([message], rank, 2 * index).wait(self.timeout)
-                counts[-1] = message.tolist()
+                r.group.recv([message], rank, 2 * index).wait(self.timeout)
+                counts[-1], messages[-1] = message.tolist(), message
                 size = sparse_segment(chunk, rank, counts[-1])
             parts.append(torch.empty(size, dtype=torch.uint8) if size else None)
             if size:
-                works.append(self.group.recv([parts[-1]], rank, 2 * index + 1 if sparse else index))
-        return _Received(chunk, parts, works, plan.trainers, counts if sparse else None)
+                works.append(r.group.recv([parts[-1]], rank, 2 * index + 1 if sparse else index))
+        return _Received(chunk, parts, works, plan.trainers, counts if sparse else None, messages if sparse else None)
 
-    def _load(self, held: _Received | None, error: BaseException | None) -> BaseException | None:
-        """Wait for ``held`` to arrive and load it, unless the round already failed; the round's error, if any."""
+    def _load(self, r: _Round, held: _Received | None, error: BaseException | None) -> BaseException | None:
+        """Wait for ``held`` to arrive and load it (or stage it), unless the round already failed; the round's error,
+        if any."""
         if held is None:
             return error
         start = time.perf_counter()
         for work in held.works:
             work.wait(self.timeout)
         loading = time.perf_counter()
-        self.times["waiting"] += loading - start
+        r.times["waiting"] += loading - start
+        if r.digests:  # a staged round: what each trainer rank sent, in its order (counts, then payload)
+            for rank, digest in enumerate(r.digests):
+                for piece in (held.messages[rank] if held.messages else None, held.parts[rank]):
+                    if piece is not None:
+                        digest[0] += piece.nbytes
+                        digest[1] = crc32(digest[1], piece)
         if error is not None:
             return error  # kept receiving so the trainer ranks' sends complete; reported at the end
         try:  # a refused tensor is named in the error, with its shape and the engine's
-            assert self._info is not None
+            staged = r.staging is not None
             if held.counts is not None:
-                pairs = patch_chunk(held.chunk, held.parts, held.counts, held.trainers, self._base)
+                pairs = patch_chunk(held.chunk, held.parts, held.counts, held.trainers, r.base, fresh=not staged)
             else:
                 pairs = unpack_chunk(held.chunk, held.parts, held.trainers)
-                if self._info.keep_as is not None:
-                    pairs = _keeping(pairs, self._base)
-            if self._adapter is not None:  # an adapter round: kept for its files, the model untouched
-                self._adapter.update((name, tensor.clone()) for name, tensor in pairs)
+                if r.info.keep_as is not None:
+                    pairs = _keeping(pairs, r.base)
+            if r.staging is not None:  # staged: kept for the swap (from the host copy where one is kept)
+                kept = r.info.keep_as is not None
+                r.staging.tensors.update((name, None if kept else tensor) for name, tensor in pairs)
+            elif r.adapter is not None:  # an adapter round: kept for its files, the model untouched
+                r.adapter.update((name, tensor.clone()) for name, tensor in pairs)
             else:
                 load_naming_refusals(self.model.load_weights, self.model, pairs)
         except Exception as err:  # noqa: BLE001 - the whole group learns of it in the status
             return err
         finally:
-            self.times["loading"] += time.perf_counter() - loading
+            r.times["loading"] += time.perf_counter() - loading
         return None
 
     def shutdown(self) -> None:
         self.group = self._store = None
-        self._base, self._kept = {}, None
+        self._base, self._kept, self._staging = {}, None, None
+
+
+def _digest_mismatch(sent: list[tuple[int, int]], received: list[list[int]]) -> RuntimeError | None:
+    """The first trainer rank whose ``(bytes, CRC-32)`` differs from what this worker received, as an error."""
+    for rank, ((nbytes, crc), (got, got_crc)) in enumerate(zip(sent, received)):
+        if (nbytes, crc) != (got, got_crc):
+            return RuntimeError(f"staged round: trainer rank {rank} sent {nbytes} bytes (CRC-32 {crc:#010x}) but this"
+                                f" worker received {got} (CRC-32 {got_crc:#010x}); the round is dropped.")
+    return None
 
 
 def _keeping(pairs: Iterator[tuple[str, torch.Tensor]], base: dict[str, torch.Tensor]

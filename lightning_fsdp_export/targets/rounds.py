@@ -9,7 +9,10 @@ differs is what is sent and what the servers are told after it, which is all a r
 - :class:`PatchRound`: the same through our gloo engine with this rank's copy: parts whole or patched (sparse rounds);
 - :class:`PatchListRound`: vLLM 0.33's ``sparse_nccl`` engine, fed lists of patches rank 0 collects;
 - :class:`AdapterRound`: a peft adapter's tensors through our gloo engine, written by the workers on their hosts,
-  then loaded by every server under one name.
+  then loaded by every server under one name;
+- :class:`StagedRound` / :class:`StagedPatchRound` (``Gloo(background=True)``): the dense or sparse round received by
+  the workers into a staging area while the servers go on generating; only the swap (load from the staging, set the
+  version) runs under the pause, and a failed transfer leaves every server serving the previous version, unpaused.
 
 A transport names the kinds it runs (``NetworkTransport.weights_round`` / ``adapter_round``, :class:`RoundKind`);
 :func:`round_for` builds the round of a push. A new kind of round is one class here and its entry in ``ROUNDS``; a
@@ -19,6 +22,7 @@ round's inputs are arguments to :meth:`Round.run`, and what it hands our gloo en
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -38,7 +42,7 @@ if TYPE_CHECKING:
     from lightning_fsdp_export.targets.transfer import NativeTransfer
 
 __all__ = ["ROUNDS", "AdapterRound", "DenseRound", "PatchListRound", "PatchRound", "Round", "RoundKind",
-           "reset_prefix_caches", "round_for", "set_versions"]
+           "StagedPatchRound", "StagedRound", "reset_prefix_caches", "round_for", "set_versions", "swap_staged"]
 
 PauseMode = Literal["wait", "keep", "keep_old_kv"]
 
@@ -50,12 +54,17 @@ class RoundKind(str, Enum):
     PATCHES = "patches"
     PATCH_LISTS = "patch_lists"
     ADAPTER = "adapter"
+    STAGED = "staged"
+    STAGED_PATCHES = "staged_patches"
 
 
 class Round(ABC):
     """One push's round through a ``NativeTransfer``: what is sent, and what rank 0 tells the servers after it."""
 
     kind: ClassVar[RoundKind]
+    pauses_for_data: ClassVar[bool] = True
+    """The servers pause before the data travels (the model is loaded as it arrives); ``False``: they pause only for
+    :meth:`on_servers` (a staged round: the data goes to a staging area while they generate)."""
 
     def plan_key(self, transfer: NativeTransfer) -> str | None:
         """What a sparse round's copies must have been made for (the source's metadata); ``None``: no copies."""
@@ -179,14 +188,96 @@ class PatchListRound(_CopyRound):
                                 rank=transfer.rank, chunk_bytes=chunk_bytes, device=_sender_device())
 
 
+class _Staged(Round):
+    """A round whose data the workers stage while the servers generate (our gloo engine's ``stage_as``); rank 0 then
+    pauses them and every server swaps it in (:func:`swap_staged`)."""
+
+    pauses_for_data = False
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stage_id = uuid.uuid4().hex
+
+    @override
+    def client_version(self, version: int) -> str | None:
+        return None  # the staging sets nothing; each server's swap sets the version
+
+    @override
+    def on_servers(self, transfer: NativeTransfer, *, version: int) -> None:
+        swap_staged(transfer.servers, self.stage_id, version, transfer.pause_mode)
+
+
+class StagedRound(_Staged, DenseRound):
+    """The model's weights (whole from rank 0, or every rank's rows), staged by the workers, then swapped in."""
+
+    kind = RoundKind.STAGED
+
+    @override
+    def run(self, transfer: NativeTransfer, *, version: int, sparse: bool) -> None:
+        from lightning_fsdp_export.targets.gloo_trainer import GlooRound
+
+        transfer.engine.send_weights(GlooRound(stage_as=self.stage_id))
+
+
+class StagedPatchRound(_Staged, PatchRound):
+    """A sparse round staged: the workers patch the host copy they keep (or take a new one) while the servers
+    generate; the swap loads from that copy."""
+
+    kind = RoundKind.STAGED_PATCHES
+
+    @override
+    def send(self, transfer: NativeTransfer, patch_of: str | None) -> int:
+        from lightning_fsdp_export.targets.gloo_trainer import GlooRound
+
+        return int(transfer.engine.send_weights(GlooRound(patches=transfer.patches, patch_of=patch_of,
+                                                          keep_as=self._keep, stage_as=self.stage_id)))
+
+
 ROUNDS: dict[RoundKind, type[Round]] = {RoundKind.DENSE: DenseRound, RoundKind.PATCHES: PatchRound,
-                                        RoundKind.PATCH_LISTS: PatchListRound, RoundKind.ADAPTER: AdapterRound}
+                                        RoundKind.PATCH_LISTS: PatchListRound, RoundKind.ADAPTER: AdapterRound,
+                                        RoundKind.STAGED: StagedRound, RoundKind.STAGED_PATCHES: StagedPatchRound}
 """Each kind's class: what a transport's ``weights_round`` / ``adapter_round`` names."""
 
 
 def round_for(kind: RoundKind, **arguments: Any) -> Round:
     """A fresh round of ``kind`` (an adapter round takes ``name``, ``config``, ``server_dir``)."""
     return ROUNDS[kind](**arguments)
+
+
+def swap_staged(servers: Sequence[Server], stage_id: str, version: int, mode: PauseMode) -> None:
+    """Rank 0, the servers paused: every server loads the round its workers staged as ``stage_id`` and reports
+    ``version``, then drops its prefix cache. A server whose swap fails stays paused (its model may be half-loaded)
+    and is named in the error; the others are resumed at once, serving ``version``."""
+    from lightning_fsdp_export.targets.gloo_trainer import swap_update_info
+
+    body = {"update_info": swap_update_info(stage_id)}
+
+    def swap(server: Server) -> BaseException | None:
+        try:
+            server.request("POST", "/start_weight_update")
+            try:
+                server.request("POST", "/update_weights", body)
+            except ServerError:
+                with contextlib.suppress(ServerError):  # a worker that failed closed its reload already
+                    server.request("POST", "/finish_weight_update")
+                raise
+            server.request("POST", "/finish_weight_update", {"weight_version": str(version)})
+            reset_prefix_caches([server], mode)
+        except Exception as err:  # noqa: BLE001 - every server's outcome is collected below
+            return err
+        return None
+
+    outcomes = on_all(servers, swap)
+    failed = [(s, err) for s, err in zip(servers, outcomes) if err is not None]
+    if not failed:
+        return
+    swapped = [s for s, err in zip(servers, outcomes) if err is None]
+    if swapped:
+        on_all(swapped, lambda s: s.request("POST", "/resume"))
+    lines = "; ".join(f"{s.url}: {err}" for s, err in failed)
+    raise ServerError(f"{len(failed)} of {len(servers)} server(s) failed to swap in version {version} and stay paused"
+                      f" ({lines}); {len(swapped)} serve version {version}. The next sync pushes every tensor whole.",
+                      failed[0][0].url)
 
 
 def set_versions(servers: Sequence[Server], version: int) -> None:

@@ -9,7 +9,8 @@ gathers line up). This module adds what a deployment needs around it:
   ``VLLMWeightSyncClient`` over several servers at once: each server gets its own ``rank_offset`` (a running sum
   of ``/get_world_size``), and ``finish_weight_update`` carries the sync's version (vLLM's engines send none);
 * :class:`NativeTransfer`, the frame of every round: ``/pause``, the round (one class per kind,
-  :mod:`~lightning_fsdp_export.targets.rounds`: what is sent, what the servers are told after it), ``/resume``;
+  :mod:`~lightning_fsdp_export.targets.rounds`: what is sent, what the servers are told after it), ``/resume``
+  (a staged round, ``Gloo(background=True)``, pauses only after its data arrived, for the swap);
   and after a failure: close the round on every reachable server, leave them paused (they answer no request
   with half-loaded weights), and re-initialise the transfer group at the next sync, which then pushes
   everything.
@@ -279,7 +280,7 @@ class NativeTransfer(_Pauses):
             self.engine.send_weights()  # iterates the source: this rank's part of the gathers
             return
         this = self._round_of(version, adapter)
-        plan, paused, paused_at, sparse = self._start_round(this.plan_key(self))
+        plan, paused, paused_at, sparse = self._start_round(this.plan_key(self), pause=this.pauses_for_data)
         try:
             if plan is not None:
                 self._connect(plan)
@@ -289,6 +290,8 @@ class NativeTransfer(_Pauses):
                 self.client.version = this.client_version(version)
             this.run(self, version=version, sparse=sparse)
             if self.rank == 0:
+                if not paused:  # a staged round: the servers generated while the data travelled
+                    paused_at, paused = self._pause(), True
                 this.on_servers(self, version=version)
         except BaseException:
             self.broken = True
@@ -327,9 +330,10 @@ class NativeTransfer(_Pauses):
         if self.rank == 0:
             self._load_adapter_from(os.fspath(files.path.resolve()), name=name, version=version)
 
-    def _start_round(self, plan_key: str | None) -> tuple[dict[str, Any] | None, bool, float, bool]:
-        """Rank 0 rebuilds the group if needed (a broken round on any rank of the group, or a new plan) and
-        pauses the servers (unless a base round holds them paused); alone in the group it connects before pausing,
+    def _start_round(self, plan_key: str | None, *, pause: bool = True) -> tuple[dict[str, Any] | None, bool, float,
+                                                                                  bool]:
+        """Rank 0 rebuilds the group if needed (a broken round on any rank of the group, or a new plan) and, with
+        ``pause``, pauses the servers (unless a base round holds them paused; a staged round pauses later); alone in the group it connects before pausing,
         else the group's other ranks learn the plan (every rank connects after the pause), or rank 0's failure,
         from its broadcast. Returns ``(plan to connect with or None, whether this rank paused the servers, when the
         pause began, whether the round sends patches)``: only where every rank of the group holds a copy of the
@@ -352,7 +356,7 @@ class NativeTransfer(_Pauses):
                     if not self.every_rank:  # rank 0 alone in the group: rendezvous while the servers still serve
                         self._connect(plan)
                     decision["plan"] = plan if self.every_rank else None
-                paused_at = self._pause()
+                paused_at = self._pause() if pause else 0.0
             except Exception as err:  # noqa: BLE001 - every rank of the group learns of it just below
                 decision, failure = {"error": f"{type(err).__name__}: {err}", "plan": None}, err
         if self.control is not None:
@@ -362,7 +366,7 @@ class NativeTransfer(_Pauses):
             if failure is not None:
                 raise failure
             raise ServerError(f"trainer rank 0 could not start the round: {decision['error']}", self.servers[0].url)
-        return decision["plan"], self.rank == 0, paused_at, sparse
+        return decision["plan"], self.rank == 0 and pause, paused_at, sparse
 
     def _digest(self) -> str:
         """``nccl_m2n`` builds its engine for one source plan: a new plan (another model, dtype) needs a new group."""

@@ -86,7 +86,7 @@ class NetworkTransport:
     @property
     def sends_patches(self) -> bool:
         """After the first round, every rank sends only the elements of its parts that changed (sparse rounds)."""
-        return self.weights_round in (RoundKind.PATCHES, RoundKind.PATCH_LISTS)
+        return self.weights_round in (RoundKind.PATCHES, RoundKind.STAGED_PATCHES, RoundKind.PATCH_LISTS)
 
     def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
                   timeout: float) -> Any:
@@ -182,6 +182,12 @@ class Gloo(RendezvousTransport):
             wire dtype (its shard of the model; rank 0 also the tensors sent whole) and each server worker a host
             copy of the whole model; the first sync, and any after a failure, a resume, an exact check or a new
             plan, is dense.
+        background: the servers go on generating while the version travels: each worker receives it in a thread
+            into a staging area on its host (a host copy of the model in the wire dtype per worker; with ``sparse``
+            the copy it keeps anyway), and the servers pause only for the swap (load it, set the version, reset the
+            prefix cache). A transfer that fails leaves every server serving the previous version, unpaused; the next
+            sync is a full push. The trainer still waits for the transfer. Pays with servers that generate during
+            syncs (``AsyncRollouts``); costs nothing in speed otherwise (the load is the same).
     """
 
     name: ClassVar[str] = "gloo"
@@ -190,10 +196,14 @@ class Gloo(RendezvousTransport):
     buffer_bytes: int | None = None
     shard_direct: bool = False
     sparse: bool = False
+    background: bool = False
 
     def __post_init__(self) -> None:
         super().__post_init__()
         _check_buffer(self, self.buffer_bytes)
+        for flag in ("shard_direct", "sparse", "background"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"Gloo({flag}={getattr(self, flag)!r}) must be True or False.")
         if self.sparse and not self.shard_direct:
             raise ValueError("Gloo(sparse=True) computes each rank's patches from its own shards: it needs"
                              " shard_direct=True (Gloo(shard_direct=True, sparse=True)).")
@@ -204,6 +214,8 @@ class Gloo(RendezvousTransport):
 
     @property
     def weights_round(self) -> RoundKind:
+        if self.background:
+            return RoundKind.STAGED_PATCHES if self.sparse else RoundKind.STAGED
         return RoundKind.PATCHES if self.sparse else RoundKind.DENSE
 
     def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,

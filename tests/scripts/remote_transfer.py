@@ -16,7 +16,10 @@ Run by ``tests/test_remote_transfer.py``: ``torchrun --nproc-per-node 2 remote_t
   trainer rank sends its own rows; the refused rounds from row-sharded sources over plain tensors);
 * ``shards_source``: ``export_source(layout="shards")`` and ``weight_source(layout="m2n")`` of a tied Qwen2 with uneven
   shards (vocab 513), offloaded, of a Qwen3-MoE (fused experts) and of a LoRA Qwen2 (merged: all whole):
-  each rank's rows against the full export, what is gathered, and vLLM's own m2n layout checks.
+  each rank's rows against the full export, what is gathered, and vLLM's own m2n layout checks;
+* ``background``, ``background_sparse``: ``Gloo(shard_direct=True, background=True)`` (and ``sparse=True``) at the
+  target level: both servers polled while each version travels; a rank failing mid-transfer; a tensor refused at the
+  swap; a full push after them.
 
 Rank 0 writes JSON to ``--out``.
 """
@@ -27,6 +30,7 @@ import argparse
 import json
 import os
 import sys
+import threading
 import time
 import warnings
 from functools import partial
@@ -239,9 +243,10 @@ def scenario_source(root: Path) -> dict[str, Any]:
 
 
 def _plain_source(weights: dict[str, torch.Tensor], *, extra: tuple[str, torch.Tensor] | None = None,
-                 shards: bool = False) -> ExportSource:
+                 shards: bool = False, fail_on: int | None = None) -> ExportSource:
     """A source over plain tensors (no gathers), optionally with one tensor vLLM does not know inserted mid-way;
-    ``shards``: each rank yields torch.chunk rows of every 2-D tensor (as FSDP2 shards them), the rest whole."""
+    ``shards``: each rank yields torch.chunk rows of every 2-D tensor (as FSDP2 shards them), the rest whole;
+    ``fail_on``: that rank's pass raises half-way (its export failing mid-transfer)."""
     items = list(weights.items())
     if extra is not None:
         at = next(i for i, (n, _) in enumerate(items) if n.startswith("model.layers.1."))
@@ -256,7 +261,9 @@ def _plain_source(weights: dict[str, torch.Tensor], *, extra: tuple[str, torch.T
         return tuple(min(r * chunk, tensor.shape[0]) for r in range(world + 1)) if chunk else None
 
     def rows() -> Any:
-        for names, tensor in entries:
+        for i, (names, tensor) in enumerate(entries):
+            if rank == fail_on and i == len(entries) // 2:
+                raise RuntimeError(f"rank {rank}'s export failed at {names[0]} (the test's fault)")
             bounds = layout(names, tensor)
             yield names[0], tensor if bounds is None else tensor[bounds[rank]:bounds[rank + 1]]
 
@@ -292,6 +299,79 @@ def scenario_refused(urls: list[str], *, shards: bool = False) -> dict[str, Any]
         out["after_recovery"] = state(target)
         out["recovered_gaps"] = [gap(s, second) for s in target.servers]
         out["stale_gaps"] = [gap(s, first) for s in target.servers]
+    target.teardown()
+    return out
+
+
+def scenario_background(urls: list[str], *, sparse: bool = False) -> dict[str, Any]:
+    """``Gloo(shard_direct=True, background=True)`` at the target level: while a version travels, rank 0 polls both
+    servers (paused? which version?); a refused tensor (found at the swap) and a rank failing mid-transfer; then a
+    full push. ``sparse``: the same with sparse rounds (the workers patch the copy they keep)."""
+    rank = dist.get_rank()
+    target = RemoteVLLM(urls, transport=Gloo(shard_direct=True, sparse=sparse, background=True), timeout=TIMEOUT,
+                        pause_mode="keep")
+    target.setup(SimpleNamespace(global_rank=rank, world_size=dist.get_world_size()))  # type: ignore[arg-type]
+    source = partial(_plain_source, shards=True)
+    versions = [{k: v.to(torch.bfloat16) for k, v in tiny_qwen2(seed=seed).state_dict().items()} for seed in (7, 8, 9)]
+    if sparse:  # each version differs from the one before in a few elements of each tensor (a sparse round's case)
+        for i in (1, 2):
+            versions[i] = {k: v.clone() for k, v in versions[i - 1].items()}
+            for tensor in versions[i].values():
+                tensor.view(-1)[i:: max(1, tensor.numel() // 5)] += 1
+    out: dict[str, Any] = {"pushes": []}
+
+    def push(weights: dict[str, torch.Tensor], version: int, **faults: Any) -> None:
+        polls: list[dict[str, Any]] = []
+        stop = threading.Event()
+
+        def poll() -> None:
+            while not stop.is_set():
+                for s in target.servers:
+                    polls.append({"t": time.monotonic(), "url": s.url, **state_of(s)})
+                time.sleep(0.01)
+
+        poller = threading.Thread(target=poll, daemon=True) if rank == 0 else None
+        if poller is not None:
+            poller.start()
+        start = time.monotonic()
+        error = None
+        try:
+            target.push_source(source(weights, **faults), version=version)
+        except Exception as err:  # noqa: BLE001 - recorded for the test
+            error = f"{type(err).__name__}: {err}"
+        end = time.monotonic()
+        stop.set()
+        if poller is not None:
+            poller.join()
+        dist.barrier()
+        if rank == 0:
+            out["pushes"].append({
+                "version": version, "error": error, "seconds": end - start, "paused_seconds": target.last_paused_seconds,
+                "polls": len(polls), "paused_polls": sum(p["paused"] for p in polls),
+                "versions_seen": sorted({p["version"] for p in polls}),
+                "unpaused_versions": sorted({p["version"] for p in polls if not p["paused"]}),
+                "after": state(target), "gaps": [gap(s, weights) for s in target.servers],
+                "sparse": (target.last_patch or {}).get("sparse")})
+
+    def state_of(server: Any) -> dict[str, Any]:
+        return {"version": server.request("GET", "/weight_info")["weight_version"],
+                "paused": server.request("GET", "/is_paused")["is_paused"]}
+
+    push(versions[0], 300)
+    if sparse:
+        target.confirm(300)
+    push(versions[1], 301)
+    if rank == 0:
+        out["stale_gaps"] = [gap(s, versions[0]) for s in target.servers]
+    if sparse:
+        target.confirm(301)
+    push(versions[2], 302, fail_on=1)  # rank 1's export fails mid-transfer: both servers keep 301, serving
+    if rank == 0:
+        out["after_failure_gaps"] = [gap(s, versions[1]) for s in target.servers]
+    if not sparse:
+        bogus = ("model.layers.1.self_attn.bogus.weight", torch.zeros(4, dtype=torch.bfloat16))
+        push(versions[2], 303, extra=bogus)  # refused at the swap, on both servers: they stay paused, named
+    push(versions[2], 304)  # a full push recovers
     target.teardown()
     return out
 
@@ -378,7 +458,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--only", default="source,fit,refused,replica_down,shards_source,fit_shards,refused_shards,"
-                                          "replica_down_shards")
+                                          "replica_down_shards,background,background_sparse")
     parser.add_argument("--server", required=True)
     parser.add_argument("--model-dir", required=True)
     args = parser.parse_args()
@@ -394,7 +474,9 @@ def main() -> None:
             "fit_shards": lambda: scenario_fit(root / "fit_shards", urls, shards=True),
             "refused_shards": lambda: scenario_refused(urls, shards=True),
             "replica_down_shards": lambda: scenario_replica_down(root / "down_shards", urls, Path(args.model_dir),
-                                                                 shards=True)}
+                                                                 shards=True),
+            "background": lambda: scenario_background(urls),
+            "background_sparse": lambda: scenario_background(urls, sparse=True)}
     results = run_scenarios(runs, args.only.split(","))
     suffix = "" if dist.get_rank() == 0 else ".rank1"
     Path(args.out + suffix).write_text(json.dumps(results, indent=1, default=str))
