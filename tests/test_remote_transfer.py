@@ -5,7 +5,7 @@ The servers (``servers`` in ``tests/conftest.py``, shared with ``tests/test_remo
 "gloo"}'`` (the backend found through the package's vLLM plugin entry point, no PYTHONPATH) from a tiny Qwen2 with
 a word-level tokenizer, so they return prompt and sample logprobs. One torchrun job
 (``tests/scripts/remote_transfer.py``) runs the source, fit, refused-tensor and replica-down scenarios; the
-tests below read its results; it also checks ``strategy.weight_source()`` on 2 ranks. A trainer
+tests below read its results; it also checks ``strategy.weight_source()`` on 2 ranks and background (staged) syncs. A trainer
 killed mid-round, and the directory transport, run after it.
 """
 
@@ -102,6 +102,40 @@ def test_a_dead_replica_fails_the_sync_naming_it_and_a_restart_recovers(results:
     assert last["version"] == 4 and [s["version"] for s in last["servers"]] == ["4", "4"]
     assert not any(s["paused"] for s in last["servers"])
     assert max(last["gaps"]) < LOGPROB_TOLERANCE, last
+
+
+@pytest.mark.parametrize("mode", ["", "_sparse"])
+def test_background_syncs_serve_the_old_version_until_the_swap_and_a_failed_transfer_leaves_it_serving(
+        results: dict[str, Any], mode: str) -> None:
+    got = scenario(results, "background" + mode)
+    pushes = {p["version"]: p for p in got["pushes"]}
+    for version in (300, 301, 304, 305):
+        push = pushes[version]
+        assert push["error"] is None, push["error"]
+        assert [(s["version"], s["paused"]) for s in push["after"]] == [(str(version), False)] * 2
+        assert max(push["gaps"]) < LOGPROB_TOLERANCE, push
+    # When 301's data had arrived (the moment its round paused the servers for the swap), both still served 300,
+    # unpaused: the transfer ran while they generated; the swap then set 301.
+    assert [(s["version"], s["paused"]) for s in pushes[301]["before_pause"][0]] == [("300", False)] * 2
+    assert set(pushes[301]["versions_seen"]) <= {"300", "301"}
+    # After the staged rounds, the servers hold exactly what today's direct round pushes (vLLM's checker, per server).
+    assert all(c["compared"] >= 16 and c["differ"] == [] for c in got["checksums"].values()), got["checksums"]
+    # Rank 1's export failed mid-transfer: never paused, both still serve 301 exactly, and the error names rank 1.
+    failed = pushes[302]
+    assert "trainer rank 1 aborted" in failed["error"] and failed["before_pause"] == []
+    assert failed["paused_polls"] == 0 and failed["polls"] > 0
+    assert [(s["version"], s["paused"]) for s in failed["after"]] == [("301", False)] * 2
+    assert max(got["after_failure_gaps"]) < LOGPROB_TOLERANCE
+    if mode:  # sparse: patches against the copy the workers keep; dense again after the failure, then sparse
+        assert [pushes[v]["sparse"] for v in (300, 301, 304, 305)] == [False, True, False, True]
+        return
+    assert min(got["stale_gaps"]) > 10 * LOGPROB_TOLERANCE
+    # A tensor the engine refuses is found at the swap (the load): both servers stay paused on 301 (never serving a
+    # half-loaded model), named; the next full push resumes them.
+    refused = pushes[303]["error"]
+    assert "failed to swap in version 303 and stay paused" in refused and "bogus" in refused, refused
+    assert all(s["url"] in refused for s in pushes[303]["after"])
+    assert [(s["version"], s["paused"]) for s in pushes[303]["after"]] == [("301", True)] * 2
 
 
 def test_shard_direct_sends_each_ranks_own_rows_and_gathers_nothing(results: dict[str, Any]) -> None:

@@ -337,6 +337,7 @@ def test_the_precheck_is_skipped_when_the_checkpoint_is_not_readable_here(record
     (lambda: Gloo(buffer_bytes=0), ValueError, r"Gloo\(buffer_bytes=0\) must be a positive number of bytes"),
     (lambda: Gloo(sparse=True), ValueError, r"Gloo\(sparse=True\) computes each rank's patches from its own shards: it"
      r" needs shard_direct=True"),
+    (lambda: Gloo(background=1), ValueError, r"Gloo\(background=1\) must be True or False"),
     (lambda: NCCL(master_port=70000), ValueError, r"NCCL\(master_port=70000\) must be a TCP port"),
     (lambda: Directory("/x", keep_last=1), ValueError, r"Directory\(keep_last=1\) must be at least 2"),
     # sizes vLLM would ignore, and a bool taken for a size (issue 38, defect 4)
@@ -801,6 +802,20 @@ def test_sparse_nccl_needs_vllm_with_the_engine(monkeypatch: pytest.MonkeyPatch)
         SparseNCCL(chunk_bytes=0)
 
 
+def test_each_gloo_option_runs_its_kind_of_round_and_a_staged_one_pauses_only_for_the_swap() -> None:
+    from lightning_fsdp_export.targets.rounds import ROUNDS, RoundKind, round_for
+
+    kinds = {(sd, sp, bg): Gloo(shard_direct=sd, sparse=sp, background=bg).weights_round
+             for sd in (False, True) for sp in (False, True) for bg in (False, True) if sd or not sp}
+    assert kinds == {(False, False, False): RoundKind.DENSE, (False, False, True): RoundKind.STAGED,
+                     (True, False, False): RoundKind.DENSE, (True, False, True): RoundKind.STAGED,
+                     (True, True, False): RoundKind.PATCHES, (True, True, True): RoundKind.STAGED_PATCHES}
+    assert set(ROUNDS) == set(RoundKind)
+    assert [round_for(k).pauses_for_data for k in (RoundKind.DENSE, RoundKind.PATCHES, RoundKind.STAGED,
+                                                   RoundKind.STAGED_PATCHES)] == [True, True, False, False]
+    assert round_for(RoundKind.STAGED).client_version(3) is None  # each server's swap sets the version
+
+
 def test_a_server_target_sends_patches_only_when_its_transport_does() -> None:
     # issue 38: a capability follows the configuration (RemoteVLLM was a SendsPatches whatever its transport)
     from lightning_fsdp_export.targets import LoadsAdapters, SendsPatches
@@ -810,6 +825,8 @@ def test_a_server_target_sends_patches_only_when_its_transport_does() -> None:
     assert not any(isinstance(t, SendsPatches) for t in dense) and all(type(t) is RemoteVLLM for t in dense)
     sparse = RemoteVLLM(URL, transport=Gloo(shard_direct=True, sparse=True))
     assert type(sparse) is PatchingRemoteVLLM and isinstance(sparse, SendsPatches) and isinstance(sparse, RemoteVLLM)
+    staged = RemoteVLLM(URL, transport=Gloo(shard_direct=True, sparse=True, background=True))
+    assert type(staged) is PatchingRemoteVLLM and type(RemoteVLLM(URL, transport=Gloo(background=True))) is RemoteVLLM
     assert all(isinstance(t, LoadsAdapters) for t in [*dense, sparse])  # every transport loads adapters
     with pytest.raises(ValueError, match="transport='tcp'"):  # a wrong transport is still refused by __init__
         RemoteVLLM(URL, transport="tcp")

@@ -317,10 +317,16 @@ def scenario_background(urls: list[str], *, sparse: bool = False) -> dict[str, A
         for i in (1, 2):
             versions[i] = {k: v.clone() for k, v in versions[i - 1].items()}
             for tensor in versions[i].values():
-                tensor.view(-1)[i:: max(1, tensor.numel() // 5)] += 1
+                tensor.view(-1)[i:: max(1, tensor.numel() // 5)] *= 1.5
     out: dict[str, Any] = {"pushes": []}
+    before_pause: list[Any] = []  # rank 0: both servers' state when a round pauses them (a staged one: data arrived)
+    if rank == 0:
+        transfer = target._round  # type: ignore[attr-defined]
+        pause = transfer._pause
+        transfer._pause = lambda: (before_pause.append(state(target)), pause())[1]
 
     def push(weights: dict[str, torch.Tensor], version: int, **faults: Any) -> None:
+        before_pause.clear()
         polls: list[dict[str, Any]] = []
         stop = threading.Event()
 
@@ -350,7 +356,8 @@ def scenario_background(urls: list[str], *, sparse: bool = False) -> dict[str, A
                 "polls": len(polls), "paused_polls": sum(p["paused"] for p in polls),
                 "versions_seen": sorted({p["version"] for p in polls}),
                 "unpaused_versions": sorted({p["version"] for p in polls if not p["paused"]}),
-                "after": state(target), "gaps": [gap(s, weights) for s in target.servers],
+                "before_pause": list(before_pause),
+                "after": state(target), "gaps": [] if error else [gap(s, weights) for s in target.servers],
                 "sparse": (target.last_patch or {}).get("sparse")})
 
     def state_of(server: Any) -> dict[str, Any]:
@@ -372,7 +379,20 @@ def scenario_background(urls: list[str], *, sparse: bool = False) -> dict[str, A
         bogus = ("model.layers.1.self_attn.bogus.weight", torch.zeros(4, dtype=torch.bfloat16))
         push(versions[2], 303, extra=bogus)  # refused at the swap, on both servers: they stay paused, named
     push(versions[2], 304)  # a full push recovers
+    if sparse:
+        target.confirm(304)
+    push(versions[1], 305)  # back to 301's weights (sparse: patched)
+    staged = target.weight_checksums()  # rank 0 only
     target.teardown()
+    direct = RemoteVLLM(urls, transport=Gloo(shard_direct=True), timeout=TIMEOUT)  # today's round, the reference
+    direct.setup(SimpleNamespace(global_rank=rank, world_size=dist.get_world_size()))  # type: ignore[arg-type]
+    direct.push_source(source(versions[1]), version=306)
+    if rank == 0:
+        reference = direct.weight_checksums()
+        out["checksums"] = {url: {"compared": len([n for n, h in reference[url].items() if h]),
+                                  "differ": [n for n, h in reference[url].items() if h and staged[url].get(n) != h]}
+                            for url in reference}
+    direct.teardown()
     return out
 
 
