@@ -148,7 +148,8 @@ class VLLMWeightSync(Callback):
         self.version = 0
         self.served_version: int | None = None
         """The version the target holds, as of this rank's last sync that succeeded on every rank; None
-        while a sync is in flight, after a failed one and before the first one of a fit."""
+        while a sync is in flight (unless the target ``serves_during_push``: then the previous version until the
+        push succeeded), after a failed one and before the first one of a fit."""
         self.last_synced_step = -1
         self._fit_start_step: int | None = None  # the global step this fit started at: no optimizer step yet there
         self.stale = True
@@ -261,12 +262,14 @@ class VLLMWeightSync(Callback):
         if isinstance(self.target, SendsPatches):  # a sparse sync patches only what every rank agreed is served
             self.target.confirm(None if self.stale else self.served_version)
         self.version += 1
-        self.served_version = None
+        if not self.target.serves_during_push:  # else the servers serve it until the push's swap
+            self.served_version = None
         start = time.perf_counter()
         try:
             sources = self._sync(trainer, strategy)
         except WeightSyncError as err:
             self.stale = True
+            self.served_version = None  # a swap may have failed on some servers only
             self._base_pushed = False
             if self._on_error is OnError.RAISE:
                 raise

@@ -64,6 +64,13 @@ class WeightTarget(ABC):
                 and c.__module__ != __name__]
         return (ours[0] if ours else type(self)).__name__
 
+    @property
+    def serves_during_push(self) -> bool:
+        """The receiver goes on serving the version it holds while a push travels and swaps the new one in at its end
+        (``RemoteVLLM`` over ``Gloo(background=True)``): ``VLLMWeightSync.served_version`` then stays that version
+        during the push. Default ``False``: a push replaces the weights as it goes."""
+        return False
+
     def setup(self, trainer: pl.Trainer) -> None:  # noqa: B027 - a default that does nothing
         """Prepare before the first push (build an engine, reach a server); default: nothing."""
 

