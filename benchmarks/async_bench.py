@@ -1,6 +1,7 @@
 """Synchronous vs asynchronous GRPO on the same task, in one run: steps per minute, trainer waiting, reward.
 
     python benchmarks/async_bench.py [--steps 12] [--staleness 0,1,2] [--server URL[,URL]]
+    python benchmarks/async_bench.py --staleness 0,1,1b,2,2b   # "b": the same bound with Gloo(background=True)
 
 Runs ``examples/grpo_async.py`` once per bound (``0`` is the synchronous loop: each step's groups generated
 after the previous sync; ``K > 0`` keeps the servers generating during the step and the sync) against the
@@ -77,10 +78,13 @@ def timeline_svg(runs: dict[str, dict[str, Any]], width: int = 1100) -> str:
             f' font-size="11">{"".join(rows)}{legend}{ticks}</svg>')
 
 
-def run(steps: int, bound: int, urls: str, workdir: Path) -> dict[str, float]:
-    timeline = workdir / f"timeline_k{bound}.json"
+def run(steps: int, spec: str, urls: str, workdir: Path) -> dict[str, float]:
+    """One run of the example: ``spec`` is the bound, with a ``b`` for background syncs (``"1b"``)."""
+    bound, background = int(spec.rstrip("b")), spec.endswith("b")
+    timeline = workdir / f"timeline_k{spec}.json"
     proc = subprocess.run([sys.executable, "examples/grpo_async.py", "--steps", str(steps), "--max-staleness",
-                           str(bound), "--server", urls, "--workdir", str(workdir), "--timeline", str(timeline)],
+                           str(bound), "--server", urls, "--workdir", str(workdir), "--timeline", str(timeline),
+                           *(["--background"] if background else [])],
                           cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"the example failed (max_staleness={bound}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -90,7 +94,8 @@ def run(steps: int, bound: int, urls: str, workdir: Path) -> dict[str, float]:
                       r"  sync ([0-9]+) ms", out)
     drops = re.search(r"dropped ([0-9]+)  samples across versions ([0-9]+)", out)
     assert final and drops and rewards, out[-3000:]
-    run.timelines[f"max_staleness={bound}"] = json.loads(timeline.read_text())  # type: ignore[attr-defined]
+    label = f"max_staleness={bound}" + (", background" if background else "")
+    run.timelines[label] = json.loads(timeline.read_text())  # type: ignore[attr-defined]
     return {"steps/min": float(final[1]), "trainer waiting %": float(final[2]), "paused ms/sync": float(final[3]),
             "sync ms": float(final[4]), "reward first 3": sum(rewards[:3]) / 3, "reward last 3": sum(rewards[-3:]) / 3,
             "dropped groups": float(drops[1]), "samples across versions": float(drops[2])}
@@ -102,7 +107,7 @@ run.timelines = {}  # type: ignore[attr-defined]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--staleness", default="0,1,2")
+    parser.add_argument("--staleness", default="0,1,2", help="bounds; '1b': K=1 with Gloo(background=True)")
     parser.add_argument("--server", default=None)
     parser.add_argument("--svg", default=None, help="write the timeline picture here (SVG)")
     args = parser.parse_args()
@@ -115,7 +120,7 @@ def main() -> None:
 
         server, urls = start_server(work)
     try:
-        results = {int(k): run(args.steps, int(k), urls, work) for k in args.staleness.split(",")}
+        results = {k: run(args.steps, k, urls, work) for k in args.staleness.split(",")}
     finally:
         if server is not None:
             server.kill()
@@ -124,7 +129,8 @@ def main() -> None:
     print(f"| max_staleness | {' | '.join(keys)} | steps/min ratio |")
     print("|---" * (len(keys) + 2) + "|")
     for bound, r in results.items():
-        print(f"| {bound} | {' | '.join(f'{r[k]:.2f}' for k in keys)} | {r['steps/min'] / base['steps/min']:.2f}x |")
+        name = f"{bound.rstrip('b')} (background)" if bound.endswith("b") else bound
+        print(f"| {name} | {' | '.join(f'{r[k]:.2f}' for k in keys)} | {r['steps/min'] / base['steps/min']:.2f}x |")
     if args.svg:
         Path(args.svg).write_text(timeline_svg(run.timelines))  # type: ignore[attr-defined]
         print(f"timeline: {args.svg}")

@@ -15,8 +15,8 @@ rotates each step), both ``pause_mode="keep"``:
 
 ``--sparse`` makes both ``sparse=True`` (with a small ``--lr``, so few bf16 elements change). Rank 0 prints, per
 round, the medians (first sync dropped: it pays the rendezvous) of: the sync's seconds (the trainer is blocked for
-all of it in both rounds), the servers' paused seconds, the seconds the data travelled while the server served
-(from the sync's start to the pause), the completions the busy server answered during the sync, and the paused
+all of it in both rounds), the servers' paused seconds, the rest of the sync (the servers serving: the export and
+the agreement, and in the background round the transfer), the completions the busy server answered during the sync, and the paused
 ratio to ``keep``; at the end vLLM's checksums of both servers, which must be equal.
 """
 
@@ -97,7 +97,7 @@ class Rotate(pl.Callback):
             paused_at, resumed_at = target.last_pause or (end, end)
             self.rows[name].append({
                 "sync": sync.last_metrics["weight_sync/seconds"], "paused": resumed_at - paused_at,
-                "serving": max(0.0, paused_at - start),
+                "serving": max(0.0, (end - start) - (resumed_at - paused_at)),
                 "answered": self.busy.answered(target.servers[0].url, start, end) if self.busy else 0.0,
                 "sparse": float(bool((target.last_patch or {}).get("sparse")))})
         if trainer.is_global_zero:
@@ -170,7 +170,7 @@ def main() -> None:
         load = "idle servers" if args.no_load else "each server busy with back-to-back 16-token completions"
         print(f"\n[{args.size}{', sparse' if args.sparse else ''}, lr {args.lr:g}] {params / 1e6:.1f}M params, bf16,"
               f" 2 ranks, shard-direct, pause_mode='keep', {load}; medians of {args.steps - 1} syncs (first dropped):")
-        print("| round | sync (trainer blocked) | servers paused | data travelling while serving |"
+        print("| round | sync (trainer blocked) | servers paused | servers serving during the sync |"
               " completions answered during the sync | paused x keep |")
         print("|---|---|---|---|---|---|")
         for name, m in med.items():

@@ -198,21 +198,24 @@ _DYING_TRAINER = textwrap.dedent("""
                 time.sleep(600)  # killed here, mid-round
             yield item
     source = ExportSource(lambda: [([n], t) for n, t in items], export, dtype=torch.bfloat16)
-    transfer = NativeTransfer([Server({url!r}, api_key=None, timeout=60)], Gloo(buffer_bytes=4096),
-                              timeout={timeout}, pause_mode="wait")
+    transfer = NativeTransfer([Server({url!r}, api_key=None, timeout=60)],
+                              Gloo(buffer_bytes=4096, background={background}), timeout={timeout}, pause_mode="wait")
     transfer.setup(SimpleNamespace(global_rank=0, world_size=1))
     transfer.push(source, version=50)
 """)
 
 
-def test_a_trainer_killed_mid_round_frees_the_server_after_the_timeout(servers: Any) -> None:
+@pytest.mark.parametrize("background", [False, True], ids=["paused_round", "background_round"])
+def test_a_trainer_killed_mid_round_frees_the_server_after_the_timeout(servers: Any, background: bool) -> None:
     from lightning_fsdp_export.export.source import ExportSource
     from lightning_fsdp_export.targets.http import Server
     from lightning_fsdp_export.targets.transfer import NativeTransfer
     from lightning_fsdp_export.targets.transports import Gloo
 
     _, urls = servers
-    code = _DYING_TRAINER.format(root=str(ROOT), url=urls[0], timeout=8.0)
+    server = Server(urls[0], api_key=None, timeout=60)
+    served = server.request("GET", "/weight_info")["weight_version"]
+    code = _DYING_TRAINER.format(root=str(ROOT), url=urls[0], timeout=8.0, background=background)
     proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert proc.stdout is not None
     for line in proc.stdout:
@@ -220,8 +223,15 @@ def test_a_trainer_killed_mid_round_frees_the_server_after_the_timeout(servers: 
             break
     proc.kill()
     proc.wait()
-    server = Server(urls[0], api_key=None, timeout=60)
-    assert server.request("GET", "/is_paused")["is_paused"] is True  # the dead trainer had paused it
+    if background:  # the transfer was staging: the server was never paused and answers on the version it had
+        assert server.request("GET", "/is_paused")["is_paused"] is False
+        assert server.request("GET", "/weight_info")["weight_version"] == served
+        model = server.request("GET", "/v1/models")["data"][0]["id"]
+        answer = server.request("POST", "/v1/completions", {"model": model, "prompt": [1, 2, 3], "max_tokens": 4,
+                                                             "ignore_eos": True})
+        assert answer["usage"]["completion_tokens"] == 4
+    else:
+        assert server.request("GET", "/is_paused")["is_paused"] is True  # the dead trainer had paused it
     items = [(k, v.to(torch.bfloat16)) for k, v in tiny_qwen2(seed=4).state_dict().items()]
     source = ExportSource(lambda: [([n], t) for n, t in items], lambda: iter(items), dtype=torch.bfloat16)
     transfer = NativeTransfer([server], Gloo(), timeout=60, pause_mode="wait")
