@@ -4,7 +4,8 @@ Run by ``tests/test_remote_transfer.py`` (its servers, started with ``--enable-s
 ``torchrun --nproc-per-node 2 rollouts.py --out F --server URL1,URL2``. Scenarios:
 
 * ``async``: a policy-gradient fit (``max_staleness=2``, ``pause_mode="keep"``) that checkpoints after 3 steps
-  and resumes to 6 (``pause_mode="keep_old_kv"``); rank 0 keeps a CPU copy of every pushed version and scores each
+  and resumes to 6 (``pause_mode="keep_old_kv"``, ``Gloo(background=True)``: the servers generate while each version
+  travels); rank 0 keeps a CPU copy of every pushed version and scores each
   consumed sample's tokens with the version its label names (and with a neighbouring one); between the fits, a
   request the first fit's servers are generating when the next version is pushed (:func:`a_request_frozen_by_a_push`);
 * ``on_policy``: ``max_staleness=0``: every sample has one version, the trainer's;
@@ -266,14 +267,14 @@ def a_request_frozen_by_a_push(trainer: Trainer, sync: VLLMWeightSync, rollouts:
 def scenario_async(root: Path, urls: list[str]) -> dict[str, Any]:
     seed_everything(0)
 
-    def build(steps: int, pause_mode: Any) -> tuple[Trainer, AsyncRollouts, VLLMWeightSync, Policy]:
-        sync = VLLMWeightSync(RemoteVLLM(urls, transport=Gloo(), timeout=TIMEOUT, pause_mode=pause_mode))
+    def build(steps: int, pause_mode: Any, transport: Gloo) -> tuple[Trainer, AsyncRollouts, VLLMWeightSync, Policy]:
+        sync = VLLMWeightSync(RemoteVLLM(urls, transport=transport, timeout=TIMEOUT, pause_mode=pause_mode))
         rollouts = AsyncRollouts(sync, PROMPTS, reward, batch_size=2, group_size=2, max_staleness=2,
                                  sampling={"max_tokens": 200, "temperature": 1.0, "ignore_eos": True}, max_in_flight=2,
                                  batch_timeout=120)
         return trainer_for([sync, rollouts], steps, root), rollouts, sync, Policy(sync, delay=0.05, lr=3e-2)
 
-    trainer, rollouts, sync, policy = build(3, "keep")
+    trainer, rollouts, sync, policy = build(3, "keep", Gloo())
     trainer.fit(policy, rollouts.dataloader())
     ckpt = root / "async.ckpt"
     trainer.save_checkpoint(ckpt)
@@ -286,9 +287,11 @@ def scenario_async(root: Path, urls: list[str]) -> dict[str, Any]:
     frozen = a_request_frozen_by_a_push(trainer, sync, rollouts, policy, urls[0])  # after the checkpoint
     sync.teardown(trainer, policy, "fit")  # the callback's own hook: its push after the fit set the target up again
 
-    trainer, rollouts, sync, policy = build(6, "keep_old_kv")  # the frozen requests keep their KV
+    # the frozen requests keep their KV; the versions travel while the servers generate (background syncs)
+    trainer, rollouts, sync, policy = build(6, "keep_old_kv", Gloo(background=True))
     trainer.fit(policy, rollouts.dataloader(), ckpt_path=str(ckpt))
     resumed = summary(rollouts, sync, policy.batches)
+    resumed["token_truth"] = score(policy.batches, policy.versions) if trainer.global_rank == 0 else None
     resumed["timing"] = timing(policy)
     resumed["saved_positions"] = saved_position
     resumed["threads_after"] = client_threads()
