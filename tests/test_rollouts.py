@@ -80,7 +80,8 @@ def test_async_tokens_carry_the_versions_that_made_them_within_the_bound(async_r
     truth = first["token_truth"]
     assert truth["spans"] >= 12 and truth["unscored"] == 0, truth
     assert truth["right_gap"] < LOGPROB_TOLERANCE < 1.0 < truth["other_gaps_median"], truth
-    # the resumed fit synced in the background (Gloo(background=True)): its labels are as true, changing at the swaps
+    # the resumed fit synced in the background (Gloo(shard_direct=True, background=True): the trainer trained on while
+    # each version travelled, the servers generated until its swap): its labels are as true
     truth = resumed["token_truth"]
     assert truth["spans"] >= 12 and truth["unscored"] == 0, truth
     assert truth["right_gap"] < LOGPROB_TOLERANCE < 1.0 < truth["other_gaps_median"], truth

@@ -37,7 +37,7 @@ from lightning_fsdp_export.export.lazy import ExportReport, _converted, gather_f
 from lightning_fsdp_export._fsdp import chunk_bounds
 from lightning_fsdp_export.export.source import Entries, ExportSource, wire_dtype
 
-__all__ = ["Layout", "ShardMeta", "ShardSource", "owner_bounds", "row_bounds", "shard_export", "trainer_world"]
+__all__ = ["Layout", "ShardMeta", "ShardSnapshot", "ShardSource", "owner_bounds", "row_bounds", "shard_export", "trainer_world"]
 
 # How an entry goes: its rows' offsets over the ranks, each checkpoint piece's owner rank, or None (whole).
 Layout = tuple[int, ...] | dict[str, int] | None
@@ -202,3 +202,24 @@ class ShardSource(ExportSource):
     def full_tensors(self) -> list[str]:
         """Names of the tensors that go whole (gathered), not as every rank's rows."""
         return [m.name for m in self.metadata() if m.bounds is None]
+
+
+class ShardSnapshot(ShardSource):
+    """One pass of a :class:`ShardSource` taken now into host memory (this rank's parts, in the wire dtype, copied), and
+    replayed by every later iteration with no collective and no read of the module: what a background send reads while
+    the model trains on (``RemoteVLLM`` over ``Gloo(shard_direct=True, background=True)``). Taking it is the pass (a
+    collective: every rank takes its snapshot); ``nbytes`` is its host memory.
+    """
+
+    def __init__(self, source: ShardSource) -> None:
+        meta, entries = source.metadata(), list(source._entries())  # read now: FSDP2 swaps params while it trains
+        pairs = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in source]  # never a view of a param
+        super().__init__(lambda: entries, lambda: iter(pairs), layout=source.layout, world=source.world,
+                         dtype=source.dtype, checkpoint_format=source._format, kind=source.kind)
+        self._meta = meta
+        self.nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
+
+    def metadata(self) -> list[ShardMeta]:  # type: ignore[override]
+        """The metadata of the pass it holds (read when it was taken)."""
+        return self._meta
+

@@ -13,8 +13,9 @@ from lightning_fsdp_export._common import SyncGroup, WeightSyncError
 
 if TYPE_CHECKING:
     from lightning_fsdp_export.export.source import ExportSource
+    from lightning_fsdp_export.targets.base import WeightTarget
 
-__all__ = ["agree_after", "agree_before", "plan_digest"]
+__all__ = ["FAILED", "agree_after", "agree_arrived", "agree_before", "plan_digest"]
 
 
 def plan_digest(plans: list[list[tuple[str, tuple[int, ...]]]]) -> str:
@@ -76,3 +77,18 @@ def agree_after(group: SyncGroup, version: int, mine: str | None, what: str) -> 
     if failures:
         lines = "; ".join(f"rank {rank}: {msg}" for rank, msg in failures)
         raise WeightSyncError(what.format(version=version, lines=lines))
+
+
+FAILED = "Weight sync of version {version} failed ({lines}). The target is stale."
+
+
+def agree_arrived(group: SyncGroup, version: int, target: WeightTarget) -> None:
+    """Every rank: wait for ``target``'s push still in the background (``target.wait()``) and agree on its outcome;
+    raises :class:`~lightning_fsdp_export._common.WeightSyncError` on every rank if it failed on any."""
+    mine = None
+    try:
+        target.wait()
+    except Exception as err:  # noqa: BLE001 - reported on every rank, after the ranks agree
+        mine = f"{type(err).__name__}: {err} (in the background, after the snapshot)"
+    agree_after(group, version, mine, FAILED)
+

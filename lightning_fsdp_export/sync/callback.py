@@ -18,13 +18,11 @@ from typing import Any, Literal
 
 import lightning.pytorch as pl
 import torch
-from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from typing_extensions import override
 
 from lightning_fsdp_export._common import SyncGroup, WeightSyncError
-from lightning_fsdp_export.sync.agreement import agree_after, agree_before
+from lightning_fsdp_export.sync.agreement import FAILED, agree_after, agree_arrived, agree_before
 from lightning_fsdp_export.sync.exact import EXACT_FAILED, ExactCheck, check_precondition, exact_verdict
 from lightning_fsdp_export.sync.pushes import consume, plan_pushes, refusals, temporary_adapter_dir
 from lightning_fsdp_export.export.source import ExportSource
@@ -39,11 +37,12 @@ from lightning_fsdp_export.targets.base import (
     WeightTarget,
 )
 from lightning_fsdp_export.sync.verify import check_logprobs
+from lightning_fsdp_export.sync.triggers import SyncTriggers
 
 __all__ = ["VLLMWeightSync", "WeightSyncError"]
 
 
-class VLLMWeightSync(Callback):
+class VLLMWeightSync(SyncTriggers):
     """Push the trainer's weights into a vLLM target after optimizer steps or epochs.
 
     Example::
@@ -146,10 +145,8 @@ class VLLMWeightSync(Callback):
         self._sync_on_train_start = sync_on_train_start
         self._dtype = dtype
         self.version = 0
-        self.served_version: int | None = None
-        """The version the target holds, as of this rank's last sync that succeeded on every rank; None
-        while a sync is in flight (unless the target ``serves_during_push``: then the previous version until the
-        push succeeded), after a failed one and before the first one of a fit."""
+        self._in_flight: int | None = None  # a version pushed in the background, not yet settled
+        self._served: int | None = None  # see served_version
         self.last_synced_step = -1
         self._fit_start_step: int | None = None  # the global step this fit started at: no optimizer step yet there
         self.stale = True
@@ -165,20 +162,23 @@ class VLLMWeightSync(Callback):
         return self._generate_state_key(lora=self._lora.value, target=self._name)
 
     @property
+    def served_version(self) -> int | None:
+        """The version the target holds, as of this rank's last sync that succeeded on every rank; None while a sync is
+        in flight (a target that ``serves_during_push``: the previous version until the swap; one that
+        ``pushes_in_background``: until ``target.push_arrived()``), after a failed one and before the first one."""
+        if self._in_flight is not None and self.target.push_arrived():
+            return self._in_flight
+        return self._served
+
+    @served_version.setter
+    def served_version(self, version: int | None) -> None:
+        self._served = version
+
+    @property
     def lora(self) -> SyncLora:
         """The mode: ``"merged"``, or ``"adapter"`` (the target serves the trained adapter, e.g. under
         ``RemoteVLLM.adapter_name``)."""
         return self._lora
-
-    @property
-    def every_n_train_steps(self) -> int | None:
-        """Steps between syncs (None when syncing by epochs)."""
-        return self._every_n_steps
-
-    @property
-    def syncs_on_train_start(self) -> bool:
-        """Whether the fit's first push happens at train start (``sync_on_train_start``, or a resumed run)."""
-        return self._sync_on_train_start or self._resumed
 
     # -- when -------------------------------------------------------------------------------------------
 
@@ -207,47 +207,16 @@ class VLLMWeightSync(Callback):
             self.target.after_compute()
 
     @override
-    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        # sleep_level=2 dropped the engine's weights in a phase no trigger follows (validation): push now,
-        # before this step's rollouts.
-        if isinstance(self.target, SleepsDuringCompute) and self.target.weights_discarded \
-                and not trainer.sanity_checking:
-            self.sync(trainer)
-
-    @override
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._fit_start_step = trainer.global_step
-        if self._sync_on_train_start or self._resumed:
-            self.sync(trainer)
-
-    @override
-    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
-        n = self._every_n_steps
-        if n and not self._should_skip(trainer) and trainer.global_step % n == 0:
-            self.sync(trainer)
-
-    @override
-    def on_train_epoch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        n = self._every_n_epochs
-        if n and not trainer.sanity_checking and (trainer.current_epoch + 1) % n == 0:
-            self.sync(trainer)
-
-    @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if isinstance(trainer.strategy, LazyExportFSDP2):
             trainer.strategy.remove_phase_listener(self)
         if self._target_ready and stage == "fit":
+            self._in_flight = None  # the target's teardown ends it (a fit that failed: not agreed on)
             self.target.teardown()
             self._target_ready = False  # a later fit with this callback (a resume) sets the target up again
         if stage == "fit" and self._adapter_dir_is_ours and self._adapter_dir is not None:
             shutil.rmtree(self._adapter_dir, ignore_errors=True)  # the engines hold the loaded adapter in memory
             self._adapter_dir, self._adapter_dir_is_ours = None, False
-
-    def _should_skip(self, trainer: pl.Trainer) -> bool:
-        # global_step counts optimizer steps: while it equals the fit's first step (the micro-batches of an
-        # accumulation before the first step) or the last synced one, the weights are what the target holds
-        return (trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING
-                or trainer.global_step in (self.last_synced_step, self._fit_start_step))
 
     # -- a sync -------------------------------------------------------------------------------------------
 
@@ -259,6 +228,7 @@ class VLLMWeightSync(Callback):
         """
         strategy = _require_strategy(trainer)
         self._ensure_target(trainer, strategy)
+        self.settle()  # the push still in the background, if any (failed, with on_error="warn": this one is full)
         if isinstance(self.target, SendsPatches):  # a sparse sync patches only what every rank agreed is served
             self.target.confirm(None if self.stale else self.served_version)
         self.version += 1
@@ -268,21 +238,42 @@ class VLLMWeightSync(Callback):
         try:
             sources = self._sync(trainer, strategy)
         except WeightSyncError as err:
-            self.stale = True
-            self.served_version = None  # a swap may have failed on some servers only
-            self._base_pushed = False
-            if self._on_error is OnError.RAISE:
-                raise
-            rank_zero_warn(f"{err} Training goes on (on_error='warn'); the next sync pushes every tensor again.")
+            self._failed(err)
             return
         self.stale = False
         self._base_pushed = True
-        self.served_version = self.version
+        if self.target.pushes_in_background:  # served once it arrived, as every rank agrees at the next settle()
+            self._in_flight = self.version
+        else:
+            self.served_version = self.version
         self.last_synced_step = trainer.global_step
         self.last_metrics = _metrics(time.perf_counter() - start, sources, self.version)
         if trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(self.last_metrics, step=trainer.global_step)
+
+    def settle(self) -> bool:
+        """Every rank: end the push in the background, if any (``target.pushes_in_background``), and agree on it: its
+        version is served, or the sync failed (as :meth:`sync`'s failures do). Runs before each sync and at the fit's end."""
+        version, self._in_flight = self._in_flight, None
+        if version is None:
+            return True
+        try:
+            agree_arrived(self._ranks, version, self.target)
+        except WeightSyncError as err:
+            self._failed(err)
+            return False
+        self.served_version = version
+        return True
+
+    def _failed(self, err: WeightSyncError) -> None:
+        """Every rank, a sync failed: the target is stale (a swap may have failed on some servers only)."""
+        self.stale = True
+        self.served_version = None
+        self._base_pushed = False
+        if self._on_error is OnError.RAISE:
+            raise err
+        rank_zero_warn(f"{err} Training goes on (on_error='warn'); the next sync pushes every tensor again.")
 
     def _sync(self, trainer: pl.Trainer, strategy: LazyExportFSDP2) -> list[ExportSource]:
         pushes = plan_pushes(strategy, self.target, lora=self._lora, base_pushed=self._base_pushed,
@@ -292,8 +283,9 @@ class VLLMWeightSync(Callback):
                      check_finite=self._check_finite)
         exact, self._exact_pending = self._exact_pending, False
         baseline, mine = consume(pushes, self.target if exact else None)  # type: ignore[arg-type]
-        agree_after(self._ranks, self.version, mine, "Weight sync of version {version} failed ({lines}). The target"
-                    " is stale.")
+        agree_after(self._ranks, self.version, mine, FAILED)
+        if (exact or self._verify) and self.target.pushes_in_background:  # the checks read what arrived: wait for it
+            agree_arrived(self._ranks, self.version, self.target)
         if exact:
             assert isinstance(self.target, ExactCheckable)
             self.last_exact_check, mine = exact_verdict(self.target, baseline)

@@ -71,6 +71,21 @@ class WeightTarget(ABC):
         during the push. Default ``False``: a push replaces the weights as it goes."""
         return False
 
+    @property
+    def pushes_in_background(self) -> bool:
+        """A push returns once this rank's part is taken (a snapshot) and a thread sends it while training goes on;
+        :meth:`wait` ends it. Default ``False``: a push returns when it is done."""
+        return False
+
+    def push_arrived(self) -> bool:
+        """Without waiting: whether the push in the background (if any) arrived and serves, as far as this rank knows
+        (every rank learns the swap's outcome from rank 0). Default ``True``: nothing is ever in flight."""
+        return True
+
+    def wait(self) -> None:  # noqa: B027 - a default that does nothing
+        """Every rank: wait for this rank's push still travelling in the background (at most one), and raise its
+        failure; default: nothing is ever in flight."""
+
     def setup(self, trainer: pl.Trainer) -> None:  # noqa: B027 - a default that does nothing
         """Prepare before the first push (build an engine, reach a server); default: nothing."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import uuid
+import warnings
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
@@ -179,6 +180,22 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
         return not isinstance(self.options, Directory) and not ROUNDS[self.options.weights_round].pauses_for_data
 
     @property
+    @override
+    def pushes_in_background(self) -> bool:
+        """``Gloo(shard_direct=True, background=True)``: each rank's push takes its snapshot and returns; a thread sends
+        it while training goes on."""
+        return isinstance(self._round, NativeTransfer) and self._round.sends_in_background
+
+    @override
+    def push_arrived(self) -> bool:
+        return not isinstance(self._round, NativeTransfer) or self._round.arrived()
+
+    @override
+    def wait(self) -> None:
+        if isinstance(self._round, NativeTransfer):
+            self._round.wait()
+
+    @property
     def last_paused_seconds(self) -> float | None:
         """Rank 0: how long the last completed sync kept the servers paused (``/pause`` to ``/resume``); with
         ``pause_mode="keep"`` the only time generation stops for a sync. None elsewhere and before one."""
@@ -316,8 +333,14 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
 
     @override
     def teardown(self) -> None:
-        """Shut the transfer engine down on every server that answers (network transports); remove this fit's adapter
-        directories that gloo workers wrote on this host."""
+        """End a push still in the background (its failure is logged, not raised: the sync reported or will report
+        it), shut the transfer engine down on every server that answers (network transports); remove this fit's
+        adapter directories that gloo workers wrote on this host."""
+        try:
+            self.wait()
+        except Exception as err:  # noqa: BLE001 - teardown runs on failure paths too
+            warnings.warn(f"RemoteVLLM: the push still in flight at teardown failed: {type(err).__name__}: {err}",
+                          stacklevel=2)
         self._round.disconnect()
         self._round.remove_adapter_files()
 

@@ -44,6 +44,7 @@ from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export.export.patches import PatchBase
 from lightning_fsdp_export.export.shards import ShardSource
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
+from lightning_fsdp_export.targets.background import BackgroundPushes
 from lightning_fsdp_export.targets.adapters import (
     SERVER_ADAPTER_ROOT,
     AdapterFiles,
@@ -55,7 +56,7 @@ from lightning_fsdp_export.targets.clients import FanOutClient
 from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.targets.http import Server, ServerError, on_all
 from lightning_fsdp_export.targets.preflight import check_servers
-from lightning_fsdp_export.targets.rounds import PauseMode, Round, reset_prefix_caches, round_for, set_versions
+from lightning_fsdp_export.targets.rounds import ROUNDS, PauseMode, Round, reset_prefix_caches, round_for, set_versions
 from lightning_fsdp_export.targets.transports import Directory, NetworkTransport, RendezvousTransport
 
 __all__ = ["DirectoryReload", "NativeTransfer", "PauseMode", "pause_route",
@@ -115,7 +116,7 @@ class _Pauses:
         self._finish(paused_at, resume=True)
 
 
-class NativeTransfer(_Pauses):
+class NativeTransfer(_Pauses, BackgroundPushes):
     """One transfer group from the trainer to every worker of ``servers``, and the one round every sync runs.
 
     The round, whichever the transport: (rank 0) rebuild the group if it is broken or the source's plan
@@ -167,6 +168,7 @@ class NativeTransfer(_Pauses):
         self.last_patch: dict[str, Any] | None = None
         """This rank's last round with sparse rounds on: ``sparse`` (patched or dense), what it sent and would have
         sent dense of its parts, elements and changed elements, its copy's host bytes."""
+        self._init_background(transport.every_rank and not ROUNDS[transport.weights_round].pauses_for_data)
 
     # -- setup and teardown ------------------------------------------------------------------------
 
@@ -275,6 +277,17 @@ class NativeTransfer(_Pauses):
             raise TypeError(f"RemoteVLLM(transport={self.transport!r}) sends every rank's own shards: give it a"
                             f" ShardSource (strategy.export_source(layout={self.options.layout.value!r})), as"
                             " VLLMWeightSync does.")
+        self.wait()  # at most one push in flight: the previous one ends (or raises) first
+        if self.sends_in_background and adapter is None:
+            snapshot = self._snapshot(source, version)
+            self._start_background(lambda: self._round_now(snapshot, version=version, resume=resume, adapter=None),
+                                   name=f"lfe-sync-v{version}")
+            return
+        self._round_now(source, version=version, resume=resume, adapter=adapter)
+
+    def _round_now(self, source: ExportSource | AdapterTensors, *, version: int, resume: bool,
+                   adapter: tuple[str, str] | None) -> None:
+        """One round of ``source``, in this thread."""
         self.source.export = source  # the engine was built with this WeightSource once
         if not self.every_rank and self.rank != 0 and not self.options.sends_patch_lists:
             self.engine.send_weights()  # iterates the source: this rank's part of the gathers
@@ -289,10 +302,22 @@ class NativeTransfer(_Pauses):
                 assert self.client is not None
                 self.client.version = this.client_version(version)
             this.run(self, version=version, sparse=sparse)
+            outcome: str | None = None
             if self.rank == 0:
-                if not paused:  # a staged round: the servers generated while the data travelled
-                    paused_at, paused = self._pause(), True
-                this.on_servers(self, version=version)
+                try:
+                    if not paused:  # a staged round: the servers generated while the data travelled
+                        paused_at, paused = self._pause(), True
+                    this.on_servers(self, version=version)
+                except Exception as err:
+                    outcome = f"{type(err).__name__}: {err}"
+                    if not self.sends_in_background:
+                        raise
+            if self.sends_in_background:  # every rank's thread ends knowing whether the version serves
+                assert self.control is not None
+                outcome = self.control.broadcast(outcome)
+                if outcome is not None:
+                    raise RuntimeError(f"version {version} reached the servers' workers but trainer rank 0 could not"
+                                       f" swap it in: {outcome}")
         except BaseException:
             self.broken = True
             self._held_since = None

@@ -340,9 +340,11 @@ def scenario_background(urls: list[str], *, sparse: bool = False) -> dict[str, A
         if poller is not None:
             poller.start()
         start = time.monotonic()
-        error = None
+        error, blocked = None, None
         try:
             target.push_source(source(weights, **faults), version=version)
+            blocked = time.monotonic() - start  # shard-direct: the snapshot taken, the round goes on in a thread
+            target.wait()
         except Exception as err:  # noqa: BLE001 - recorded for the test
             error = f"{type(err).__name__}: {err}"
         end = time.monotonic()
@@ -352,7 +354,8 @@ def scenario_background(urls: list[str], *, sparse: bool = False) -> dict[str, A
         dist.barrier()
         if rank == 0:
             out["pushes"].append({
-                "version": version, "error": error, "seconds": end - start, "paused_seconds": target.last_paused_seconds,
+                "version": version, "error": error, "seconds": end - start, "blocked_seconds": blocked,
+                "background": target.pushes_in_background, "paused_seconds": target.last_paused_seconds,
                 "polls": len(polls), "paused_polls": sum(p["paused"] for p in polls),
                 "versions_seen": sorted({p["version"] for p in polls}),
                 "unpaused_versions": sorted({p["version"] for p in polls if not p["paused"]}),
@@ -372,7 +375,7 @@ def scenario_background(urls: list[str], *, sparse: bool = False) -> dict[str, A
         out["stale_gaps"] = [gap(s, versions[0]) for s in target.servers]
     if sparse:
         target.confirm(301)
-    push(versions[2], 302, fail_on=1)  # rank 1's export fails mid-transfer: both servers keep 301, serving
+    push(versions[2], 302, fail_on=1)  # rank 1's export fails (its snapshot): both servers keep 301, serving
     if rank == 0:
         out["after_failure_gaps"] = [gap(s, versions[1]) for s in target.servers]
     if not sparse:

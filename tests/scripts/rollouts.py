@@ -4,8 +4,8 @@ Run by ``tests/test_remote_transfer.py`` (its servers, started with ``--enable-s
 ``torchrun --nproc-per-node 2 rollouts.py --out F --server URL1,URL2``. Scenarios:
 
 * ``async``: a policy-gradient fit (``max_staleness=2``, ``pause_mode="keep"``) that checkpoints after 3 steps
-  and resumes to 6 (``pause_mode="keep_old_kv"``, ``Gloo(background=True)``: the servers generate while each version
-  travels); rank 0 keeps a CPU copy of every pushed version and scores each
+  and resumes to 6 (``pause_mode="keep_old_kv"``, ``Gloo(shard_direct=True, background=True)``: each rank's push
+  returns once its snapshot is taken, and the servers generate while each version travels); rank 0 keeps a CPU copy of every pushed version and scores each
   consumed sample's tokens with the version its label names (and with a neighbouring one); between the fits, a
   request the first fit's servers are generating when the next version is pushed (:func:`a_request_frozen_by_a_push`);
 * ``on_policy``: ``max_staleness=0``: every sample has one version, the trainer's;
@@ -79,7 +79,7 @@ class Policy(pl.LightningModule):
         return loss
 
     def _record(self) -> None:
-        version = self.sync.served_version
+        version = None if self.sync.stale else self.sync.version  # the version just pushed: these weights
         if version is not None and version not in self.versions:
             weights = dict(self.trainer.strategy.export_weights(dtype=torch.bfloat16))  # collective: every rank
             if self.global_rank == 0:
@@ -288,7 +288,7 @@ def scenario_async(root: Path, urls: list[str]) -> dict[str, Any]:
     sync.teardown(trainer, policy, "fit")  # the callback's own hook: its push after the fit set the target up again
 
     # the frozen requests keep their KV; the versions travel while the servers generate (background syncs)
-    trainer, rollouts, sync, policy = build(6, "keep_old_kv", Gloo(background=True))
+    trainer, rollouts, sync, policy = build(6, "keep_old_kv", Gloo(shard_direct=True, background=True))
     trainer.fit(policy, rollouts.dataloader(), ckpt_path=str(ckpt))
     resumed = summary(rollouts, sync, policy.batches)
     resumed["token_truth"] = score(policy.batches, policy.versions) if trainer.global_rank == 0 else None
