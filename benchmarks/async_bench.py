@@ -1,7 +1,7 @@
 """Synchronous vs asynchronous GRPO on the same task, in one run: steps per minute, trainer waiting, reward.
 
     python benchmarks/async_bench.py [--steps 12] [--staleness 0,1,2] [--server URL[,URL]]
-    python benchmarks/async_bench.py --staleness 0,1,1b,2,2b   # "b": the same bound with Gloo(background=True)
+    python benchmarks/async_bench.py --staleness 1s,1b,2s,2b   # "s": Gloo(shard_direct=True); "b": and background=True
 
 Runs ``examples/grpo_async.py`` once per bound (``0`` is the synchronous loop: each step's groups generated
 after the previous sync; ``K > 0`` keeps the servers generating during the step and the sync) against the
@@ -79,12 +79,13 @@ def timeline_svg(runs: dict[str, dict[str, Any]], width: int = 1100) -> str:
 
 
 def run(steps: int, spec: str, urls: str, workdir: Path) -> dict[str, float]:
-    """One run of the example: ``spec`` is the bound, with a ``b`` for background syncs (``"1b"``)."""
-    bound, background = int(spec.rstrip("b")), spec.endswith("b")
+    """One run of the example: ``spec`` is the bound, with ``s`` for shard-direct syncs (``"1s"``) or ``b`` for
+    shard-direct background syncs (``"1b"``)."""
+    bound, background, shards = int(spec.rstrip("bs")), spec.endswith("b"), spec[-1] in "bs"
     timeline = workdir / f"timeline_k{spec}.json"
     proc = subprocess.run([sys.executable, "examples/grpo_async.py", "--steps", str(steps), "--max-staleness",
                            str(bound), "--server", urls, "--workdir", str(workdir), "--timeline", str(timeline),
-                           *(["--background"] if background else [])],
+                           *(["--background"] if background else []), *(["--shard-direct"] if shards else [])],
                           cwd=ROOT, capture_output=True, text=True, timeout=1800)
     if proc.returncode != 0:
         raise SystemExit(f"the example failed (max_staleness={bound}):\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
@@ -94,7 +95,7 @@ def run(steps: int, spec: str, urls: str, workdir: Path) -> dict[str, float]:
                       r"  sync ([0-9]+) ms", out)
     drops = re.search(r"dropped ([0-9]+)  samples across versions ([0-9]+)", out)
     assert final and drops and rewards, out[-3000:]
-    label = f"max_staleness={bound}" + (", background" if background else "")
+    label = f"max_staleness={bound}" + (", background" if background else ", shard-direct" if shards else "")
     run.timelines[label] = json.loads(timeline.read_text())  # type: ignore[attr-defined]
     return {"steps/min": float(final[1]), "trainer waiting %": float(final[2]), "paused ms/sync": float(final[3]),
             "sync ms": float(final[4]), "reward first 3": sum(rewards[:3]) / 3, "reward last 3": sum(rewards[-3:]) / 3,
@@ -107,7 +108,8 @@ run.timelines = {}  # type: ignore[attr-defined]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--staleness", default="0,1,2", help="bounds; '1b': K=1 with Gloo(background=True)")
+    parser.add_argument("--staleness", default="0,1,2", help="bounds; '1s': K=1 with Gloo(shard_direct=True), '1b': with"
+                                                            " Gloo(shard_direct=True, background=True)")
     parser.add_argument("--server", default=None)
     parser.add_argument("--svg", default=None, help="write the timeline picture here (SVG)")
     args = parser.parse_args()
@@ -129,7 +131,7 @@ def main() -> None:
     print(f"| max_staleness | {' | '.join(keys)} | steps/min ratio |")
     print("|---" * (len(keys) + 2) + "|")
     for bound, r in results.items():
-        name = f"{bound.rstrip('b')} (background)" if bound.endswith("b") else bound
+        name = {"b": f"{bound[:-1]} (shard-direct, background)", "s": f"{bound[:-1]} (shard-direct)"}.get(bound[-1], bound)
         print(f"| {name} | {' | '.join(f'{r[k]:.2f}' for k in keys)} | {r['steps/min'] / base['steps/min']:.2f}x |")
     if args.svg:
         Path(args.svg).write_text(timeline_svg(run.timelines))  # type: ignore[attr-defined]

@@ -14,8 +14,9 @@ rotates each step), both ``pause_mode="keep"``:
   each worker's staging area while the server generates; the server pauses only for the swap.
 
 ``--sparse`` makes both ``sparse=True`` (with a small ``--lr``, so few bf16 elements change). Rank 0 prints, per
-round, the medians (first sync dropped: it pays the rendezvous) of: the sync's seconds (the trainer is blocked for
-all of it in both rounds), the servers' paused seconds, the rest of the sync (the servers serving: the export and
+round, the medians (first sync dropped: it pays the rendezvous) of: the seconds the trainer is blocked (``keep``: the
+whole round; ``background``: its snapshot, the round then runs in a thread; the benchmark waits for it at once, with
+``VLLMWeightSync.settle()``, to time it), the whole round, the servers' paused seconds, the rest of the sync (the servers serving: the export and
 the agreement, and in the background round the transfer), the completions the busy server answered during the sync, and the paused
 ratio to ``keep``; at the end vLLM's checksums of both servers, which must be equal.
 """
@@ -92,17 +93,20 @@ class Rotate(pl.Callback):
             sync = self.syncs[name]
             start = time.time()
             sync.sync(trainer)
+            blocked = time.time() - start  # background: the snapshot; the round goes on in a thread
+            sync.settle()  # here at once, to time the round (a fit settles at its next sync, having trained meanwhile)
             end = time.time()
             target: RemoteVLLM = sync.target  # type: ignore[assignment]
             paused_at, resumed_at = target.last_pause or (end, end)
             self.rows[name].append({
-                "sync": sync.last_metrics["weight_sync/seconds"], "paused": resumed_at - paused_at,
+                "sync": blocked, "round": end - start, "paused": resumed_at - paused_at,
                 "serving": max(0.0, (end - start) - (resumed_at - paused_at)),
                 "answered": self.busy.answered(target.servers[0].url, start, end) if self.busy else 0.0,
                 "sparse": float(bool((target.last_patch or {}).get("sparse")))})
         if trainer.is_global_zero:
             print(f"step {trainer.global_step}: " + ", ".join(
-                f"{n} {r[-1]['sync']:.3f} s (paused {r[-1]['paused']:.3f} s)" for n, r in self.rows.items()), flush=True)
+                f"{n} {r[-1]['sync']:.3f} s, round {r[-1]['round']:.3f} s (paused {r[-1]['paused']:.3f} s)"
+                for n, r in self.rows.items()), flush=True)
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         sums = {name: sync.target.weight_checksums() for name, sync in self.syncs.items()}  # type: ignore[attr-defined]
@@ -165,18 +169,19 @@ def main() -> None:
                 stop_server(ckpt, port)
     if trainer.is_global_zero:
         params = sum(p.numel() for p in lm.parameters())
-        keys = ["sync", "paused", "serving", "answered"]
+        keys = ["sync", "round", "paused", "serving", "answered"]
         med = {name: {k: statistics.median(r[k] for r in rows[1:]) for k in keys} for name, rows in rotate.rows.items()}
         load = "idle servers" if args.no_load else "each server busy with back-to-back 16-token completions"
         print(f"\n[{args.size}{', sparse' if args.sparse else ''}, lr {args.lr:g}] {params / 1e6:.1f}M params, bf16,"
               f" 2 ranks, shard-direct, pause_mode='keep', {load}; medians of {args.steps - 1} syncs (first dropped):")
-        print("| round | sync (trainer blocked) | servers paused | servers serving during the sync |"
-              " completions answered during the sync | paused x keep |")
-        print("|---|---|---|---|---|---|")
+        print("| round | trainer blocked | whole round | servers paused | servers serving during the round |"
+              " completions answered during the round | blocked x keep | paused x keep |")
+        print("|---|---|---|---|---|---|---|---|")
         for name, m in med.items():
             sparse = sum(r["sparse"] for r in rotate.rows[name][1:])
-            print(f"| {name}{f' ({sparse:.0f} sparse)' if args.sparse else ''} | {m['sync']:.3f} s | {m['paused']:.3f} s"
-                  f" | {m['serving']:.3f} s | {m['answered']:.0f} | {m['paused'] / med['keep']['paused']:.2f}x |")
+            print(f"| {name}{f' ({sparse:.0f} sparse)' if args.sparse else ''} | {m['sync']:.3f} s | {m['round']:.3f} s"
+                  f" | {m['paused']:.3f} s | {m['serving']:.3f} s | {m['answered']:.0f} |"
+                  f" {m['sync'] / med['keep']['sync']:.2f}x | {m['paused'] / med['keep']['paused']:.2f}x |")
         print(f"exact: {rotate.exact['compared']} parameters compared between the two servers,"
               f" {len(rotate.exact['differ'])} differ {rotate.exact['differ'][:3]}")
 

@@ -143,8 +143,10 @@ def main() -> None:
     parser.add_argument("--server", default=None, help="running server(s), comma-separated; default: start one")
     parser.add_argument("--workdir", default="runs/grpo_async")
     parser.add_argument("--timeline", default=None, help="write rank 0's timestamps here (JSON, for the benchmark)")
+    parser.add_argument("--shard-direct", action="store_true", help="Gloo(shard_direct=True): every rank sends its rows")
     parser.add_argument("--background", action="store_true",
-                        help="Gloo(background=True): the servers generate while each version travels")
+                        help="Gloo(background=True): the servers generate while each version travels (with"
+                             " --shard-direct the trainer trains on meanwhile)")
     args = parser.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
@@ -157,7 +159,7 @@ def main() -> None:
     else:
         urls = args.server.split(",")
     pl.seed_everything(0)
-    sync = VLLMWeightSync(RemoteVLLM(urls, transport=Gloo(background=args.background), pause_mode="keep", timeout=120))
+    sync = VLLMWeightSync(RemoteVLLM(urls, transport=Gloo(shard_direct=args.shard_direct, background=args.background), pause_mode="keep", timeout=120))
     rollouts = AsyncRollouts(sync, prompt, reward, batch_size=GROUPS_PER_RANK, group_size=GROUP,
                              max_staleness=args.max_staleness,
                              sampling={"max_tokens": GEN_LEN, "temperature": 1.0, "ignore_eos": True})

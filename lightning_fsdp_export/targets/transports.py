@@ -186,8 +186,10 @@ class Gloo(RendezvousTransport):
             into a staging area on its host (a host copy of the model in the wire dtype per worker; with ``sparse``
             the copy it keeps anyway), and the servers pause only for the swap (load it, set the version, reset the
             prefix cache). A transfer that fails leaves every server serving the previous version, unpaused; the next
-            sync is a full push. The trainer still waits for the transfer. Pays with servers that generate during
-            syncs (``AsyncRollouts``); costs nothing in speed otherwise (the load is the same).
+            sync is a full push. With ``shard_direct`` the trainer does not wait either: each rank's push takes a host
+            snapshot of its parts and returns, a thread sends it while training goes on (at most one version in
+            flight; ``VLLMWeightSync`` ends it before the next sync and at the fit's end). Without it rank 0 sends
+            while every rank waits. Pays with servers that generate during syncs (``AsyncRollouts``).
     """
 
     name: ClassVar[str] = "gloo"
