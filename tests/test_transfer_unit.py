@@ -451,6 +451,23 @@ def shard_source() -> Any:
                        dtype=torch.float32)
 
 
+def test_a_shard_snapshot_replays_its_pass_after_the_weights_changed() -> None:
+    # what a background push sends while the model trains on: the pass as it was, no view of a parameter
+    from lightning_fsdp_export.export.shards import ShardSnapshot
+
+    source = shard_source()
+    before = [(n, t.clone()) for n, t in source]
+    snapshot = ShardSnapshot(source)
+    for _, tensor in source._entries():
+        tensor.add_(100)  # the optimizer's next step, in place
+    for _ in range(2):  # every iteration replays it, with no collective
+        got = list(snapshot)
+        assert [n for n, _ in got] == [n for n, _ in before]
+        assert all(torch.equal(t, b) for (_, t), (_, b) in zip(got, before))
+    assert snapshot.metadata() == source.metadata() and snapshot.nbytes == 8 * 4 + 2 * 4
+    assert snapshot.tensors == 2 and snapshot.done  # counted as a pass (the sync's metrics read it)
+
+
 def test_nccl_m2n_drives_vllms_own_m2n_engine_with_our_shard_source(fake_m2n: FakeM2N) -> None:
     stubs = [Stub(world_size=2, backend="nccl_m2n"), Stub(world_size=1, backend="nccl_m2n")]
     target = RemoteVLLM([s.url for s in stubs], transport=NCCLM2N(master_address="10.0.0.1", master_port=29999))

@@ -213,7 +213,10 @@ class ShardSnapshot(ShardSource):
 
     def __init__(self, source: ShardSource) -> None:
         meta, entries = source.metadata(), list(source._entries())  # read now: FSDP2 swaps params while it trains
-        pairs = [(name, tensor.detach().to("cpu", copy=True)) for name, tensor in source]  # never a view of a param
+        pin = torch.cuda.is_available()  # a GPU's shards: pinned host buffers (torch caches them across syncs)
+        pairs = [(name, _host_copy(tensor, pin)) for name, tensor in source]  # never a view of a parameter
+        if pin:
+            torch.cuda.synchronize()  # the copies were queued without waiting: all are done before it is read
         super().__init__(lambda: entries, lambda: iter(pairs), layout=source.layout, world=source.world,
                          dtype=source.dtype, checkpoint_format=source._format, kind=source.kind)
         self._meta = meta
@@ -222,4 +225,10 @@ class ShardSnapshot(ShardSource):
     def metadata(self) -> list[ShardMeta]:  # type: ignore[override]
         """The metadata of the pass it holds (read when it was taken)."""
         return self._meta
+
+
+def _host_copy(tensor: Tensor, pin: bool) -> Tensor:
+    """A copy of ``tensor`` in host memory (pinned, and queued without waiting, from a GPU)."""
+    out = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+    return out.copy_(tensor.detach(), non_blocking=pin)
 
