@@ -25,6 +25,7 @@ from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directo
 from lightning_fsdp_export.export.source import ExportSource, layerwise_entries, layerwise_groups  # noqa: E402
 from lightning_fsdp_export._compat import iter_full, source_metadata, weight_source_contract  # noqa: E402
 from lightning_fsdp_export.targets.http import ServerError  # noqa: E402
+from tests.conftest import free_port  # noqa: E402
 
 VLLM_VERSION = __import__("vllm").__version__
 
@@ -449,6 +450,15 @@ def shard_source() -> Any:
 
     return ShardSource(lambda: [([n], t) for n, t in items], lambda: iter(items), layout=layout, world=1,
                        dtype=torch.float32)
+
+
+def test_after_a_failed_round_rank_0_names_the_servers_that_stopped_answering() -> None:
+    # gloo's "Connection closed by peer [address]" names no server: rank 0 asks each one's /health
+    from lightning_fsdp_export.targets.http import Server, not_answering
+
+    alive = Stub()
+    gone = Server(f"http://127.0.0.1:{free_port()}", api_key=None, timeout=5)  # nothing listens there
+    assert not_answering([Server(alive.url, api_key=None, timeout=5), gone], timeout=2.0) == [gone.url]
 
 
 def test_a_shard_snapshot_replays_its_pass_after_the_weights_changed() -> None:

@@ -4,6 +4,7 @@ the weights is its :class:`GlooRound` argument."""
 
 from __future__ import annotations
 
+import contextlib
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -159,8 +160,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if staged:  # the workers' threads receive it; their engines generate on, out of any update session
             try:
                 self.client.update_weights(asdict(info))
-            finally:
-                self.client.finish_weight_update()
+            except BaseException:
+                with contextlib.suppress(Exception):  # vLLM ended the session when the update failed
+                    self.client.finish_weight_update()
+                raise
+            self.client.finish_weight_update()
             self._stream(plan, self._checked(source, meta), None, payload.patches, staged)
             return self.sent_bytes
         pool = ThreadPoolExecutor(max_workers=1)

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-__all__ = ["Server", "ServerError", "interrupt", "on_all"]
+__all__ = ["Server", "ServerError", "interrupt", "not_answering", "on_all"]
 
 T = TypeVar("T")
 
@@ -124,3 +124,16 @@ def on_all(servers: Sequence[Server], call: Callable[[Server], T]) -> list[T]:
         lines = "; ".join(str(err) for _, err in errors)
         raise ServerError(f"{len(errors)} of {len(servers)} servers failed: {lines}", errors[0][0].url) from first
     return [f.result() for f in futures]
+
+
+def not_answering(servers: Sequence[Server], timeout: float = 5.0) -> list[str]:
+    """The URLs of the ``servers`` that do not answer ``/health`` within ``timeout`` seconds (after a failed round:
+    which peer went away)."""
+    silent = []
+    for server in servers:
+        try:
+            server.request("GET", "/health", timeout=timeout)
+        except ServerError:
+            silent.append(server.url)
+    return silent
+

@@ -54,7 +54,7 @@ from lightning_fsdp_export.targets.adapters import (
 )
 from lightning_fsdp_export.targets.clients import FanOutClient
 from lightning_fsdp_export.targets.directory import DirectoryTarget
-from lightning_fsdp_export.targets.http import Server, ServerError, on_all
+from lightning_fsdp_export.targets.http import Server, ServerError, not_answering, on_all
 from lightning_fsdp_export.targets.preflight import check_servers
 from lightning_fsdp_export.targets.rounds import ROUNDS, PauseMode, Round, reset_prefix_caches, round_for, set_versions
 from lightning_fsdp_export.targets.transports import Directory, NetworkTransport, RendezvousTransport
@@ -318,12 +318,16 @@ class NativeTransfer(_Pauses, BackgroundPushes):
                 if outcome is not None:
                     raise RuntimeError(f"version {version} reached the servers' workers but trainer rank 0 could not"
                                        f" swap it in: {outcome}")
-        except BaseException:
+        except BaseException as err:
             self.broken = True
             self._held_since = None
             self.forget()
             if self.rank == 0 and paused:
                 self._close_round()
+            silent = not_answering(self.servers) if self.rank == 0 and not isinstance(err, ServerError) else []
+            if silent:  # a peer that closed the transfer group's connection, named (gloo names only its address)
+                raise ServerError(f"{type(err).__name__}: {err}; server(s) not answering now: {', '.join(silent)}",
+                                  silent[0]) from err
             raise
         this.succeeded(self)
         self.broken = False  # also on a rank outside the group (sparse_nccl's others), which never connects again
