@@ -73,11 +73,12 @@ class LazyExportCore:
                                    device=lambda: self.root_device, stage=self._phases.stage,
                                    unstage=self._phases.offload)
 
-    def _prepare(self, model: nn.Module, root: nn.Module) -> None:
+    def _prepare(self, model: nn.Module, root: nn.Module, *, called: bool = False) -> None:
         """Shard (where the user did not), allocate, load ``pretrained=`` and init ``model`` in place; find the module
-        to export inside ``root`` (the LightningModule, or Fabric's module itself); hook the first forward."""
+        to export inside ``root`` (the LightningModule, or Fabric's module itself: ``called``, its forward is the
+        loop's); hook the first forward."""
         self._export.bind(None, None)
-        found = self._preparation.prepare(model, root, mesh=self.device_mesh, device=self.root_device)
+        found = self._preparation.prepare(model, root, mesh=self.device_mesh, device=self.root_device, called=called)
         self._export.bind(*found)
         self._phases.hook_first_forward(model)
 

@@ -102,7 +102,7 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
         if not isinstance(module, nn.Module):
             raise TypeError(f"LazyExportFSDP2(parallelize_fn=...) must return the nn.Module, got {type(module).__name__}.")
         self._module = module
-        self._prepare(module, module)
+        self._prepare(module, module, called=True)
         self._place(module, lambda: module.to(self.root_device))
         self.barrier()
         self._phases.start_run()  # the loop starts in the rollout phase
@@ -122,9 +122,28 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
         return output
 
     @override
+    def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True,
+                        weights_only: bool | None = None) -> dict[str, Any]:
+        """Fabric's ``load_checkpoint``, and every object of ``state`` with ``load_state_dict`` (a ``WeightSync``, an
+        ``AsyncRollouts``) restored in place from a distributed checkpoint too: Lightning's own sharded path puts the
+        saved dict in its place instead (its single-file path calls ``load_state_dict``)."""
+        stateful = {key: obj for key, obj in state.items() if _restores_itself(obj)} if isinstance(state, dict) else {}
+        remainder = super().load_checkpoint(path, state, strict=strict, weights_only=weights_only)
+        for key, obj in stateful.items():
+            if key in state and state[key] is not obj:
+                obj.load_state_dict(state[key])
+                state[key] = obj
+        return remainder
+
+    @override
     def teardown(self) -> None:
         self._phases.leave()
         super().teardown()
+
+
+def _restores_itself(obj: Any) -> bool:
+    return not isinstance(obj, (nn.Module, Optimizer)) and callable(getattr(obj, "state_dict", None)) \
+        and callable(getattr(obj, "load_state_dict", None))
 
 
 def _as_given(module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:

