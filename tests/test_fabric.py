@@ -60,3 +60,9 @@ def test_weight_sync_versions_metrics_and_fabric_save_load(results: dict[str, An
     assert got["resumed_push"]["versions"] == [3] and got["resumed_push"]["same_as_saved"] == SAME, got
     assert got["errors"]["lora"] == "WeightSync(lora='both') must be one of 'merged', 'adapter'.", got
     assert "takes the loop's lightning.fabric.Fabric, got str" in got["errors"]["setup"], got
+
+
+def test_fabric_lora_merged_push_equals_merge_and_unload(results: dict[str, Any]) -> None:
+    got = scenario(results, "lora")
+    assert got["merged"] == SAME, got  # rank 0 keeps the pushed weights
+    assert got["adapter_tensors"] > 0 and got["adapter_names_lora"], got

@@ -52,9 +52,9 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
         parallelize_fn: Fabric's ``(module, device_mesh) -> module`` applying your own ``fully_shard`` (and tensor
             parallelism on ``device_mesh["tensor_parallel"]``). Default ``None``: the strategy shards the model as
             the Trainer's does (``shard_modules``, then the root).
-        shard_modules, export_module, pretrained, mixed_precision, reshard_after_forward, offload,
-            offload_optimizer, export_bucket_bytes, export_prefetch, save_distributed_checkpoint,
-            process_group_backend, timeout: as in the Trainer's ``LazyExportFSDP2``.
+        shard_modules: as in the Trainer's ``LazyExportFSDP2``; so are ``export_module``, ``pretrained``,
+            ``mixed_precision``, ``reshard_after_forward``, ``offload``, ``offload_optimizer``, ``export_bucket_bytes``,
+            ``export_prefetch``, ``save_distributed_checkpoint``, ``process_group_backend`` and ``timeout``.
         data_parallel_size: ranks to shard over. Default: the world divided by ``tensor_parallel_size`` (pure FSDP;
             Fabric's own ``ModelParallelStrategy`` defaults to the number of nodes).
         tensor_parallel_size: tensor-parallel ranks, applied by your ``parallelize_fn``. Default 1.

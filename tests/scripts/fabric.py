@@ -184,40 +184,67 @@ def scenario_sync_state(root: Path) -> dict[str, Any]:
             "loaded": loaded, "resumed_push": resumed_push, "errors": errors}
 
 
+def scenario_lora() -> dict[str, Any]:
+    """A peft model set up with Fabric: WeightSync pushes the merged weights (the staged path), equal to an unsharded
+    ``merge_and_unload()``; the adapter itself exports under peft's names."""
+    from lightning_fsdp_export.testing import tiny_lora_qwen2
+
+    reference = tiny_lora_qwen2().merge_and_unload().state_dict()
+    fabric = fabric_for(LazyExportFSDP2())
+    fabric.setup_module(tiny_lora_qwen2())
+    sync = WeightSync(InMemoryTarget())
+    sync.push(fabric)
+    adapter = [name for name, _ in fabric.strategy.export_weights(lora="adapter")]
+    merged = same(list(sync.target.weights.items()), reference) if dist.get_rank() == 0 else None
+    sync.teardown()
+    return {"merged": merged, "adapter_tensors": len(adapter), "adapter_names_lora": all("lora_" in n for n in adapter)}
+
+
 def scenario_remote(root: Path, urls: list[str], model_dir: Path) -> dict[str, Any]:
     """WeightSync into the session's two servers: exact first push (vLLM's checker), verified pushes after
     training, a save, and a resumed loop whose versions go on, each server's label with them."""
     from tests.scripts.remote_transfer import gap, state
 
     path = root / "remote_ckpt"
+    saved: dict[str, torch.Tensor] = {}
 
     def loop(resume: bool) -> dict[str, Any]:
         fabric = fabric_for(LazyExportFSDP2(pretrained=None if resume else model_dir))
         with fabric.init_module(empty_init=True):
             model = tiny_qwen2(seed=1)
         model = fabric.setup_module(model)
-        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-2))
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
         sync = WeightSync(RemoteVLLM(urls, transport=Gloo(), timeout=TIMEOUT), verify="logprobs",
                           verify_tolerance=0.1, exact_first_sync=not resume)
         if resume:
             fabric.load(path, {"model": model, "optimizer": optimizer, "sync": sync})
         out: dict[str, Any] = {"version_before": sync.version}
+        if not resume:  # the session's servers may hold another test's weights: put their checkpoint back first
+            restore = WeightSync(RemoteVLLM(urls, transport=Gloo(), timeout=TIMEOUT), name="restore")
+            restore.push(fabric)
+            restore.teardown()
         sync.setup(fabric)
         pushes = [sync.push(fabric)]
+        start = dict(fabric.strategy.export_weights(dtype=torch.bfloat16))
+        if dist.get_rank() == 0:
+            out["start_gaps"] = [gap(s, start) for s in sync.target.servers]
+            out["start_is_saved"] = same(list(start.items()), saved) if resume else None
         if sync.last_exact_check is not None:
             check = sync.last_exact_check
             out["exact"] = {"compared": check.compared, "not_comparable": check.not_comparable,
                             "mismatched": check.mismatched}
-        steps(fabric, model, optimizer, 2, lr_seed=4)
+        steps(fabric, model, optimizer, 2, lr_seed=5 if resume else 4)
         pushes.append(sync.push(fabric, step=2))
         weights = dict(fabric.strategy.export_weights(dtype=torch.bfloat16))
         if dist.get_rank() == 0:
             out["gaps"] = [gap(s, weights) for s in sync.target.servers]
+            out["stale_gaps"] = [gap(s, start) for s in sync.target.servers]  # the weights of this loop's first push
             out["servers"] = state(sync.target)
         out.update(versions=[p["weight_sync/version"] if p else None for p in pushes],
                    verify_diff=sync.last_verify_diff, served=sync.served_version)
         if not resume:
             fabric.save(path, {"model": model, "optimizer": optimizer, "sync": sync})
+            saved.update(weights)
         sync.teardown()
         return out
 
@@ -225,12 +252,12 @@ def scenario_remote(root: Path, urls: list[str], model_dir: Path) -> dict[str, A
 
 
 def main() -> None:
-    args, root = start_script("auto,parallelize_fn,meta_pretrained,offload,sync_state", "fabric")
+    args, root = start_script("auto,parallelize_fn,meta_pretrained,offload,sync_state,lora", "fabric")
     urls = args.server.split(",") if args.server else []
     model_dir = Path(os.environ.get("LFE_MODEL_DIR", ""))
     runs = {"auto": scenario_auto, "parallelize_fn": scenario_parallelize_fn,
             "meta_pretrained": lambda: scenario_meta_pretrained(root), "offload": scenario_offload,
-            "sync_state": lambda: scenario_sync_state(root),
+            "sync_state": lambda: scenario_sync_state(root), "lora": scenario_lora,
             "remote": lambda: scenario_remote(root, urls, model_dir)}
     results = run_scenarios(runs, args.only.split(","))
     if dist.get_rank() == 0:
