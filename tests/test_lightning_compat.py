@@ -13,11 +13,13 @@ from tests.conftest import ROOT
 
 
 @pytest.mark.subprocess
-def test_lightnings_meta_device_materialization_passes_against_the_strategy() -> None:
+@pytest.mark.parametrize("fabric", [False, True], ids=["trainer", "fabric"])
+def test_lightnings_meta_device_materialization_passes_against_the_strategy(fabric: bool) -> None:
     # tests_pytorch/strategies/test_model_parallel.py::test_meta_device_materialization (Lightning 2.6.5), run in
-    # its own process (it needs a real 1-rank process group; Lightning's version mocks the mesh).
-    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "lightning_compat.py")], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+    # its own process (it needs a real 1-rank process group; Lightning's version mocks the mesh); with fabric=True
+    # tests_fabric's version of it against Fabric's LazyExportFSDP2 (parallelize_fn=identity: the strategy shards).
+    proc = subprocess.run([sys.executable, str(ROOT / "tests" / "scripts" / "lightning_compat.py"),
+                           *(["--fabric"] if fabric else [])], cwd=ROOT, capture_output=True, text=True, timeout=300)
     line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
     assert line is not None, proc.stderr[-4000:]
     got = json.loads(line[len("RESULT "):])

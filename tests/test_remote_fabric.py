@@ -47,3 +47,19 @@ def test_a_loop_resumed_with_fabric_load_continues_the_versions(remote: dict[str
     assert [s["version"] for s in resumed["servers"]] == ["4", "4"], resumed
     assert max(resumed["start_gaps"] + resumed["gaps"]) < LOGPROB_TOLERANCE < min(resumed["stale_gaps"]), resumed
     assert "exact" not in resumed  # a resumed loop's weights are no longer the checkpoint: not checked exact
+
+
+def test_fabric_lora_adapter_sync_pushes_the_base_once_then_the_adapter(remote: dict[str, Any]) -> None:
+    got = remote["lora_adapter"]  # WeightSync(RemoteVLLM(lora server, adapter_name=...), lora="adapter")
+    assert got["tensors"][0] == 27 + got["adapter_tensors"] and got["tensors"][1] == got["adapter_tensors"], got
+    assert "fabric_policy" in got["models"] and got["server_version"] == "2", got
+    assert all(d is not None and d < 1.0 for d in got["verify_diffs"]), got  # the sync's own default tolerance
+
+
+def test_when_busy_skip_skips_a_push_while_the_previous_version_travels(remote: dict[str, Any]) -> None:
+    # issue 39: Gloo(shard_direct=True, background=True); a push right after another finds it in flight (a round
+    # takes >= 0.3 s here), so every rank skips it and counts it; once settled, the next push goes as version 2
+    got = remote["busy"]
+    assert got["versions"] == [1.0, None, 2.0] and got["skipped"] == 1 and got["skipped_metric"] == 1.0, got
+    assert got["served_after_settle"] == 1, got
+    assert [s["version"] for s in got["servers"]] == ["2", "2"] and not any(s["paused"] for s in got["servers"]), got

@@ -48,3 +48,14 @@ def test_a_sync_after_a_step_pushes_exactly_what_export_weights_gives(ranks: lis
     assert ranks[0]["synced_versions"] == [1]
     assert ranks[0]["sync_names_diff"] == NO_NAME_DIFF and all(r["sync_not_equal"] == [] for r in ranks), ranks[0]
     assert ranks[0]["trained"], "the step moved no tensor"  # the names of the tensors training moved
+
+
+def test_fabric_with_the_same_recipe_exports_what_the_trainer_strategy_exports(ranks: list[dict[str, Any]]) -> None:
+    # Fabric's LazyExportFSDP2(parallelize_fn=the recipe, pretrained=ckpt, tensor_parallel_size=2), meta init
+    for rank, report in enumerate(ranks):
+        fabric = report["fabric"]
+        assert fabric["mesh"] == {"data_parallel": 2, "tensor_parallel": 2}, (rank, fabric)
+        assert fabric["names"] == NO_NAME_DIFF and fabric["unequal"] == [] and fabric["unequal_to_trainer"] == [], \
+            (rank, fabric)
+        assert fabric["sync_not_equal"] == [] and fabric["trained"] > 0, (rank, fabric)
+    assert ranks[0]["fabric"]["synced_versions"] == [1]

@@ -319,6 +319,26 @@ def test_the_syncs_modes_are_parsed_once_into_enums() -> None:
         VLLMWeightSync(InMemoryTarget(), lora="both")  # type: ignore[arg-type]
 
 
+def test_when_busy_skip_is_offered_only_where_pushes_travel_in_the_background() -> None:
+    # issue 39: the next sync waits for the version in flight, or is skipped and counted, as the user chooses
+    from lightning_fsdp_export import InMemoryTarget, RemoteVLLM, VLLMWeightSync
+    from lightning_fsdp_export.fabric import WeightSync
+    from lightning_fsdp_export.sync.options import WhenBusy
+    from lightning_fsdp_export.targets import Gloo
+
+    background = RemoteVLLM(["http://127.0.0.1:9"], transport=Gloo(shard_direct=True, background=True),
+                            pause_mode="keep")
+    sync = VLLMWeightSync(background, when_busy="skip")
+    assert sync._when_busy is WhenBusy.SKIP and sync.skipped == 0
+    assert WeightSync(background, when_busy="skip")._when_busy is WhenBusy.SKIP
+    with pytest.raises(ValueError, match=r"VLLMWeightSync\(when_busy='skip'\) skips a push .* RemoteVLLM never does"):
+        VLLMWeightSync(RemoteVLLM(["http://127.0.0.1:9"], transport=Gloo()), when_busy="skip")
+    with pytest.raises(ValueError, match=r"WeightSync\(when_busy='skip'\) .* InMemoryTarget never does"):
+        WeightSync(InMemoryTarget(), when_busy="skip")
+    with pytest.raises(ValueError, match=r"VLLMWeightSync\(when_busy='later'\) must be one of 'wait', 'skip'\."):
+        VLLMWeightSync(background, when_busy="later")  # type: ignore[arg-type]
+
+
 def test_the_modules_old_paths_still_import_with_a_warning_naming_the_new_one() -> None:
     # issue 38: the rooms became folders; an old import keeps working for one more minor
     import importlib

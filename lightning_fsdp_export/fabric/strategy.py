@@ -17,7 +17,7 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -98,6 +98,10 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
             raise ValueError(f"{type(self).__name__} prepares and exports one module, and already holds"
                              f" {type(self._module).__name__}. Set up the other models (a reference model, a critic)"
                              " with a strategy of their own, or put them inside one module with export_module=.")
+        if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):  # before any use of the mesh
+            raise TypeError(f"{type(self).__name__} only supports the new FSDP2 APIs in PyTorch >= 2.4 (`fully_shard`),"
+                            " but modules wrapped with FSDP1 `FullyShardedDataParallel` were found. Apply `fully_shard`"
+                            " in your parallelize_fn instead, or leave the sharding to the strategy.")
         module = self._parallelize_fn(module, self.device_mesh)  # type: ignore[arg-type]
         if not isinstance(module, nn.Module):
             raise TypeError(f"LazyExportFSDP2(parallelize_fn=...) must return the nn.Module, got {type(module).__name__}.")

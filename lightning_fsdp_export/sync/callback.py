@@ -88,6 +88,10 @@ class VLLMWeightSync(SyncTriggers, SyncEngine):
             ``"RemoteVLLM(gloo, sparse)"``). Two syncs in one Trainer need different keys: give ``name=`` when both
             have the same mode and the same kind of target (two server pools over the same transport); keep it
             across a resume.
+        when_busy: with a target that pushes in the background (``Gloo(shard_direct=True, background=True)``), what a
+            sync does while the previous version still travels: ``"wait"`` for it (the default), or ``"skip"``: push
+            nothing this time, count it in ``skipped`` (and ``weight_sync/skipped``), and try again at the next
+            trigger (the ranks agree, so every rank skips or none). Refused for other targets.
     """
 
     def __init__(self, target: WeightTarget, *, every_n_train_steps: int | None = None,
@@ -96,7 +100,8 @@ class VLLMWeightSync(SyncTriggers, SyncEngine):
                  verify_tolerance: float = 1.0, lora: Literal["merged", "adapter"] = "merged",
                  adapter_dir: str | os.PathLike[str] | None = None, on_error: Literal["raise", "warn"] = "raise",
                  check_finite: bool = True, timeout: timedelta | float | None = None,
-                 exact_first_sync: bool = False, name: str | None = None) -> None:
+                 exact_first_sync: bool = False, name: str | None = None,
+                 when_busy: Literal["wait", "skip"] = "wait") -> None:
         _validate_triggers(every_n_train_steps, every_n_epochs)
         _validate_sleep(target, every_n_train_steps, every_n_epochs, parse_option(SyncLora, lora, "lora"),
                         parse_option(OnError, on_error, "on_error"))
@@ -105,7 +110,7 @@ class VLLMWeightSync(SyncTriggers, SyncEngine):
                              " still holds the engine's checkpoint: it needs sync_on_train_start=True.")
         SyncEngine.__init__(self, target, dtype=dtype, verify=verify, verify_tolerance=verify_tolerance, lora=lora,
                             adapter_dir=adapter_dir, on_error=on_error, check_finite=check_finite, timeout=timeout,
-                            exact_first_sync=exact_first_sync, name=name)
+                            exact_first_sync=exact_first_sync, name=name, when_busy=when_busy)
         self._every_n_steps = every_n_train_steps if every_n_epochs is None else None
         if self._every_n_steps is None and every_n_epochs is None:
             self._every_n_steps = 1

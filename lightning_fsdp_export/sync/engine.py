@@ -26,7 +26,7 @@ from lightning_fsdp_export.export.source import ExportSource
 from lightning_fsdp_export.strategy_core import LazyExportCore
 from lightning_fsdp_export.sync.agreement import FAILED, agree_after, agree_arrived, agree_before
 from lightning_fsdp_export.sync.exact import EXACT_FAILED, ExactCheck, check_precondition, exact_verdict
-from lightning_fsdp_export.sync.options import OnError, SyncLora, Verify, parse_option
+from lightning_fsdp_export.sync.options import OnError, SyncLora, Verify, WhenBusy, parse_option
 from lightning_fsdp_export.sync.pushes import consume, plan_pushes, refusals, temporary_adapter_dir
 from lightning_fsdp_export.sync.verify import check_logprobs
 from lightning_fsdp_export.targets.base import (
@@ -65,13 +65,18 @@ class SyncEngine:
                  lora: Literal["merged", "adapter"] = "merged", adapter_dir: str | os.PathLike[str] | None = None,
                  on_error: Literal["raise", "warn"] = "raise", check_finite: bool = True,
                  timeout: timedelta | float | None = None, exact_first_sync: bool = False,
-                 name: str | None = None) -> None:
+                 name: str | None = None, when_busy: Literal["wait", "skip"] = "wait") -> None:
         owner = type(self).__name__
         _validate_target(target, dtype, owner)
         mode, errors = parse_option(SyncLora, lora, "lora", owner), parse_option(OnError, on_error, "on_error", owner)
         check = None if verify is None else parse_option(Verify, verify, "verify", owner)
         _validate_checks(target, verify=check, verify_tolerance=verify_tolerance, lora=mode,
                          exact_first_sync=exact_first_sync, owner=owner)
+        busy = parse_option(WhenBusy, when_busy, "when_busy", owner)
+        if busy is WhenBusy.SKIP and not target.pushes_in_background:
+            raise ValueError(f"{owner}(when_busy='skip') skips a push while the previous one still travels, which only a"
+                             f" target that pushes in the background does; {type(target).__name__} never does (use"
+                             " RemoteVLLM(urls, transport=Gloo(shard_direct=True, background=True)), or drop when_busy).")
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"{owner}(name={name!r}) must be a non-empty string (it keys the sync's state in"
                              " checkpoints), or None for the target's own name.")
@@ -79,6 +84,9 @@ class SyncEngine:
         self._name = target.state_name if name is None else name
         self._lora = mode
         self._on_error = errors
+        self._when_busy = busy
+        self.skipped = 0
+        """Pushes skipped because the previous version was still travelling (``when_busy="skip"``)."""
         self._check_finite = bool(check_finite)
         self._timeout = _as_timedelta(timeout, owner)
         self._group: SyncGroup | None = None  # built with the target, when the run starts
@@ -159,9 +167,14 @@ class SyncEngine:
 
     def _push(self, run: SyncRun) -> dict[str, float] | None:
         """Every rank: push the current weights as the next version; its metrics, or None when it failed and
-        ``on_error="warn"`` (the target is then stale and the next sync pushes everything)."""
+        ``on_error="warn"`` (the target is then stale and the next sync pushes everything) or was skipped
+        (``when_busy="skip"`` while the previous version still travels)."""
         strategy = _require_strategy(run.strategy, type(self).__name__)
         self._ensure_target(run, strategy)
+        if self._when_busy is WhenBusy.SKIP and self._in_flight is not None \
+                and not all(self._ranks.gather(self.target.push_arrived())):  # every rank skips, or none
+            self.skipped += 1
+            return None
         self.settle()  # the push still in the background, if any (failed, with on_error="warn": this one is full)
         if isinstance(self.target, SendsPatches):  # a sparse sync patches only what every rank agreed is served
             self.target.confirm(None if self.stale else self.served_version)
@@ -182,6 +195,8 @@ class SyncEngine:
             self.served_version = self.version
         self.last_synced_step = run.global_step
         self.last_metrics = _metrics(time.perf_counter() - start, sources, self.version)
+        if self._when_busy is WhenBusy.SKIP:
+            self.last_metrics["weight_sync/skipped"] = float(self.skipped)
         return self.last_metrics
 
     def settle(self) -> bool:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from enum import Enum
 from typing import Any, TypeVar
 
-__all__ = ["OnError", "SyncLora", "Verify", "parse_option"]
+__all__ = ["OnError", "SyncLora", "Verify", "WhenBusy", "parse_option"]
 
 
 class SyncLora(str, Enum):
@@ -41,6 +41,19 @@ class Verify(str, Enum):
 
     LOGPROBS = "logprobs"
     """Score a fixed probe with the engine and with the trainer's model; they must agree within the tolerance."""
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class WhenBusy(str, Enum):
+    """``when_busy=``: what a sync does while the previous version still travels in the background (a target that
+    ``pushes_in_background``)."""
+
+    WAIT = "wait"
+    """Wait for it (its failure raises, or warns, as a sync's), then push."""
+    SKIP = "skip"
+    """Push nothing this time and count it (``skipped``); the next trigger tries again. The ranks agree first."""
 
     def __str__(self) -> str:
         return self.value

@@ -248,7 +248,50 @@ def scenario_remote(root: Path, urls: list[str], model_dir: Path) -> dict[str, A
         sync.teardown()
         return out
 
-    return {"first": loop(False), "resumed": loop(True)}
+    def lora_loop() -> dict[str, Any]:  # the second server loads LoRA adapters (tests/conftest.py's servers)
+        from lightning_fsdp_export.testing import tiny_lora_qwen2
+
+        fabric = fabric_for(LazyExportFSDP2(pretrained=model_dir))
+        with fabric.init_module(empty_init=True):
+            model = tiny_lora_qwen2()
+        model = fabric.setup_module(model)
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+        sync = WeightSync(RemoteVLLM(urls[1:], transport=Gloo(), timeout=TIMEOUT, adapter_name="fabric_policy"),
+                          lora="adapter", verify="logprobs", adapter_dir=root / "adapters")
+        sync.setup(fabric)
+        pushes = [sync.push(fabric)]  # the base weights, then the adapter
+        diffs = [sync.last_verify_diff]
+        steps(fabric, model, optimizer, 1, lr_seed=6)
+        pushes.append(sync.push(fabric, step=1))  # the adapter alone
+        diffs.append(sync.last_verify_diff)
+        server = sync.target.servers[0]
+        out = {"tensors": [p["weight_sync/tensors"] if p else None for p in pushes], "verify_diffs": diffs,
+               "adapter_tensors": len(list(fabric.strategy.export_weights(lora="adapter"))),
+               "models": [m["id"] for m in server.request("GET", "/v1/models")["data"]],
+               "server_version": server.request("GET", "/weight_info")["weight_version"]}
+        sync.teardown()
+        return out
+
+    def busy_loop() -> dict[str, Any]:  # background pushes with when_busy="skip": the second push finds one in flight
+        fabric = fabric_for(LazyExportFSDP2())
+        fabric.setup_module(tiny_qwen2(seed=2))
+        sync = WeightSync(RemoteVLLM(urls, transport=Gloo(shard_direct=True, background=True), pause_mode="keep",
+                                     timeout=TIMEOUT), when_busy="skip")
+        sync.setup(fabric)
+        pushed = [sync.push(fabric)]
+        pushed.append(sync.push(fabric))  # right after: version 1 still travels
+        skipped_then = sync.skipped
+        sync.settle()  # every rank: version 1 arrived and serves
+        served_then = sync.served_version
+        pushed.append(sync.push(fabric))
+        sync.teardown()  # settles version 2
+        out = {"versions": [p["weight_sync/version"] if p else None for p in pushed], "skipped": skipped_then,
+               "served_after_settle": served_then, "skipped_metric": pushed[-1]["weight_sync/skipped"]}
+        if dist.get_rank() == 0:
+            out["servers"] = state(sync.target)
+        return out
+
+    return {"first": loop(False), "resumed": loop(True), "lora_adapter": lora_loop(), "busy": busy_loop()}
 
 
 def main() -> None:

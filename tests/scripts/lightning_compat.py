@@ -1,6 +1,7 @@
 """Lightning's own ``test_meta_device_materialization`` (tests_pytorch/strategies/test_model_parallel.py,
 Lightning 2.6.5), adapted to ``LazyExportFSDP2``: one process, a real 1-rank gloo group and device mesh
-(the strategy shards for real, where Lightning's test mocks the mesh). Prints one JSON line.
+(the strategy shards for real, where Lightning's test mocks the mesh). Prints one JSON line. With ``--fabric``:
+Fabric's version of the test (tests_fabric/strategies/test_model_parallel.py) against Fabric's ``LazyExportFSDP2``.
 """
 
 from __future__ import annotations
@@ -30,7 +31,9 @@ def main() -> None:
             super().__init__()
             self.weight = nn.Parameter(torch.ones(4, 4))
 
-    class CustomModel(LightningModule):
+    fabric = "--fabric" in sys.argv
+
+    class CustomModel(nn.Module if fabric else LightningModule):  # type: ignore[misc]
         def __init__(self) -> None:
             super().__init__()
             self.layer1 = nn.Sequential(NoResetParameters(), NoResetParameters())  # a parameterless container
@@ -47,15 +50,24 @@ def main() -> None:
     with torch.device("meta"):
         model = CustomModel()
     was_meta = model.layer1[0].weight.is_meta and model.layer2.weight.is_meta and model.buffer.is_meta
-    strategy = LazyExportFSDP2()
-    strategy._accelerator = Mock()
-    strategy._device_mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
-    strategy._parallel_devices = [torch.device("cpu")]
-    strategy._lightning_module = model
-    strategy.model = model
+    mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        strategy.setup(Mock())
+        if fabric:
+            from lightning_fsdp_export.fabric import LazyExportFSDP2 as FabricStrategy
+
+            fabric_strategy = FabricStrategy(parallelize_fn=lambda x, _: x)
+            fabric_strategy._device_mesh = mesh
+            fabric_strategy._parallel_devices = [torch.device("cpu")]
+            model = fabric_strategy.setup_module(model)
+        else:
+            strategy = LazyExportFSDP2()
+            strategy._accelerator = Mock()
+            strategy._device_mesh = mesh
+            strategy._parallel_devices = [torch.device("cpu")]
+            strategy._lightning_module = model
+            strategy.model = model
+            strategy.setup(Mock())
     print("RESULT " + json.dumps({
         "was_meta": was_meta,
         "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "initialization" in str(w.message)],

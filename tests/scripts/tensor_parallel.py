@@ -56,6 +56,8 @@ class TensorParallelLM(pl.LightningModule):
         strategy = self.trainer.strategy
         for dtype in (torch.float32, torch.bfloat16):
             got = dict(strategy.export_weights(dtype=dtype))
+            if dtype == torch.float32:
+                self.start_export = got  # Fabric's export of the same model on the same mesh must equal it
             want = {name: t.to(dtype) for name, t in self.checkpoint.items()}
             self.report[f"names_{dtype}"] = name_diff(got, want)
             self.report[f"unequal_{dtype}"] = [n for n in want if n in got and not torch.equal(got[n], want[n])]
@@ -75,6 +77,52 @@ class TensorParallelLM(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+
+def parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
+    """The 2-D recipe as Fabric's ``parallelize_fn``: TP on every decoder layer, then ``fully_shard`` on DP."""
+    tp, dp = mesh["tensor_parallel"], mesh["data_parallel"]
+    for layer in model.model.layers:
+        parallelize_module(layer, tp, PLAN)
+        fully_shard(layer, mesh=dp)
+    fully_shard(model, mesh=dp)
+    return model
+
+
+def fabric_run(ckpt: Path, checkpoint: dict[str, torch.Tensor], trainer_start: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The same recipe in a Fabric loop: meta init, ``parallelize_fn``, ``pretrained=``; its export against the
+    checkpoint and against the Trainer strategy's export of the same model on the same mesh; a push after a step."""
+    from lightning.fabric import Fabric
+    from transformers import Qwen2ForCausalLM
+
+    from lightning_fsdp_export.fabric import LazyExportFSDP2 as FabricStrategy
+    from lightning_fsdp_export.fabric import WeightSync
+
+    fabric = Fabric(accelerator="cpu", devices=4, strategy=FabricStrategy(
+        parallelize_fn=parallelize, pretrained=str(ckpt), tensor_parallel_size=2))
+    fabric.launch()
+    with fabric.init_module(empty_init=True):
+        model = Qwen2ForCausalLM(qwen2_config())
+    model = fabric.setup_module(model)
+    got = dict(fabric.strategy.export_weights(dtype=torch.float32))
+    report = {"mesh": dict(zip(fabric.strategy.device_mesh.mesh_dim_names, fabric.strategy.device_mesh.shape)),
+              "names": name_diff(got, checkpoint),
+              "unequal": [n for n in checkpoint if n in got and not torch.equal(got[n], checkpoint[n])],
+              "unequal_to_trainer": [n for n in trainer_start if not torch.equal(got.get(n, torch.empty(0)),
+                                                                                  trainer_start[n])]}
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    fabric.backward(model(input_ids=ids, labels=ids).loss)
+    optimizer.step()
+    sync = WeightSync(InMemoryTarget(dtype=torch.float32))
+    sync.push(fabric, step=1)
+    after = dict(fabric.strategy.export_weights(dtype=torch.float32))
+    report.update(synced_versions=sync.target.versions,
+                  sync_not_equal=[n for n in after if n in sync.target.weights
+                                  and not torch.equal(sync.target.weights[n], after[n])],
+                  trained=len([n for n in after if not torch.equal(after[n], checkpoint[n])]))
+    sync.teardown()
+    return report
 
 
 def main() -> None:
@@ -106,6 +154,7 @@ def main() -> None:
                   "sync_not_equal": [n for n in after if n in target.weights
                                      and not torch.equal(target.weights[n], after[n])],
                   "trained": [n for n in after if not torch.equal(after[n], checkpoint[n])]}
+        report["fabric"] = fabric_run(ckpt, checkpoint, module.start_export)
     except Exception:  # noqa: BLE001 - reported to the test
         report = {"crash": traceback.format_exc()}
     everyone: list[Any] = [None] * dist.get_world_size()
