@@ -208,6 +208,20 @@ def scenario_remote(root: Path, urls: list[str], model_dir: Path) -> dict[str, A
     path = root / "remote_ckpt"
     saved: dict[str, torch.Tensor] = {}
 
+    def restore_checkpoint(fabric: Fabric) -> None:
+        """Push the servers' own checkpoint (the trainer loaded it with pretrained=): an exact check after this
+        (here, or in a later test sharing the servers) starts from the engines' checkpoint again."""
+        restore = WeightSync(RemoteVLLM(urls, transport=Gloo(), timeout=TIMEOUT), name="restore")
+        restore.push(fabric)
+        restore.teardown()
+
+    def restore_loop() -> None:
+        fabric = fabric_for(LazyExportFSDP2(pretrained=model_dir))
+        with fabric.init_module(empty_init=True):
+            model = tiny_qwen2(seed=1)
+        fabric.setup_module(model)
+        restore_checkpoint(fabric)
+
     def loop(resume: bool) -> dict[str, Any]:
         fabric = fabric_for(LazyExportFSDP2(pretrained=None if resume else model_dir))
         with fabric.init_module(empty_init=True):
@@ -220,9 +234,7 @@ def scenario_remote(root: Path, urls: list[str], model_dir: Path) -> dict[str, A
             fabric.load(path, {"model": model, "optimizer": optimizer, "sync": sync})
         out: dict[str, Any] = {"version_before": sync.version}
         if not resume:  # the session's servers may hold another test's weights: put their checkpoint back first
-            restore = WeightSync(RemoteVLLM(urls, transport=Gloo(), timeout=TIMEOUT), name="restore")
-            restore.push(fabric)
-            restore.teardown()
+            restore_checkpoint(fabric)
         sync.setup(fabric)
         pushes = [sync.push(fabric)]
         start = dict(fabric.strategy.export_weights(dtype=torch.bfloat16))
@@ -291,7 +303,10 @@ def scenario_remote(root: Path, urls: list[str], model_dir: Path) -> dict[str, A
             out["servers"] = state(sync.target)
         return out
 
-    return {"first": loop(False), "resumed": loop(True), "lora_adapter": lora_loop(), "busy": busy_loop()}
+    try:
+        return {"first": loop(False), "resumed": loop(True), "lora_adapter": lora_loop(), "busy": busy_loop()}
+    finally:
+        restore_loop()  # the next module's exact checks (tests/test_remote_lora.py) need the checkpoint served
 
 
 def main() -> None:
