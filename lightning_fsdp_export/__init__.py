@@ -1,9 +1,10 @@
 """Lazy FSDP2 weight export for PyTorch Lightning, streamed into vLLM for RL post-training.
 
-Importing the package registers the ``"lazy_fsdp2"`` strategy name with Lightning. vLLM is imported
-only when a vLLM target is built.
+Importing the package registers the ``"lazy_fsdp2"`` strategy name with Lightning's Trainer and with Fabric (each
+its own ``LazyExportFSDP2``). vLLM is imported only when a vLLM target is built.
 """
 
+from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_fsdp_export import _moved
@@ -12,6 +13,7 @@ _moved.install()  # the modules' old paths (before the rooms' folders) still imp
 
 from lightning_fsdp_export._common import WeightSyncError  # noqa: E402
 from lightning_fsdp_export.export import ExportReport, export_name, lazy_export  # noqa: E402
+from lightning_fsdp_export.fabric import strategy as _fabric_strategy  # noqa: E402
 from lightning_fsdp_export.rollouts import AsyncRollouts, RolloutBatch, RolloutError  # noqa: E402
 from lightning_fsdp_export.strategy import LazyExportFSDP2  # noqa: E402
 from lightning_fsdp_export.sync.callback import VLLMWeightSync  # noqa: E402
@@ -36,3 +38,4 @@ __all__ = [
 __version__ = "0.1.0"
 
 LazyExportFSDP2.register_strategies(StrategyRegistry)
+_fabric_strategy.LazyExportFSDP2.register_strategies(FABRIC_STRATEGY_REGISTRY)

@@ -251,6 +251,52 @@ def test_a_trainer_killed_mid_round_frees_the_server_after_the_timeout(servers: 
     transfer.disconnect()
 
 
+def test_a_server_killed_mid_background_transfer_is_named_and_the_other_keeps_serving(servers: Any) -> None:
+    # issue 39: a third server (started here, the session's two stay up) is killed while a staged round streams into
+    # both; the round fails naming it within the timeout, and the session's server was never paused: it serves the
+    # version it had and answers. The trainer side is one rank in this process (as the killed-trainer test above).
+    from lightning_fsdp_export.export.source import ExportSource
+    from lightning_fsdp_export.targets.http import Server
+    from lightning_fsdp_export.targets.transfer import NativeTransfer
+    from lightning_fsdp_export.targets.transports import Gloo
+
+    model_dir, urls = servers
+    port = free_port()
+    start_server(model_dir, port)
+    doomed = f"http://127.0.0.1:{port}"
+    try:
+        wait_for_server(doomed, model_dir / f"server{port}.log")
+        alive = Server(urls[0], api_key=None, timeout=60)
+        transfer = NativeTransfer([alive, Server(doomed, api_key=None, timeout=60)], Gloo(background=True),
+                                  timeout=20, pause_mode="keep")
+        transfer.setup(SimpleNamespace(global_rank=0, world_size=1))
+        items = [(k, v.to(torch.bfloat16)) for k, v in tiny_qwen2(seed=6).state_dict().items()]
+        plan = lambda: [([n], t) for n, t in items]  # noqa: E731
+        transfer.push(ExportSource(plan, lambda: iter(items), dtype=torch.bfloat16), version=61)
+        assert alive.request("GET", "/weight_info")["weight_version"] == "61"
+
+        def export() -> Any:
+            for i, item in enumerate(items):
+                if i == 5:  # mid-round: the workers are receiving into their staging areas
+                    stop_server(model_dir, port)
+                yield item
+
+        start = time.monotonic()
+        with pytest.raises(Exception) as failed:  # noqa: PT011 - the message is what is checked
+            transfer.push(ExportSource(plan, export, dtype=torch.bfloat16), version=62)
+        seconds = time.monotonic() - start
+        assert doomed in str(failed.value) and seconds < 20 + 30, (seconds, failed.value)
+        assert alive.request("GET", "/is_paused")["is_paused"] is False
+        assert alive.request("GET", "/weight_info")["weight_version"] == "61"
+        model = alive.request("GET", "/v1/models")["data"][0]["id"]
+        answer = alive.request("POST", "/v1/completions", {"model": model, "prompt": [1, 2, 3], "max_tokens": 4,
+                                                           "ignore_eos": True})
+        assert answer["usage"]["completion_tokens"] == 4
+        transfer.disconnect()
+    finally:
+        stop_server(model_dir, port)
+
+
 def test_the_directory_transport_still_updates_a_server(servers: Any, tmp_path: Path) -> None:
     # Last in the module: a directory reload repoints the server's model path at the version directory.
     _, urls = servers

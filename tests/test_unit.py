@@ -339,6 +339,18 @@ def test_when_busy_skip_is_offered_only_where_pushes_travel_in_the_background() 
         VLLMWeightSync(background, when_busy="later")  # type: ignore[arg-type]
 
 
+def test_lazy_fsdp2_names_each_frameworks_strategy() -> None:
+    from lightning.fabric import Fabric
+    from lightning.pytorch import Trainer
+
+    import lightning_fsdp_export
+    from lightning_fsdp_export import fabric
+
+    assert type(Fabric(strategy="lazy_fsdp2", accelerator="cpu", devices=1).strategy) is fabric.LazyExportFSDP2
+    trainer = Trainer(strategy="lazy_fsdp2", accelerator="cpu", devices=1, logger=False)
+    assert type(trainer.strategy) is lightning_fsdp_export.LazyExportFSDP2
+
+
 def test_the_modules_old_paths_still_import_with_a_warning_naming_the_new_one() -> None:
     # issue 38: the rooms became folders; an old import keeps working for one more minor
     import importlib
