@@ -125,6 +125,19 @@ class LazyExportCore:
         with self._phases.on_device():
             yield
 
+    @contextmanager
+    def compute_phase(self) -> Iterator[None]:
+        """Within the block the trainer holds the device as in a step's compute phase (the phase listeners told
+        first: a colocated engine sleeps; ``offload="params"`` shards loaded), given back after it: what the Trainer
+        does around validation, for a Fabric loop's own evaluation. Inside a step's phase it changes nothing."""
+        started = not self._phases.in_compute
+        self._phases.enter()
+        try:
+            yield
+        finally:
+            if started:
+                self._phases.leave()
+
     # -- export ----------------------------------------------------------------------------------------
 
     @property

@@ -48,6 +48,8 @@ def test_fabric_meta_init_loads_pretrained_into_the_shards(results: dict[str, An
 def test_fabric_offload_params_between_steps(results: dict[str, Any]) -> None:
     got = scenario(results, "offload")
     assert got["offloaded_after_step"] and got["offload_moves"] >= 4 and got["end"] == SAME, got
+    # strategy.compute_phase(): the shards on the device for a loop's evaluation, offloaded again after it
+    assert got["offloaded_in_eval"] is False and got["offloaded_after_eval"] is True, got
 
 
 def test_weight_sync_versions_metrics_and_fabric_save_load(results: dict[str, Any], tmp_path: Path) -> None:

@@ -285,6 +285,7 @@ def test_a_server_killed_mid_background_transfer_is_named_and_the_other_keeps_se
         with pytest.raises(Exception) as failed:  # noqa: PT011 - the message is what is checked
             transfer.push(ExportSource(plan, export, dtype=torch.bfloat16), version=62)
         seconds = time.monotonic() - start
+        print(f"a server killed mid-transfer: the round failed after {seconds:.1f} s: {failed.value}")  # for -s
         assert doomed in str(failed.value) and seconds < 20 + 30, (seconds, failed.value)
         assert alive.request("GET", "/is_paused")["is_paused"] is False
         assert alive.request("GET", "/weight_info")["weight_version"] == "61"

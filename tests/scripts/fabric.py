@@ -139,7 +139,13 @@ def scenario_offload() -> dict[str, Any]:
     model = fabric.setup_module(tiny_qwen2())
     optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-2))
     losses = steps(fabric, model, optimizer, 2)
-    return {"losses": losses, "offloaded_after_step": fabric.strategy.params_offloaded,
+    offloaded_after_step = fabric.strategy.params_offloaded
+    with fabric.strategy.compute_phase():  # a loop's evaluation, as the Trainer's validation
+        inside = fabric.strategy.params_offloaded
+        with torch.no_grad():
+            model(input_ids=torch.arange(8)[None])
+    return {"losses": losses, "offloaded_after_step": offloaded_after_step, "offloaded_in_eval": inside,
+            "offloaded_after_eval": fabric.strategy.params_offloaded,
             "offload_moves": fabric.strategy.offload_moves, "end": same(list(fabric.strategy.export_weights()),
                                                                         full_state(model))}
 
