@@ -133,3 +133,18 @@ def test_sleep_level_must_be_none_1_or_2(bad: Any) -> None:
         ColocatedVLLM(model="unused", sleep_level=bad)
     with pytest.raises(ValueError, match="sets enable_sleep_mode itself"):
         ColocatedVLLM(model="unused", enable_sleep_mode=True)
+
+
+def test_a_fabric_loop_has_the_same_phases_and_its_pushes_match_the_trainer(results: dict[str, Any]) -> None:
+    # Fabric's LazyExportFSDP2(offload="params") + WeightSync(ColocatedVLLM(sleep_level=1)) on the engines built above
+    got = scenario(results, "fabric")
+    awake_offloaded = {"params_offloaded": True, "engine_sleeping": False}
+    assert got["version"] == 3 and len(got["steps"]) == 2, got
+    for step in got["steps"]:
+        assert step["rollouts"] == awake_offloaded and step["after_step"] == awake_offloaded, step
+        assert step["compute"] == {"params_offloaded": False, "engine_sleeping": True}, step
+        assert step["prompt_max_diff"] < TOLERANCE and step["gen_max_diff"] < TOLERANCE, step
+        assert step["verify_diff"] is not None and step["verify_diff"] < 1.0, step
+    # strategy.compute_phase(): a loop's evaluation is a compute phase, as the Trainer's validation
+    assert got["evaluation"] == {"params_offloaded": False, "engine_sleeping": True}, got
+    assert got["after_evaluation"] == {"params_offloaded": True, "weights_awake": True, "generated": 2}, got

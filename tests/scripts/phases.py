@@ -135,6 +135,57 @@ def fit(root: Path, model_dir: Path, *, steps: int, sleep_level: int | None = 1,
             "offload_moves": strategy.offload_moves, "engine_sleeping_at_end": target._engine.llm_engine.is_sleeping()}
 
 
+def fabric_loop(model_dir: Path, *, steps: int) -> dict[str, Any]:
+    """The same phases in a Fabric loop: ``WeightSync(ColocatedVLLM(sleep_level=1))`` with Fabric's
+    ``LazyExportFSDP2(offload="params")``; rollouts, loss, step, push; an evaluation in ``compute_phase()``."""
+    from lightning.fabric import Fabric
+    from vllm import SamplingParams
+
+    from lightning_fsdp_export.fabric import LazyExportFSDP2 as FabricStrategy
+    from lightning_fsdp_export.fabric import WeightSync
+
+    seed_everything(0)
+    target = ColocatedVLLM(llm=ENGINE["llm"], sleep_level=1) if "llm" in ENGINE else ColocatedVLLM(
+        model=model_dir, dtype="bfloat16", max_model_len=256, enforce_eager=True, sleep_level=1)
+    fabric = Fabric(accelerator="cpu", devices=2, strategy=FabricStrategy(offload="params"))
+    fabric.launch()
+    strategy = fabric.strategy
+    model = fabric.setup_module(tiny_qwen2())
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=3e-2))
+    sync = WeightSync(target, verify="logprobs")
+    sync.push(fabric)
+    ENGINE["llm"] = target._engine
+    engine = target._engine.llm_engine
+    records = []
+    for step in range(1, steps + 1):
+        record: dict[str, Any] = {"rollouts": {"params_offloaded": strategy.params_offloaded,
+                                               "engine_sleeping": engine.is_sleeping()}}
+        prompts = [[(5 * step + 3 * j + fabric.global_rank) % VOCAB for j in range(8)] for _ in range(2)]
+        outs = target.llm.generate([{"prompt_token_ids": p} for p in prompts],
+                                   SamplingParams(max_tokens=4, temperature=1.0, seed=step, detokenize=False),
+                                   use_tqdm=False)
+        seqs = torch.tensor([p + list(o.outputs[0].token_ids) for p, o in zip(prompts, outs)])
+        loss = model(input_ids=seqs, labels=seqs).loss  # the first forward through a shard: the compute phase
+        record["compute"] = {"params_offloaded": strategy.params_offloaded, "engine_sleeping": engine.is_sleeping()}
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        sync.push(fabric, step=step)
+        got = compare(target.llm, dict(strategy.export_weights(dtype=torch.bfloat16)))
+        record.update(after_step={"params_offloaded": strategy.params_offloaded, "engine_sleeping": engine.is_sleeping()},
+                      prompt_max_diff=got["prompt_max_diff"], gen_max_diff=got["gen_max_diff"],
+                      verify_diff=sync.last_verify_diff)
+        records.append(record)
+    with strategy.compute_phase():
+        evaluation = {"params_offloaded": strategy.params_offloaded, "engine_sleeping": engine.is_sleeping()}
+    after = {"params_offloaded": strategy.params_offloaded, "weights_awake": "weights" not in target._asleep}
+    out = target.llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(max_tokens=2, detokenize=False),
+                              use_tqdm=False)  # the KV cache wakes on the next generate, as after validation
+    after["generated"] = len(out[0].outputs[0].token_ids)
+    sync.teardown()
+    return {"steps": records, "evaluation": evaluation, "after_evaluation": after, "version": sync.version}
+
+
 def error_of(run: Any) -> dict[str, Any]:
     try:
         run()
@@ -157,6 +208,7 @@ def main() -> None:
                                                          accumulate=2)),
         "no_sleep": lambda: fit(root / "none", model_dir, steps=2, sleep_level=None),
         "offload_none": lambda: fit(root / "keep", model_dir, steps=2, offload=None),
+        "fabric": lambda: fabric_loop(model_dir, steps=2),
     }
     results = run_scenarios(runs, args.only.split(",") if args.only else list(runs))
     if dist.get_rank() == 0:
