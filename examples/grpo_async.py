@@ -136,6 +136,18 @@ def start_server(workdir: Path) -> tuple[subprocess.Popen, str]:
     raise SystemExit(f"the vLLM server did not start; see {workdir / 'server.log'}")
 
 
+def server_urls(server: str | None, workdir: Path) -> tuple[subprocess.Popen | None, list[str]]:
+    """``--server``'s URLs; without it, the launching process starts one server (returned, to be killed at the end)
+    and the ranks Lightning starts find its URL in the environment."""
+    if server is not None:
+        return None, server.split(",")
+    proc = None
+    if "LFE_EXAMPLE_SERVER" not in os.environ:
+        proc, url = start_server(workdir)
+        os.environ["LFE_EXAMPLE_SERVER"] = url
+    return proc, [os.environ["LFE_EXAMPLE_SERVER"]]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
@@ -150,14 +162,7 @@ def main() -> None:
     args = parser.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    server = None
-    if args.server is None:  # the launcher process starts it and passes it on to the rank Lightning starts
-        if "LFE_EXAMPLE_SERVER" not in os.environ:
-            server, url = start_server(workdir)
-            os.environ["LFE_EXAMPLE_SERVER"] = url
-        urls = [os.environ["LFE_EXAMPLE_SERVER"]]
-    else:
-        urls = args.server.split(",")
+    server, urls = server_urls(args.server, workdir)
     pl.seed_everything(0)
     sync = VLLMWeightSync(RemoteVLLM(urls, transport=Gloo(shard_direct=args.shard_direct, background=args.background), pause_mode="keep", timeout=120))
     rollouts = AsyncRollouts(sync, prompt, reward, batch_size=GROUPS_PER_RANK, group_size=GROUP,

@@ -23,7 +23,7 @@ import torch
 from lightning.fabric import Fabric, seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from examples.grpo_async import GROUP, GROUPS_PER_RANK, GEN_LEN, prompt, reward, start_server  # noqa: E402
+from examples.grpo_async import GROUP, GROUPS_PER_RANK, GEN_LEN, prompt, reward, server_urls  # noqa: E402
 from lightning_fsdp_export import RemoteVLLM  # noqa: E402
 from lightning_fsdp_export.fabric import AsyncRollouts, LazyExportFSDP2, WeightSync  # noqa: E402
 from lightning_fsdp_export.rollouts import RolloutBatch, truncated_importance_weights  # noqa: E402
@@ -83,14 +83,7 @@ def main() -> None:
     args = parser.parse_args()
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    server = None
-    if args.server is None:  # the launching process starts it; the rank Fabric starts finds it in the environment
-        if "LFE_EXAMPLE_SERVER" not in os.environ:
-            server, url = start_server(workdir)
-            os.environ["LFE_EXAMPLE_SERVER"] = url
-        urls = [os.environ["LFE_EXAMPLE_SERVER"]]
-    else:
-        urls = args.server.split(",")
+    server, urls = server_urls(args.server, workdir)  # without --server: one started here, killed at the end
     fabric = Fabric(accelerator="cpu", devices=2, strategy=LazyExportFSDP2())
     fabric.launch()
     seed_everything(0)

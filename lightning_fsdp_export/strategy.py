@@ -26,7 +26,6 @@ from lightning_fsdp_export.strategy_core import LazyExportCore
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-    from lightning.pytorch.strategies import StrategyRegistry as _Registry
 
 __all__ = ["LazyExportFSDP2", "PhaseListener"]
 
@@ -74,8 +73,6 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
         timeout: as in ``ModelParallelStrategy``; also bounds every collective of an export.
     """
 
-    strategy_name = "lazy_fsdp2"
-
     def __init__(self, *, shard_modules: Sequence[type[nn.Module] | str] | None = None,
                  export_module: str | None = None,
                  pretrained: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None,
@@ -94,20 +91,7 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
                           export_prefetch=export_prefetch, tensor_parallel_size=tensor_parallel_size,
                           model=lambda: self.model, optimizers=lambda: self.optimizers)
 
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: _Registry) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls,
-                                       description="FSDP2 with lazy per-DTensor weight export (lightning-fsdp-export)")
-
     # -- the set-up order ----------------------------------------------------------------------------
-
-    @override
-    def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":  # pure FSDP over the whole world, not Lightning's "nodes"
-            self._data_parallel_size = (self.num_nodes * self.num_processes) // self._tensor_parallel_size
-        super().setup_environment()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -45,13 +45,32 @@ class LazyExportCore:
     starts and ends.
     """
 
+    strategy_name = "lazy_fsdp2"
     root_device: torch.device
     device_mesh: DeviceMesh
+    num_nodes: int
+    num_processes: int
+    _data_parallel_size: Any
+    _tensor_parallel_size: int
     _timeout: timedelta | None
     _offload: OffloadMode
     _preparation: ModelPreparation
     _phases: ComputePhases
     _export: ModelExport
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register ``"lazy_fsdp2"`` with the Trainer's or Fabric's registry (each framework its own class)."""
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls,
+                                       description="FSDP2 with lazy per-DTensor weight export (lightning-fsdp-export)")
+
+    def setup_environment(self) -> None:
+        """``data_parallel_size="auto"`` is pure FSDP over the whole world (not Lightning's "nodes"), then Lightning's
+        own set-up (process group, device mesh)."""
+        if self._data_parallel_size == "auto":
+            self._data_parallel_size = (self.num_nodes * self.num_processes) // self._tensor_parallel_size
+        super().setup_environment()  # type: ignore[misc] - the ModelParallelStrategy after this mixin
 
     def _build_parts(self, *, shard_modules: Sequence[type[nn.Module] | str] | None, export_module: str | None,
                      pretrained: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None,

@@ -60,8 +60,6 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
         tensor_parallel_size: tensor-parallel ranks, applied by your ``parallelize_fn``. Default 1.
     """
 
-    strategy_name = "lazy_fsdp2"
-
     def __init__(self, *, parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
                  shard_modules: Sequence[type[nn.Module] | str] | None = None, export_module: str | None = None,
                  pretrained: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None,
@@ -85,19 +83,6 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
                           offload=offload, offload_optimizer=offload_optimizer, export_bucket_bytes=export_bucket_bytes,
                           export_prefetch=export_prefetch, tensor_parallel_size=tensor_parallel_size,
                           model=lambda: self._module, optimizers=lambda: self._optimizers)
-
-    @classmethod
-    @override
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls,
-                                       description="FSDP2 with lazy per-DTensor weight export (lightning-fsdp-export)")
-
-    @override
-    def setup_environment(self) -> None:
-        if self._data_parallel_size == "auto":  # pure FSDP over the whole world, as the Trainer's strategy
-            self._data_parallel_size = (self.num_nodes * self.num_processes) // self._tensor_parallel_size
-        super().setup_environment()
 
     @override
     def setup_module(self, module: nn.Module) -> nn.Module:

@@ -19,27 +19,10 @@ class FabricRun:
 
     def __init__(self, fabric: Fabric) -> None:
         self.fabric = fabric
+        self.strategy = fabric.strategy
+        self.global_rank, self.local_rank = fabric.global_rank, fabric.local_rank
+        self.world_size, self.is_global_zero = fabric.world_size, fabric.is_global_zero
         self.global_step = 0
-
-    @property
-    def strategy(self) -> Any:
-        return self.fabric.strategy
-
-    @property
-    def global_rank(self) -> int:
-        return self.fabric.global_rank
-
-    @property
-    def local_rank(self) -> int:
-        return self.fabric.local_rank
-
-    @property
-    def world_size(self) -> int:
-        return self.fabric.world_size
-
-    @property
-    def is_global_zero(self) -> bool:
-        return self.fabric.is_global_zero
 
 
 class WeightSync(SyncEngine):
