@@ -170,5 +170,8 @@ def test_with_an_adapter_sync_the_rollouts_ask_for_the_adapter(lora: str, model:
             bodies.append(body)
             raise ServerError("recorded", URL)
 
-    assert r.clients._generate("r0", 0, Recording(), 1) is None  # type: ignore[arg-type]
+    assert r.clients._generate("r0", 0, Recording(), 1, settled=True) is None  # type: ignore[arg-type]
     assert bodies[0].get("model") == model and bodies[0]["cache_salt"] == "lfe-v1", bodies
+    # admitted while a push is under way: a salt of its own (the servers may prefill it with either version)
+    assert r.clients._generate("r1", 0, Recording(), 1, settled=False) is None  # type: ignore[arg-type]
+    assert bodies[1]["cache_salt"] == "lfe-r1", bodies

@@ -142,6 +142,13 @@ class AsyncRollouts(Callback, FabricLoop):
         return self.state.multi_version_samples
 
     @property
+    def resampled(self) -> int:
+        """Groups sent again on this rank because the servers swapped versions between the group's admission and its
+        prefill (its prompt may have been read from the older weights' cached blocks); each counts as one of the
+        prompt's attempts."""
+        return self.state.resampled
+
+    @property
     def errors(self) -> list[str]:
         """This rank's request errors, oldest first (``"url: error"``)."""
         return self.state.errors

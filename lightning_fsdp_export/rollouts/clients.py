@@ -116,10 +116,12 @@ class RolloutClients:
                     if index in state.done:  # consumed before the checkpoint this run resumed from
                         continue
                 admitted_version = self.sync.served_version  # (a push may have started since may_admit: None)
+                # settled: no push under way, so the servers prefill this request with the version it is salted with
+                settled = admitted_version is not None and admitted_version == self.sync.version
                 server = self._pick()
                 rid = f"lfe-{self.rank}-{index}-{time.monotonic_ns()}"
                 state.in_flight[rid] = (server, index)
-            group = self._generate(rid, index, server, admitted_version)
+            group = self._generate(rid, index, server, admitted_version, settled=settled)
             with state.lock:
                 state.in_flight.pop(rid, None)
                 if group is not None and not state.stopping.is_set():
@@ -150,11 +152,18 @@ class RolloutClients:
             return list(self.prompts(index))
         return list(self.prompts[index % len(self.prompts)])
 
-    def _generate(self, rid: str, index: int, server: Server, admitted_version: Any) -> SampleGroup | None:
+    def _generate(self, rid: str, index: int, server: Server, admitted_version: Any, *,
+                  settled: bool) -> SampleGroup | None:
+        """One request; None when it failed, was aborted, or may have read another version's prefix blocks.
+
+        A prefix cache per version (``cache_salt``): with ``pause_mode="keep_old_kv"`` the servers keep the blocks of
+        older weights. A request admitted while a push is under way may be prefilled with either version: it shares
+        no blocks (a salt of its own). One admitted when settled is salted with the version served; if the servers
+        swapped before its prefill anyway (its first token names another version), its prompt may have been read
+        from the older weights' blocks: it is sent again (``resampled``)."""
         prompt = self.prompt(index)
-        # a prefix cache per version: with pause_mode="keep_old_kv" the servers keep blocks of older weights
         body = {"request_id": rid, "token_ids": prompt, "sampling_params": self.sampling,
-                "cache_salt": f"lfe-v{admitted_version}"}
+                "cache_salt": f"lfe-v{admitted_version}" if settled else f"lfe-{rid}"}
         if self.sync.lora == "adapter":  # the policy is the adapter the sync loads, not the base model
             body["model"] = self.sync.target.adapter_name  # type: ignore[attr-defined]
         admitted = time.time()
@@ -178,6 +187,10 @@ class RolloutClients:
         with state.lock:
             state.connections.pop(rid, None)
         if any(s.finish_reason == "abort" for s in samples):
+            return None
+        if settled and any(s.versions and s.versions[0] != admitted_version for s in samples):
+            with state.lock:
+                state.resampled += 1
             return None
         for s in samples:
             s.reward = float(self.reward(s))

@@ -44,6 +44,8 @@ class RolloutState:
         self.dropped = 0
         self.produced_samples = 0
         self.multi_version_samples = 0
+        self.resampled = 0
+        """Groups sent again because the servers swapped between their admission and their prefill."""
 
     def pending(self) -> list[int]:
         """Prompts admitted and not consumed: in flight, ready, or to be sent again (under ``lock``)."""

@@ -162,7 +162,7 @@ def score(batches: list[RolloutBatch], versions: dict[int, dict[str, torch.Tenso
 
 def summary(rollouts: AsyncRollouts, sync: VLLMWeightSync, batches: list[RolloutBatch]) -> dict[str, Any]:
     samples = [s for b in batches for s in b.samples]
-    produced = torch.tensor([rollouts.multi_version_samples, rollouts.produced_samples])
+    produced = torch.tensor([rollouts.multi_version_samples, rollouts.produced_samples, rollouts.resampled])
     dist.all_reduce(produced)  # every rank's
     return {
         "history": rollouts.history, "dropped": rollouts.dropped, "version": sync.version,
@@ -174,7 +174,7 @@ def summary(rollouts: AsyncRollouts, sync: VLLMWeightSync, batches: list[Rollout
         "paused_seconds": rollouts.sync.target.last_paused_seconds,
         "sync_seconds": sync.last_metrics.get("weight_sync/seconds"),
         "errors": rollouts.errors[-5:],
-        "produced_multi_version": int(produced[0]), "produced": int(produced[1]),
+        "produced_multi_version": int(produced[0]), "produced": int(produced[1]), "resampled": int(produced[2]),
     }
 
 
@@ -268,6 +268,35 @@ def a_request_frozen_by_a_push(trainer: Trainer, sync: VLLMWeightSync, rollouts:
     return {"attempts": tried} if rank0 else None
 
 
+def a_swap_before_prefill(trainer: Trainer, sync: VLLMWeightSync, rollouts: AsyncRollouts,
+                          url: str) -> dict[str, Any] | None:
+    """The race a settled request guards against (rank 0, the servers idle): it is admitted and salted at the version
+    served, and the server swaps before its prefill, so its prompt may be read from the older weights' cached blocks.
+    The server's label is moved on as a swap moves it (``/update_weight_version``): the client must refuse the
+    answer and count it (``resampled``); with the label back, the same request is accepted."""
+    if trainer.global_rank != 0:
+        return None
+    clients = rollouts.clients
+    server = next(s for s in clients.servers if s.url == url)
+    version, before, sampling = sync.served_version, rollouts.resampled, clients.sampling
+    assert version is not None and version == sync.version, (version, sync.version)  # settled
+    clients.sampling = {**sampling, "max_tokens": 8}
+    clients.state.stopping.clear()  # the fit stopped its clients, which interrupts any request they open
+    try:
+        server.request("POST", "/update_weight_version", {"new_version": str(version + 1)})
+        try:
+            raced = clients._generate("race-swapped", 0, server, version, settled=True)
+        finally:
+            server.request("POST", "/update_weight_version", {"new_version": str(version)})
+        settled = clients._generate("race-settled", 0, server, version, settled=True)
+    finally:
+        clients.sampling = sampling
+        clients.state.stopping.set()
+    return {"raced_accepted": raced is not None, "resampled": rollouts.resampled - before,
+            "settled_versions": None if settled is None else [s.versions[0] for s in settled.samples],
+            "version": version}
+
+
 def scenario_async(root: Path, urls: list[str]) -> dict[str, Any]:
     seed_everything(0)
 
@@ -289,6 +318,7 @@ def scenario_async(root: Path, urls: list[str]) -> dict[str, Any]:
     first["threads_after"] = client_threads()
     saved_position = rollouts.state_dict()["positions"]
     frozen = a_request_frozen_by_a_push(trainer, sync, rollouts, policy, urls[0])  # after the checkpoint
+    race = a_swap_before_prefill(trainer, sync, rollouts, urls[1])
     sync.teardown(trainer, policy, "fit")  # the callback's own hook: its push after the fit set the target up again
 
     # the frozen requests keep their KV; the versions travel while the servers generate (background syncs)
@@ -301,7 +331,7 @@ def scenario_async(root: Path, urls: list[str]) -> dict[str, Any]:
     resumed["saved_positions"] = saved_position
     resumed["threads_after"] = client_threads()
     resumed["servers_after"] = server_states(urls) if trainer.global_rank == 0 else None
-    return {"first": first, "resumed": resumed, "frozen": frozen}
+    return {"first": first, "resumed": resumed, "frozen": frozen, "race": race}
 
 
 def scenario_on_policy(root: Path, urls: list[str]) -> dict[str, Any]:
