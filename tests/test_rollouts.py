@@ -22,8 +22,19 @@ from tests.conftest import ROOT, run_torchrun, scenario, stop_servers
 
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
 
-# vLLM bf16 against an fp32 forward of the same bf16 weights (as in test_remote_transfer.py): measured <= 0.02.
+# vLLM bf16 against an fp32 forward of the same bf16 weights (as in test_remote_transfer.py): measured <= 0.02 on the
+# untrained model. bf16's own error grows with the logits as the fits train (lr 3e-2): the scripts also score each span
+# with the same weights' bf16 forward, ``bf16_floor`` (measured 0.013 after the first fit, 0.044 after the resumed
+# one, whose vLLM gap was then 0.067; a CI run saw 0.137 against the fixed 0.1 this test used to hold), and a gap
+# may exceed the tolerance by twice that floor. A neighbouring version is off by more than 1.
 LOGPROB_TOLERANCE = 0.1
+
+
+def within_tolerance(truth: dict[str, Any]) -> bool:
+    """The span scored right by its version's weights: within the tolerance plus twice bf16's own error on its
+    tokens, which stays far below a neighbouring version's gap."""
+    bound = LOGPROB_TOLERANCE + 2 * truth["bf16_floor"]
+    return truth["right_gap"] < bound < 1.0
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -100,26 +111,26 @@ def test_async_tokens_carry_the_versions_that_made_them_within_the_bound(async_r
     # longer span off by more than 0.3 when scored with the other version (measured 1.1-4.7 on 180-199 tokens; the
     # spans' median of two is the larger)
     frozen_truth = frozen["token_truth"]
-    assert frozen_truth["right_gap"] < LOGPROB_TOLERANCE < 0.3 < frozen_truth["other_gaps_median"], frozen
+    assert within_tolerance(frozen_truth) and 0.3 < frozen_truth["other_gaps_median"], frozen
     # a request salted with the version served whose server swapped before its prefill is refused and sent again
-    # (its prompt may come from the older weights' cached blocks: measured up to 0.14 off in a CI run before this
-    # check); the same request on a settled server is accepted
+    # (its prompt could come from the older weights' cached blocks; these prompts are shorter than a block, so the
+    # fits cannot meet that case); the same request on a settled server is accepted
     race = got["race"]
     assert race["raced_accepted"] is False and race["resampled"] == 1, race
     assert race["settled_versions"] == [race["version"]] * 2, race
-    # token truth: each span scored with the version it names (bf16 server vs fp32 trainer: measured <= 0.02 in
-    # 6 runs); a neighbouring version is off by more than 1 on the median span (lr 3e-2; measured 0.19 to 2.2 on
-    # the span it moved least, a short one)
+    # token truth: each span scored with the version it names (bf16 server vs fp32 trainer: within the tolerance
+    # above); a neighbouring version is off by more than 1 on the median span (lr 3e-2; measured 0.19 to 2.2 on the
+    # span it moved least, a short one)
     truth = first["token_truth"]
     assert truth["spans"] >= 12 and truth["unscored"] == 0, truth
-    assert truth["right_gap"] < LOGPROB_TOLERANCE < 1.0 < truth["other_gaps_median"], truth
+    assert within_tolerance(truth) and 1.0 < truth["other_gaps_median"], truth
     # the resumed fit synced in the background (Gloo(shard_direct=True, background=True): the trainer trained on while
     # each version travelled, the servers generated until its swap): its labels are as true. Each sample's first span
     # only: with keep_old_kv a span after a swap was sampled over the old weights' KV (measured: up to 0.89 off the
     # recompute), so no forward of either version reproduces it
     truth = resumed["token_truth"]
     assert truth["spans"] >= 12 and truth["unscored"] == 0, truth
-    assert truth["right_gap"] < LOGPROB_TOLERANCE < 1.0 < truth["other_gaps_median"], truth
+    assert within_tolerance(truth) and 1.0 < truth["other_gaps_median"], truth
     # the resumed fit: versions continue (the resume push is 5), prompts go on from where the first stopped
     assert resumed["history"][0]["version"] == first["version"] + 1 == 5
     first_prompts = {i for b in first["prompt_indices"] for i in b}

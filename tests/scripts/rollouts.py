@@ -125,26 +125,27 @@ def score(batches: list[RolloutBatch], versions: dict[int, dict[str, torch.Tenso
 
     ``first_spans_only``: each sample's first span only (``pause_mode="keep_old_kv"``: a later span was sampled by the
     new weights over the old weights' KV, which no recompute reproduces)."""
-    models: dict[int, torch.nn.Module] = {}
+    models: dict[tuple[int, torch.dtype], torch.nn.Module] = {}
 
-    def model(v: int) -> torch.nn.Module:
-        if v not in models:
+    def model(v: int, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+        if (v, dtype) not in models:
             m = tiny_qwen2()
             m.load_state_dict({k: t.float() for k, t in versions[v].items()})
-            models[v] = m.eval()
-        return models[v]
+            models[v, dtype] = m.to(dtype).eval()
+        return models[v, dtype]
 
-    right, other, spans, unscored = 0.0, [], 0, 0
+    def logprobs(v: int, seq: torch.Tensor, s: Any, dtype: torch.dtype = torch.float32) -> list[float]:
+        with torch.no_grad():
+            lp = torch.log_softmax(model(v, dtype)(input_ids=seq).logits[0].float(), -1)
+        p = len(s.prompt)
+        return [lp[p + i - 1, tok].item() for i, tok in enumerate(s.tokens)]
+
+    right, other, spans, unscored, floor = 0.0, [], 0, 0, 0.0
     for batch in batches:
         for s in batch.samples:
             seq = torch.tensor([s.prompt + s.tokens])
-            logps = {}
-            for v in sorted(set(s.versions) | {v + 1 for v in s.versions} | {v - 1 for v in s.versions}):
-                if v in versions:
-                    with torch.no_grad():
-                        lp = torch.log_softmax(model(v)(input_ids=seq).logits[0].float(), -1)
-                    p = len(s.prompt)
-                    logps[v] = [lp[p + i - 1, tok].item() for i, tok in enumerate(s.tokens)]
+            logps = {v: logprobs(v, seq, s) for v in sorted(set(s.versions) | {v + 1 for v in s.versions}
+                                                            | {v - 1 for v in s.versions}) if v in versions}
             for v in [s.versions[0]] if first_spans_only else sorted(set(s.versions)):
                 idx = [i for i, x in enumerate(s.versions) if x == v]
                 if v not in logps:
@@ -152,11 +153,14 @@ def score(batches: list[RolloutBatch], versions: dict[int, dict[str, torch.Tenso
                     continue
                 spans += 1
                 right = max(right, max(abs(s.logprobs[i] - logps[v][i]) for i in idx))
+                # the precision floor: the same weights' bf16 forward against their fp32 one, on the same tokens
+                in_bf16 = logprobs(v, seq, s, torch.bfloat16)
+                floor = max(floor, max(abs(in_bf16[i] - logps[v][i]) for i in idx))
                 neighbours = [w for w in (v - 1, v + 1) if w in logps]
                 if neighbours:
                     other.append(max(max(abs(s.logprobs[i] - logps[w][i]) for i in idx) for w in neighbours))
     other.sort()
-    return {"right_gap": right, "other_gaps_min": other[0] if other else None,
+    return {"right_gap": right, "bf16_floor": floor, "other_gaps_min": other[0] if other else None,
             "other_gaps_median": other[len(other) // 2] if other else None, "spans": spans, "unscored": unscored}
 
 
