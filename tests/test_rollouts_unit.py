@@ -172,6 +172,13 @@ def test_with_an_adapter_sync_the_rollouts_ask_for_the_adapter(lora: str, model:
 
     assert r.clients._generate("r0", 0, Recording(), 1, settled=True) is None  # type: ignore[arg-type]
     assert bodies[0].get("model") == model and bodies[0]["cache_salt"] == "lfe-v1", bodies
-    # admitted while a push is under way: a salt of its own (the servers may prefill it with either version)
+    # admitted while a push is under way: the servers reset their prefix caches at the swap (pause_mode="wait")
     assert r.clients._generate("r1", 0, Recording(), 1, settled=False) is None  # type: ignore[arg-type]
-    assert bodies[1]["cache_salt"] == "lfe-r1", bodies
+    assert bodies[1]["cache_salt"] == "lfe-v1", bodies
+    # with pause_mode="keep_old_kv" they keep the older weights' blocks: a salt of its own (either version may
+    # prefill it), the version's when settled
+    sync = VLLMWeightSync(RemoteVLLM(URL, transport="gloo", pause_mode="keep_old_kv"))
+    r = AsyncRollouts(sync, [[1, 2, 3]], lambda s: 0.0, batch_size=1)
+    assert r.clients._generate("r2", 0, Recording(), 1, settled=False) is None  # type: ignore[arg-type]
+    assert r.clients._generate("r3", 0, Recording(), 1, settled=True) is None  # type: ignore[arg-type]
+    assert [b["cache_salt"] for b in bodies[2:]] == ["lfe-r2", "lfe-v1"], bodies

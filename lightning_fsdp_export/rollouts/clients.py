@@ -47,6 +47,8 @@ class RolloutClients:
         self.reward = reward
         self.sampling = sampling
         self.request_timeout = request_timeout
+        self.keeps_old_kv = sync.target.pause_mode == "keep_old_kv"  # type: ignore[attr-defined] - a RemoteVLLM
+        """The servers keep older weights' blocks across a swap: the prefix cache is salted per version."""
         self.rank, self.world = 0, 1
         self._threads: list[threading.Thread] = []
 
@@ -116,7 +118,7 @@ class RolloutClients:
                     if index in state.done:  # consumed before the checkpoint this run resumed from
                         continue
                 admitted_version = self.sync.served_version  # (a push may have started since may_admit: None)
-                # settled: no push under way, so the servers prefill this request with the version it is salted with
+                # settled: no push under way, so the servers prefill this request with the version served now
                 settled = admitted_version is not None and admitted_version == self.sync.version
                 server = self._pick()
                 rid = f"lfe-{self.rank}-{index}-{time.monotonic_ns()}"
@@ -156,14 +158,15 @@ class RolloutClients:
                   settled: bool) -> SampleGroup | None:
         """One request; None when it failed, was aborted, or may have read another version's prefix blocks.
 
-        A prefix cache per version (``cache_salt``): with ``pause_mode="keep_old_kv"`` the servers keep the blocks of
-        older weights. A request admitted while a push is under way may be prefilled with either version: it shares
-        no blocks (a salt of its own). One admitted when settled is salted with the version served; if the servers
-        swapped before its prefill anyway (its first token names another version), its prompt may have been read
-        from the older weights' blocks: it is sent again (``resampled``)."""
+        A prefix cache per version (``cache_salt``) where ``pause_mode="keep_old_kv"`` keeps the blocks of older
+        weights across a swap (the other modes reset the servers' prefix caches at each swap, while paused): a
+        request admitted while a push is under way may be prefilled with either version, so it shares no blocks (a
+        salt of its own); one admitted when settled is salted with the version served, and if the servers swapped
+        before its prefill anyway (its first token names another version), its prompt may have been read from the
+        older weights' blocks: it is sent again (``resampled``)."""
         prompt = self.prompt(index)
-        body = {"request_id": rid, "token_ids": prompt, "sampling_params": self.sampling,
-                "cache_salt": f"lfe-v{admitted_version}" if settled else f"lfe-{rid}"}
+        salt = f"lfe-{rid}" if self.keeps_old_kv and not settled else f"lfe-v{admitted_version}"
+        body = {"request_id": rid, "token_ids": prompt, "sampling_params": self.sampling, "cache_salt": salt}
         if self.sync.lora == "adapter":  # the policy is the adapter the sync loads, not the base model
             body["model"] = self.sync.target.adapter_name  # type: ignore[attr-defined]
         admitted = time.time()
@@ -188,7 +191,7 @@ class RolloutClients:
             state.connections.pop(rid, None)
         if any(s.finish_reason == "abort" for s in samples):
             return None
-        if settled and any(s.versions and s.versions[0] != admitted_version for s in samples):
+        if self.keeps_old_kv and settled and any(s.versions and s.versions[0] != admitted_version for s in samples):
             with state.lock:
                 state.resampled += 1
             return None

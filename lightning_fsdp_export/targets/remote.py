@@ -196,6 +196,12 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
             self._round.wait()
 
     @property
+    def pause_mode(self) -> PauseMode:
+        """How a sync pauses the servers (given at construction); with ``"keep_old_kv"`` every client must keep the
+        versions' prefix caches apart (``cache_salt``), as ``AsyncRollouts`` does."""
+        return self._round.pause_mode
+
+    @property
     def last_paused_seconds(self) -> float | None:
         """Rank 0: how long the last completed sync kept the servers paused (``/pause`` to ``/resume``); with
         ``pause_mode="keep"`` the only time generation stops for a sync. None elsewhere and before one."""

@@ -274,8 +274,9 @@ def a_request_frozen_by_a_push(trainer: Trainer, sync: VLLMWeightSync, rollouts:
 
 def a_swap_before_prefill(trainer: Trainer, sync: VLLMWeightSync, rollouts: AsyncRollouts,
                           url: str) -> dict[str, Any] | None:
-    """The race a settled request guards against (rank 0, the servers idle): it is admitted and salted at the version
-    served, and the server swaps before its prefill, so its prompt may be read from the older weights' cached blocks.
+    """The race a settled request guards against under ``pause_mode="keep_old_kv"`` (rank 0, after the fit, the servers
+    idle): it is admitted and salted at the version served, and the server swaps before its prefill, so its prompt
+    may be read from the older weights' cached blocks.
     The server's label is moved on as a swap moves it (``/update_weight_version``): the client must refuse the
     answer and count it (``resampled``); with the label back, the same request is accepted."""
     if trainer.global_rank != 0:
@@ -322,7 +323,6 @@ def scenario_async(root: Path, urls: list[str]) -> dict[str, Any]:
     first["threads_after"] = client_threads()
     saved_position = rollouts.state_dict()["positions"]
     frozen = a_request_frozen_by_a_push(trainer, sync, rollouts, policy, urls[0])  # after the checkpoint
-    race = a_swap_before_prefill(trainer, sync, rollouts, urls[1])
     sync.teardown(trainer, policy, "fit")  # the callback's own hook: its push after the fit set the target up again
 
     # the frozen requests keep their KV; the versions travel while the servers generate (background syncs)
@@ -335,6 +335,7 @@ def scenario_async(root: Path, urls: list[str]) -> dict[str, Any]:
     resumed["saved_positions"] = saved_position
     resumed["threads_after"] = client_threads()
     resumed["servers_after"] = server_states(urls) if trainer.global_rank == 0 else None
+    race = a_swap_before_prefill(trainer, sync, rollouts, urls[1])  # keep_old_kv: the salts matter
     return {"first": first, "resumed": resumed, "frozen": frozen, "race": race}
 
 
