@@ -197,8 +197,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
 
     @property
     def pause_mode(self) -> PauseMode:
-        """How a sync pauses the servers (given at construction); with ``"keep_old_kv"`` every client must keep the
-        versions' prefix caches apart (``cache_salt``), as ``AsyncRollouts`` does."""
+        """How a sync pauses the servers; ``"keep_old_kv"``: clients salt their prefix caches per version."""
         return self._round.pause_mode
 
     @property
