@@ -3,7 +3,7 @@
 The same preparation and export as the Trainer's strategy, in a loop written with Lightning Fabric: the export bit
 for bit against the model's own weights and against the Trainer strategy's export of the same model on the same
 ranks; the user's ``parallelize_fn``; ``fabric.init_module(empty_init=True)`` with ``pretrained=``;
-``offload="params"``; ``WeightSync`` into memory with ``fabric.save`` / ``fabric.load``. The sync into real servers is
+``offload="params"``; a reference model beside the policy; ``WeightSync`` into memory with ``fabric.save`` / ``fabric.load``. The sync into real servers is
 ``tests/test_remote_fabric.py``.
 """
 
@@ -50,6 +50,17 @@ def test_fabric_offload_params_between_steps(results: dict[str, Any]) -> None:
     assert got["offloaded_after_step"] and got["offload_moves"] >= 4 and got["end"] == SAME, got
     # strategy.compute_phase(): the shards on the device for a loop's evaluation, offloaded again after it
     assert got["offloaded_in_eval"] is False and got["offloaded_after_eval"] is True, got
+
+
+def test_fabric_a_reference_model_beside_the_policy(results: dict[str, Any]) -> None:
+    """Both models inside the module set up, each called directly by the loop (each is an FSDP root of its own, and
+    whichever the step calls first loads the offloaded shards); only the policy trains and is exported."""
+    got = scenario(results, "reference")
+    assert got["kls"][0] == 0.0 and got["kls"][1] > 0, got  # both loaded from one checkpoint; then the policy moved
+    assert got["offloaded_before"] == [True, True] and got["loaded_by_the_reference"] == [True, True], got
+    assert got["offloaded_after"] is True and got["policy_moved"], got
+    assert got["export"] == SAME and got["reference_is_the_checkpoint"] == SAME, got
+    assert "already holds PolicyAndReference" in got["second_setup"] and "export_module='policy'" in got["second_setup"]
 
 
 def test_weight_sync_versions_metrics_and_fabric_save_load(results: dict[str, Any], tmp_path: Path) -> None:

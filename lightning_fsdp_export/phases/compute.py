@@ -26,7 +26,6 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from lightning_fsdp_export.phases.offload import HostPool, OffloadMode, move_module, move_optimizer_state
-from lightning_fsdp_export._fsdp import outermost
 
 __all__ = ["ComputePhases", "PhaseListener"]
 
@@ -123,10 +122,12 @@ class ComputePhases:
     # -- phases ----------------------------------------------------------------------------------------
 
     def hook_first_forward(self, model: nn.Module) -> None:
-        """A ``prepend=True`` pre-forward hook on every top-level FSDP module: it runs before FSDP2's own
-        (which gathers the parameters), so the shards are back on the device before any gather."""
-        for _, module in outermost(model, lambda m: isinstance(m, FSDPModule)):
-            module.register_forward_pre_hook(self._on_forward, prepend=True)
+        """A ``prepend=True`` pre-forward hook on every FSDP module: it runs before FSDP2's own (which gathers the
+        parameters), so the shards are back on the device before any gather, whichever module the loop calls first
+        (Fabric's module, or a model inside it: a policy and a reference model side by side)."""
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.register_forward_pre_hook(self._on_forward, prepend=True)
 
     def _on_forward(self, module: nn.Module, args: Any) -> None:
         if not self._quiet:

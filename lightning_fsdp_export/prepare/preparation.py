@@ -93,7 +93,8 @@ class ModelPreparation:
                 " apply tensor parallelism and `fully_shard` itself; the automatic sharding is pure FSDP."
             )
         roots = [] if export_module in (None, model) else [export_module]
-        if called:
+        if called:  # the loop calls ``model``, or any model inside it (a policy and a reference model side by side)
+            roots += [m for _, m in outermost(model, _is_export_candidate) if m is not model and m not in roots]
             roots.append(model)
         auto_shard(model, mesh=mesh["data_parallel"], shard_modules=self.shard_modules, roots=roots,
                    fsdp_kwargs=self._fsdp_kwargs(mesh.device_type))

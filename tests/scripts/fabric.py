@@ -150,6 +150,56 @@ def scenario_offload() -> dict[str, Any]:
                                                                         full_state(model))}
 
 
+class PolicyAndReference(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.policy = tiny_qwen2(seed=12)
+        self.reference = tiny_qwen2(seed=13)
+
+
+def scenario_reference(root: Path) -> dict[str, Any]:
+    """A reference model beside the policy (a KL term), both inside the module set up, each called directly by the
+    loop: meta init, both loaded from one checkpoint, offload="params", only the policy trained and exported."""
+    ckpt = root / "reference_ckpt"
+    saved = tiny_qwen2(seed=5)
+    if dist.get_rank() == 0:
+        saved.save_pretrained(ckpt)
+    dist.barrier()
+    fabric = fabric_for(LazyExportFSDP2(export_module="policy", pretrained={"policy": ckpt, "reference": ckpt},
+                                        offload="params"))
+    with fabric.init_module(empty_init=True):
+        both = PolicyAndReference()
+    both = fabric.setup_module(both)
+    both.reference.requires_grad_(False)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(both.policy.parameters(), lr=1e-2))
+    x = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(0))
+    kls, offloaded_before, loaded_by_the_reference = [], [], []
+    for _ in range(2):
+        offloaded_before.append(fabric.strategy.params_offloaded)
+        with torch.no_grad():
+            ref = torch.log_softmax(both.reference(input_ids=x).logits.float(), -1)  # the step's first forward
+        loaded_by_the_reference.append(not fabric.strategy.params_offloaded)
+        out = both.policy(input_ids=x, labels=x)
+        logp = torch.log_softmax(out.logits.float(), -1)
+        kl = (logp.exp() * (logp - ref)).sum(-1).mean()
+        fabric.backward(out.loss + 0.1 * kl)
+        optimizer.step()
+        optimizer.zero_grad()
+        kls.append(kl.item())
+    reference_state = full_state(both.reference)
+    try:
+        fabric.setup_module(tiny_qwen2())  # a second module: refused, saying how to hold both
+        second = None
+    except ValueError as err:
+        second = str(err)
+    return {"second_setup": second, "kls": kls, "offloaded_before": offloaded_before, "loaded_by_the_reference": loaded_by_the_reference,
+            "offloaded_after": fabric.strategy.params_offloaded,
+            "export": same(list(fabric.strategy.export_weights()), full_state(both.policy)),
+            "reference_is_the_checkpoint": same(list(reference_state.items()), saved.state_dict()),
+            "policy_moved": not torch.equal(full_state(both.policy)["model.norm.weight"],
+                                            saved.state_dict()["model.norm.weight"])}
+
+
 def scenario_sync_state(root: Path) -> dict[str, Any]:
     """WeightSync into memory: versions, metrics, fabric.save / fabric.load, and a resumed loop's next version."""
     path = root / "sync_ckpt"
@@ -316,12 +366,12 @@ def scenario_remote(root: Path, urls: list[str], model_dir: Path) -> dict[str, A
 
 
 def main() -> None:
-    args, root = start_script("auto,parallelize_fn,meta_pretrained,offload,sync_state,lora", "fabric")
+    args, root = start_script("auto,parallelize_fn,meta_pretrained,offload,reference,sync_state,lora", "fabric")
     urls = args.server.split(",") if args.server else []
     model_dir = Path(os.environ.get("LFE_MODEL_DIR", ""))
     runs = {"auto": scenario_auto, "parallelize_fn": scenario_parallelize_fn,
             "meta_pretrained": lambda: scenario_meta_pretrained(root), "offload": scenario_offload,
-            "sync_state": lambda: scenario_sync_state(root), "lora": scenario_lora,
+            "reference": lambda: scenario_reference(root), "sync_state": lambda: scenario_sync_state(root), "lora": scenario_lora,
             "remote": lambda: scenario_remote(root, urls, model_dir)}
     results = run_scenarios(runs, args.only.split(","))
     if dist.get_rank() == 0:
