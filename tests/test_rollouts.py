@@ -117,6 +117,8 @@ def test_async_tokens_carry_the_versions_that_made_them_within_the_bound(async_r
     # fits cannot meet that case); the same request on a settled server is accepted
     race = got["race"]
     assert race["raced_accepted"] is False and race["resampled"] == 1, race
+    # counted in the metrics where it can happen (keep_old_kv: the resumed fit), not elsewhere
+    assert "rollouts/resampled" in resumed["metrics"] and "rollouts/resampled" not in first["metrics"], resumed
     assert race["settled_versions"] == [race["version"]] * 2, race
     # token truth: each span scored with the version it names (bf16 server vs fp32 trainer: within the tolerance
     # above); a neighbouring version is off by more than 1 on the median span (lr 3e-2; measured 0.19 to 2.2 on the

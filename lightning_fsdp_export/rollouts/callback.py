@@ -274,6 +274,8 @@ class AsyncRollouts(Callback, FabricLoop):
                    "rollouts/staleness_mean": sum(staleness) / len(staleness),
                    "rollouts/dropped": float(self.dropped), "rollouts/in_flight": float(in_flight),
                    "rollouts/wait_seconds": batch.waited, "rollouts/versions_in_batch": float(len(filled["versions"]))}
+        if self.clients.keeps_old_kv:
+            metrics["rollouts/resampled"] = float(self.resampled)
         paused = self.sync.target.last_paused_seconds  # type: ignore[attr-defined] - a RemoteVLLM, checked in __init__
         if paused is not None:
             metrics["rollouts/server_paused_seconds"] = paused

@@ -179,6 +179,7 @@ def summary(rollouts: AsyncRollouts, sync: VLLMWeightSync, batches: list[Rollout
         "sync_seconds": sync.last_metrics.get("weight_sync/seconds"),
         "errors": rollouts.errors[-5:],
         "produced_multi_version": int(produced[0]), "produced": int(produced[1]), "resampled": int(produced[2]),
+        "metrics": sorted(rollouts.metrics),
     }
 
 
