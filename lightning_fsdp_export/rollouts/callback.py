@@ -143,9 +143,8 @@ class AsyncRollouts(Callback, FabricLoop):
 
     @property
     def resampled(self) -> int:
-        """Groups sent again on this rank because the servers swapped versions between the group's admission and its
-        prefill (its prompt may have been read from the older weights' cached blocks); each counts as one of the
-        prompt's attempts."""
+        """Groups sent again on this rank (``pause_mode="keep_old_kv"``): the servers swapped versions between a group's
+        admission and its prefill, so its prompt may have read the older weights' cached blocks (one attempt each)."""
         return self.state.resampled
 
     @property
@@ -280,7 +279,6 @@ class AsyncRollouts(Callback, FabricLoop):
         if paused is not None:
             metrics["rollouts/server_paused_seconds"] = paused
         return metrics
-
 
     def _fill(self, batch: RolloutBatch) -> None:
         start = time.monotonic()
