@@ -17,10 +17,11 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel, MixedPrecisionPolicy
+from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_fsdp_export._fsdp import unsharded_class
 from lightning_fsdp_export.export.lazy import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH
 from lightning_fsdp_export.phases.offload import move_optimizer_state
 from lightning_fsdp_export.strategy_core import LazyExportCore
@@ -89,10 +90,9 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
         """Your ``parallelize_fn`` (if any), then the Trainer strategy's preparation: shard what is not sharded,
         allocate meta tensors, load ``pretrained=`` into the shards, init the rest, move plain tensors."""
         if self._module is not None:
-            held = next(c for c in type(self._module).__mro__ if not issubclass(c, FSDPModule))  # not FSDP<Name>
             raise ValueError(f"{type(self).__name__} prepares and exports one module, and already holds"
-                             f" {held.__name__}. Put the other models (a reference model, a critic)"
-                             " inside one module with the policy, set that up once, and name the exported one:"
+                             f" {unsharded_class(self._module).__name__}. Put the other models (a reference model, a"
+                             " critic) inside one module with the policy, set that up once, and name the exported one:"
                              " LazyExportFSDP2(export_module='policy'); the loop may call each model directly.")
         if any(isinstance(m, FullyShardedDataParallel) for m in module.modules()):  # before any use of the mesh
             raise TypeError(f"{type(self).__name__} only supports the new FSDP2 APIs in PyTorch >= 2.4 (`fully_shard`),"
