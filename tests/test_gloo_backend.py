@@ -226,8 +226,8 @@ def test_a_staged_round_checks_each_trainer_ranks_bytes_and_crc_on_every_worker(
     monkeypatch.setattr(gloo_trainer, "crc32", lambda crc, t: real(crc, t) ^ 1)  # as if a byte changed on the way
     with pytest.raises(RuntimeError, match=r"refused this weight update round \(staged: the workers dropped it"):
         engine.send_weights(GlooRound(stage_as="s1"))
-    with pytest.raises(RuntimeError, match=r"trainer rank 0 sent \d+ bytes \(CRC-32 0x[0-9a-f]+\) but this worker"
-                                           r" received \d+ \(CRC-32"):
+    with pytest.raises(RuntimeError, match=r"trainer rank 0 sent \d+ bytes \(checksum 0x[0-9a-f]+\) but this worker"
+                                           r" received \d+ \(checksum"):
         swap(client, "s1")
     assert [m.loaded for m in models] == [{}, {}]
     monkeypatch.undo()

@@ -21,7 +21,7 @@ import torch
 pytest.importorskip("vllm")
 
 from lightning_fsdp_export import RemoteVLLM  # noqa: E402
-from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL  # noqa: E402
+from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL, StagedNCCL  # noqa: E402,E501
 from lightning_fsdp_export.export.source import ExportSource, layerwise_entries, layerwise_groups  # noqa: E402
 from lightning_fsdp_export._compat import iter_full, source_metadata, weight_source_contract  # noqa: E402
 from lightning_fsdp_export.targets.http import ServerError  # noqa: E402
@@ -349,7 +349,13 @@ def test_the_precheck_is_skipped_when_the_checkpoint_is_not_readable_here(record
     (lambda: NCCL(buffer_bytes=True), ValueError, r"NCCL\(buffer_bytes=True\) must be a positive number"),
     (lambda: Directory("/x", shard_bytes=True), ValueError, r"Directory\(shard_bytes=True\) must be a positive"),
     (lambda: RemoteVLLM(URL, transport="tcp"), ValueError, r"transport='tcp'\) must be one of 'nccl', 'ipc', 'gloo',"
-     r" 'nccl_m2n', 'sparse_nccl', 'directory'"),
+     r" 'nccl_m2n', 'sparse_nccl', 'staged_nccl', 'directory'"),
+    # StagedNCCL: staged rounds always (no background flag to forget), a staging place it knows
+    (lambda: StagedNCCL(background=False), TypeError, "background"),  # type: ignore[call-arg]
+    (lambda: StagedNCCL(sparse=True), ValueError, r"StagedNCCL\(sparse=True\) .* needs shard_direct=True"),
+    (lambda: StagedNCCL(staging="gpu"), ValueError, r"StagedNCCL\(staging='gpu'\) must be 'auto', 'device' or 'host'"),
+    (lambda: StagedNCCL(shard_direct=1), ValueError, r"StagedNCCL\(shard_direct=1\) must be True or False"),
+    (lambda: StagedNCCL(buffer_bytes=True), ValueError, r"StagedNCCL\(buffer_bytes=True\) must be a positive"),
     (lambda: RemoteVLLM(URL, transport="directory"), ValueError, r"needs the directory: transport=Directory\(PATH\)"),
     (lambda: RemoteVLLM(URL, pause_mode="abort"), ValueError, r"pause_mode='abort'\) must be one of 'wait', 'keep', 'keep_old_kv'"),
     (lambda: RemoteVLLM("127.0.0.1:8000"), ValueError, "base_url='127.0.0.1:8000'"),
@@ -855,5 +861,12 @@ def test_a_server_target_sends_patches_only_when_its_transport_does() -> None:
     staged = RemoteVLLM(URL, transport=Gloo(shard_direct=True, sparse=True, background=True))
     assert type(staged) is PatchingRemoteVLLM and type(RemoteVLLM(URL, transport=Gloo(background=True))) is RemoteVLLM
     assert all(isinstance(t, LoadsAdapters) for t in [*dense, sparse])  # every transport loads adapters
+    # StagedNCCL (GPUs): Gloo(background=True)'s rounds, so the same capabilities and rounds follow its options
+    assert type(RemoteVLLM(URL, transport=StagedNCCL(shard_direct=True, sparse=True))) is PatchingRemoteVLLM
+    assert type(RemoteVLLM(URL, transport="staged_nccl")) is RemoteVLLM
+    for nccl, gloo in ((StagedNCCL(), Gloo(background=True)), (StagedNCCL(shard_direct=True, sparse=True),
+                                                               Gloo(shard_direct=True, sparse=True, background=True))):
+        assert (nccl.weights_round, nccl.every_rank, nccl.adapter_round, nccl.layout) == (
+            gloo.weights_round, gloo.every_rank, gloo.adapter_round, gloo.layout)
     with pytest.raises(ValueError, match="transport='tcp'"):  # a wrong transport is still refused by __init__
         RemoteVLLM(URL, transport="tcp")

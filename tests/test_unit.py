@@ -261,7 +261,7 @@ def test_the_rooms_import_each_other_without_a_cycle_as_architecture_md_says() -
 # package's minimum (transformers 5's conversion rules, torch's HuggingFaceStorageReader).
 LAZY_IMPORTS = ("vllm", "lightning_fsdp_export.export.vllm_source", "lightning_fsdp_export.targets.gloo",
                 "lightning_fsdp_export.targets.gloo_infos", "lightning_fsdp_export.targets.gloo_trainer",
-                "lightning_fsdp_export.targets.gloo_worker",
+                "lightning_fsdp_export.targets.gloo_worker", "lightning_fsdp_export.targets.staged_nccl",
                 "lightning_fsdp_export_plugin", "peft", "transformers.core_model_loading",
                 "transformers.conversion_mapping", "torch.distributed.checkpoint")
 

@@ -82,7 +82,7 @@ def unpack_bits(bitmap: Tensor, numel: int) -> Tensor:
     """The flat bool mask of ``numel`` elements :func:`pack_bits` made ``bitmap`` from."""
     if bitmap.numel() != -(-numel // 8):
         raise ValueError(f"a bitmap of {bitmap.numel()} bytes cannot mark {numel} elements")
-    return (bitmap.view(-1, 1) & _BIT_WEIGHTS).ne(0).view(-1)[:numel]
+    return (bitmap.view(-1, 1) & _BIT_WEIGHTS.to(bitmap.device)).ne(0).view(-1)[:numel]
 
 
 def changed_mask(new: Tensor, old: Tensor) -> Tensor:

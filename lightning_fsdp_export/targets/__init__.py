@@ -22,11 +22,11 @@ from lightning_fsdp_export.targets.colocated import ColocatedVLLM
 from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.targets.memory import InMemoryTarget
 from lightning_fsdp_export.targets.remote import RemoteVLLM
-from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL
+from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL, StagedNCCL
 
 __all__ = ["IPC", "NCCL", "NCCLM2N", "ColocatedVLLM", "Directory", "DirectoryTarget", "ExactCheckable", "Gloo",
            "InMemoryTarget", "LLMClient", "LoadsAdapters", "RemoteVLLM", "ScoresLogprobs", "SendsPatches",
-           "SleepsDuringCompute", "SparseNCCL", "WeightTarget"]
+           "SleepsDuringCompute", "SparseNCCL", "StagedNCCL", "WeightTarget"]
 
 
 def __getattr__(name: str) -> Any:

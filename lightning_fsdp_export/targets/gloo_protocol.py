@@ -21,7 +21,9 @@ failed. A later swap round (``swap_to``, no tensors) loads it.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ from lightning_fsdp_export.export.patches import unpack_bits
 DATA, END, ABORT = 1, 0, -1
 NOBODY = 1 << 62  # the origin a member that did not abort reports (the all-reduce keeps the smallest)
 ALIGN = 16  # every part starts at a multiple of this many bytes, so each unpacks as a view of its dtype
+CPU = torch.device("cpu")
 
 
 @dataclass(frozen=True)
@@ -165,15 +168,17 @@ def patch_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], co
                     raise RuntimeError(f"sparse round: trainer rank {rank}'s patch of {tensor.name!r} indexes outside"
                                        f" its {elements} elements.")
                 where = where.long()
-            flat[start:end][where] = _take(parts[rank], offsets, rank, count, tensor.dtype)
+            values = _take(parts[rank], offsets, rank, count, tensor.dtype)
+            if count:
+                flat[start:end][where] = values
         yield tensor.name, full.clone() if fresh else full
 
 
 def _take(part: torch.Tensor | None, offsets: list[int], rank: int, count: int, dtype: torch.dtype) -> torch.Tensor:
     """The next ``count`` elements of ``dtype`` from trainer ``rank``'s payload (its offset moves past them, aligned)."""
     nbytes = count * dtype.itemsize
-    if not nbytes:
-        return torch.empty(0, dtype=dtype)  # nothing changed: a rank may then send no payload at all
+    if not nbytes:  # nothing changed: a rank may then send no payload at all
+        return torch.empty(0, dtype=dtype, device=CPU if part is None else part.device)
     assert part is not None
     start = offsets[rank]
     offsets[rank] += aligned(nbytes)
@@ -181,50 +186,93 @@ def _take(part: torch.Tensor | None, offsets: list[int], rank: int, count: int, 
 
 
 def join_group(address: str, port: int, rank: int, world_size: int, group: str, timeout_s: float,
-          *, host: bool) -> tuple[dist.ProcessGroup, dist.TCPStore]:
+          *, host: bool, device: torch.device = CPU) -> tuple[dist.ProcessGroup, dist.TCPStore]:
     """The transfer group, straight from a TCPStore (not vLLM's ``init_gloo_process_group``, which swaps
-    fd 1 while it runs, and not torch's default group, which belongs to the trainer)."""
+    fd 1 while it runs, and not torch's default group, which belongs to the trainer): gloo over CPU sockets, or NCCL
+    on ``device`` (a CUDA device: the ``staged_nccl`` backend)."""
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, world_size if host else None, is_master=host, timeout=timeout,
                           wait_for_workers=False)
-    return dist.ProcessGroupGloo(dist.PrefixStore(f"lfe-gloo/{group}", store), rank, world_size, timeout), store
+    prefixed = dist.PrefixStore(f"lfe-gloo/{group}", store)
+    if device.type == "cpu":
+        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), store
+    options = dist.ProcessGroupNCCL.Options()
+    options._timeout = timeout
+    # torch's default on a collective that times out is to end the process: a vLLM server must outlive its trainer, so
+    # this group only aborts its communicators and raises in the round (read once, when the group is built).
+    with _environment(TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
+        return dist.ProcessGroupNCCL(prefixed, rank, world_size, options), store
 
 
-def exchange_header(pg: dist.ProcessGroup, code: int = DATA, origin: int = NOBODY) -> tuple[int, int]:
+@contextlib.contextmanager
+def _environment(**values: str) -> Iterator[None]:
+    old = {name: os.environ.get(name) for name in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for name, value in old.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
+def exchange_header(pg: dist.ProcessGroup, code: int = DATA, origin: int = NOBODY, *, device: torch.device = CPU
+                    ) -> tuple[int, int]:
     """Every member's ``(code, origin)``, reduced to the smallest: an abort by any trainer rank (and the first
-    rank that aborted) wins over an end, an end over more data."""
-    message = torch.tensor([code, origin], dtype=torch.int64)
+    rank that aborted) wins over an end, an end over more data. ``device``: where the group's tensors live (the
+    exchanges below take it too)."""
+    message = torch.tensor([code, origin], dtype=torch.int64, device=device)
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MIN
     pg.allreduce([message], opts).wait()
     return int(message[0]), int(message[1])
 
 
-def exchange_status(pg: dist.ProcessGroup, failed: bool) -> bool:
+def exchange_status(pg: dist.ProcessGroup, failed: bool, *, device: torch.device = CPU) -> bool:
     """Whether any member of the group failed this round (an all-reduce of everyone's flag)."""
-    flag = torch.tensor([1 if failed else 0], dtype=torch.int64)
+    flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=device)
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MAX
     pg.allreduce([flag], opts).wait()
     return bool(flag.item())
 
 
-def exchange_digests(pg: dist.ProcessGroup, trainers: int, mine: tuple[int, int, int] | None) -> list[tuple[int, int]]:
-    """A staged round's check: every trainer rank's ``(bytes, CRC-32)`` of what it sent, on every member (a trainer
-    rank gives ``mine`` as ``(its rank, bytes, crc)``; a worker ``None``): an all-reduce (sum) of one row each."""
-    table = torch.zeros(trainers, 2, dtype=torch.int64)
+def exchange_digests(pg: dist.ProcessGroup, trainers: int, mine: tuple[int, int, int] | None, *,
+                     device: torch.device = CPU) -> list[tuple[int, int]]:
+    """A staged round's check: every trainer rank's ``(bytes, digest)`` of what it sent, on every member (a trainer
+    rank gives ``mine`` as ``(its rank, bytes, digest)``; a worker ``None``): an all-reduce (sum) of one row each."""
+    table = torch.zeros(trainers, 2, dtype=torch.int64, device=device)
     if mine is not None:
         rank, nbytes, crc = mine
-        table[rank] = torch.tensor([nbytes, crc], dtype=torch.int64)
+        table[rank] = torch.tensor([nbytes, crc], dtype=torch.int64, device=device)
     pg.allreduce([table]).wait()
     return [(int(n), int(c)) for n, c in table.tolist()]
 
 
 def crc32(crc: int, tensor: torch.Tensor | None) -> int:
-    """``crc`` extended by ``tensor``'s bytes (a contiguous host tensor; ``None``: nothing)."""
+    """``crc`` extended by ``tensor``'s bytes: their CRC-32 for a host tensor, :func:`device_checksum` for a device
+    one (both ends of a group hold their tensors on the same kind of device; ``None``: nothing)."""
     if tensor is None or not tensor.numel():
         return crc
+    if tensor.device.type != "cpu":
+        return device_checksum(crc, tensor)
     return zlib.crc32(tensor.contiguous().view(-1).view(torch.uint8).numpy(), crc)
+
+
+CHECKSUM_MOD = (1 << 31) - 1  # a prime: the checksum stays an int64 through the group's all-reduce
+
+
+def device_checksum(previous: int, tensor: torch.Tensor) -> int:
+    """``previous`` extended by ``tensor``'s bytes, computed where the tensor lives (no copy to the host): each byte
+    weighted by its position (mod 65521, plus one), summed, folded with ``previous`` modulo :data:`CHECKSUM_MOD`.
+    Sees a changed, missing, extra or moved byte (not a cryptographic hash: the wire is trusted, the count of what
+    arrived is what it checks)."""
+    data = tensor.contiguous().view(-1).view(torch.uint8).to(torch.int64)
+    weights = torch.arange(data.numel(), device=data.device, dtype=torch.int64).remainder_(65521).add_(1)
+    value = int((data * weights).sum().remainder(CHECKSUM_MOD))
+    return (previous * 65537 + value + data.numel()) % CHECKSUM_MOD
 
 
 def abort_message(origin: int) -> str:
@@ -240,7 +288,9 @@ def unpack_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], t
         if tensor.bounds is None:
             yield tensor.name, part_view(parts[0], offsets, 0, tensor, tensor.shape)
             continue
-        full = torch.empty(tensor.shape, dtype=tensor.dtype)
+        given = next(p for p in parts if p is not None)  # pinned host parts (NCCL's host staging) stay pinned
+        full = torch.empty(tensor.shape, dtype=tensor.dtype, device=given.device,
+                           pin_memory=given.device.type == "cpu" and given.is_pinned())
         for rank in range(trainers):
             lo, hi = tensor.bounds[rank], tensor.bounds[rank + 1]
             if hi > lo:

@@ -27,6 +27,7 @@ from lightning_fsdp_export.targets.gloo_infos import (
 )
 from lightning_fsdp_export.targets.gloo_protocol import (
     ABORT,
+    CPU,
     END,
     WHOLE,
     Plan,
@@ -80,6 +81,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     :meth:`send_weights`)."""
 
     init_info_cls = GlooTrainerInitInfo
+    wire_device = CPU
+    """Where the group's tensors live: the host for gloo (``staged_nccl``'s engine: this rank's GPU)."""
 
     def __init__(self, *, client: VLLMWeightSyncClient, source: WeightSource | None, is_sender: bool = True,
                  buffer_bytes: int = DEFAULT_BUFFER_BYTES, rank: int = 0, trainers: int = 1,
@@ -110,15 +113,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
         def connect() -> None:
             engine.group, engine._store = join_group(init_info.master_address, init_info.master_port, init_info.rank,
-                                                init_info.world_size, group, init_info.timeout_s, host=engine.rank == 0)
+                                                init_info.world_size, group, init_info.timeout_s, host=engine.rank == 0,
+                                                device=engine.wire_device)
 
         if engine.rank != 0:
             connect()
             return engine
-        payload = asdict(GlooWeightTransferInitInfo(
-            master_address=init_info.master_address, master_port=init_info.master_port, rank_offset=trainers,
-            world_size=init_info.world_size, group=group, packed_buffer_size_bytes=init_info.packed_buffer_size_bytes,
-            timeout_s=init_info.timeout_s, num_trainer_ranks=trainers))
+        payload = asdict(cls.worker_init_info(init_info, group))
         with ThreadPoolExecutor(max_workers=1) as pool:
             # The workers block in the rendezvous until rank 0 joins: run the request beside it.
             answer = pool.submit(client.init_weight_transfer_engine, payload)
@@ -127,6 +128,15 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             finally:
                 answer.result()
         return engine
+
+    @classmethod
+    def worker_init_info(cls, init_info: GlooTrainerInitInfo, group: str) -> GlooWeightTransferInitInfo:
+        """What rank 0 tells the workers when they join (the ranks after the trainers')."""
+        return GlooWeightTransferInitInfo(
+            master_address=init_info.master_address, master_port=init_info.master_port,
+            rank_offset=init_info.num_trainer_ranks, world_size=init_info.world_size, group=group,
+            packed_buffer_size_bytes=init_info.packed_buffer_size_bytes, timeout_s=init_info.timeout_s,
+            num_trainer_ranks=init_info.num_trainer_ranks)
 
     def send_weights(self, payload: GlooRound = DENSE) -> int:
         """One round of the source's weights (and ``payload``: an adapter, or patches against a kept copy); every rank
@@ -151,6 +161,16 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                                             patch_of=payload.patch_of if patching else None,
                                             keep_as=payload.keep_as if patching else None,
                                             stage_as=payload.stage_as)
+        with self._sending():
+            return self._send(payload, source, meta, info)
+
+    def _sending(self) -> contextlib.AbstractContextManager[None]:
+        """Where a round's sends run: the host for gloo (the NCCL engine: a side stream, so a round in a background
+        thread never makes the training stream wait)."""
+        return contextlib.nullcontext()
+
+    def _send(self, payload: GlooRound, source: WeightSource, meta: list[Any], info: GlooWeightTransferUpdateInfo
+              ) -> int:
         plan = Plan.of(info, self.trainers, self.buffer_bytes)
         staged = payload.stage_as is not None
         if self.rank != 0:
@@ -191,7 +211,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 if answer is None or not answer.done():
                     self._abort()
                 raise
-            code, origin = exchange_header(self.group)
+            code, origin = exchange_header(self.group, device=self.wire_device)
             if code == ABORT:
                 raise RuntimeError(abort_message(origin))
             if code == END:
@@ -219,12 +239,12 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         except BaseException:
             self._abort()
             raise
-        code, origin = exchange_header(self.group, END)
+        code, origin = exchange_header(self.group, END, device=self.wire_device)
         if code == ABORT:
             raise RuntimeError(abort_message(origin))
         if staged:
-            exchange_digests(self.group, self.trainers, (self.rank, digest[0], digest[1]))
-        if exchange_status(self.group, False):
+            exchange_digests(self.group, self.trainers, (self.rank, digest[0], digest[1]), device=self.wire_device)
+        if exchange_status(self.group, False, device=self.wire_device):
             if answer is not None:
                 answer.result()  # the worker's own error, through its server
             raise RuntimeError("a worker refused this weight update round" + (
@@ -251,7 +271,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 pieces.append((patch.indices if patch.bitmap is None else patch.bitmap, patch.values))
         sparse = base is not None and base.sparse
         size = sparse_segment(chunk, self.rank, counts) if sparse else plan.segment(chunk, self.rank)
-        part = torch.empty(size, dtype=torch.uint8) if size else None
+        part = torch.empty(size, dtype=torch.uint8, device=self.wire_device) if size else None
         offset = 0
         for piece in pieces:
             for tensor in piece:
@@ -262,12 +282,12 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 part[offset:offset + nbytes].copy_(tensor.detach().contiguous().view(-1).view(torch.uint8))
                 offset += aligned(nbytes)
         has_part = any(want.part(self.rank) for want in chunk)
-        return (torch.tensor(counts, dtype=torch.int64) if sparse and has_part else None), part
+        return (torch.tensor(counts, dtype=torch.int64, device=self.wire_device) if sparse and has_part else None), part
 
     def _abort(self) -> None:
         """Tell every member this round is over (they raise), best effort: a dead peer must not hide the error."""
         try:
-            exchange_header(self.group, ABORT, self.rank)
+            exchange_header(self.group, ABORT, self.rank, device=self.wire_device)
         except Exception:  # noqa: BLE001, S110 - the caller raises the original error
             pass
 

@@ -31,6 +31,7 @@ from lightning_fsdp_export.targets.gloo_infos import (
 )
 from lightning_fsdp_export.targets.gloo_protocol import (
     ABORT,
+    CPU,
     END,
     Plan,
     PlannedTensor,
@@ -118,6 +119,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     init_info_cls = GlooWeightTransferInitInfo
     update_info_cls = GlooWeightTransferUpdateInfo
+    wire_device = CPU
+    """Where the group's tensors live: the host for gloo (``staged_nccl``'s engine: this worker's GPU)."""
 
     def __init__(self, config: WeightTransferConfig, vllm_config: VllmConfig, device: torch.device,
                  model: torch.nn.Module) -> None:
@@ -145,7 +148,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.trainers = init_info.num_trainer_ranks
         self.timeout = timedelta(seconds=init_info.timeout_s)
         self.group, self._store = join_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
-                                        init_info.group, init_info.timeout_s, host=False)
+                                        init_info.group, init_info.timeout_s, host=False, device=self.wire_device)
 
     def start_weight_update(self) -> None:
         """Nothing yet: the round's update info says whether it reloads the model (the layerwise reload starts at
@@ -207,12 +210,22 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def _receive_staged(self, info: GlooWeightTransferUpdateInfo, staging: _Staging) -> None:
         try:
-            self.receive_weights(info, staging)
+            with self._receiving():
+                self.receive_weights(info, staging)
             staging.complete = True
         except BaseException as err:  # noqa: BLE001 - the swap round (or the trainer's status) reports it
             staging.error = err
             staging.tensors.clear()
             _logger().warning("gloo staged round %s failed; the served weights are unchanged: %s", staging.id, err)
+
+    def _receiving(self) -> contextlib.AbstractContextManager[None]:
+        """Where a staged round's thread runs its receives: the host for gloo (the NCCL engine: a side stream)."""
+        return contextlib.nullcontext()
+
+    def _on_host(self, part: torch.Tensor | None) -> torch.Tensor | None:
+        """``part`` where a staged round keeps it: as received for gloo (the NCCL engine: on the device, or copied
+        to pinned host memory where the staging is on the host)."""
+        return part
 
     def _staged(self, stage_id: str) -> _Staging:
         """The staged round ``stage_id``, complete (its thread joined), or why a swap to it cannot run."""
@@ -292,8 +305,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             except Exception as err:  # noqa: BLE001 - the whole group learns of it in the status
                 error = err
         if staging is not None:
-            error = error or _digest_mismatch(exchange_digests(r.group, plan.trainers, None), r.digests)
-        failed = exchange_status(r.group, error is not None)
+            error = error or _digest_mismatch(exchange_digests(r.group, plan.trainers, None, device=self.wire_device),
+                                              r.digests)
+        failed = exchange_status(r.group, error is not None, device=self.wire_device)
         current = staging is None or staging is self._staging  # a staged round replaced since writes nothing more
         if r.adapter is None and current:
             self._base = {} if failed or update_info.keep_as is None else r.base
@@ -315,7 +329,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def _header(self, r: _Round) -> tuple[int, int]:
         start = time.perf_counter()
         try:
-            return exchange_header(r.group)
+            return exchange_header(r.group, device=self.wire_device)
         finally:
             r.times["waiting"] += time.perf_counter() - start
 
@@ -331,11 +345,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             counts.append(None)
             messages.append(None)
             if size and sparse:  # a sparse round: this rank's counts first, its payload's size from them
-                message = torch.empty(len(chunk), dtype=torch.int64)
+                message = torch.empty(len(chunk), dtype=torch.int64, device=self.wire_device)
                 r.group.recv([message], rank, 2 * index).wait(self.timeout)
                 counts[-1], messages[-1] = message.tolist(), message
                 size = sparse_segment(chunk, rank, counts[-1])
-            parts.append(torch.empty(size, dtype=torch.uint8) if size else None)
+            parts.append(torch.empty(size, dtype=torch.uint8, device=self.wire_device) if size else None)
             if size:
                 works.append(r.group.recv([parts[-1]], rank, 2 * index + 1 if sparse else index))
         return _Received(chunk, parts, works, plan.trainers, counts if sparse else None, messages if sparse else None)
@@ -360,6 +374,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             return error  # kept receiving so the trainer ranks' sends complete; reported at the end
         try:  # a refused tensor is named in the error, with its shape and the engine's
             staged = r.staging is not None
+            if staged:
+                held.parts = [self._on_host(part) for part in held.parts]
             if held.counts is not None:
                 pairs = patch_chunk(held.chunk, held.parts, held.counts, held.trainers, r.base, fresh=not staged)
             else:
@@ -370,7 +386,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                 kept = r.info.keep_as is not None
                 r.staging.tensors.update((name, None if kept else tensor) for name, tensor in pairs)
             elif r.adapter is not None:  # an adapter round: kept for its files, the model untouched
-                r.adapter.update((name, tensor.clone()) for name, tensor in pairs)
+                r.adapter.update((name, tensor.to(CPU, copy=True)) for name, tensor in pairs)
             else:
                 load_naming_refusals(self.model.load_weights, self.model, pairs)
         except Exception as err:  # noqa: BLE001 - the whole group learns of it in the status
@@ -385,11 +401,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
 
 def _digest_mismatch(sent: list[tuple[int, int]], received: list[list[int]]) -> RuntimeError | None:
-    """The first trainer rank whose ``(bytes, CRC-32)`` differs from what this worker received, as an error."""
+    """The first trainer rank whose ``(bytes, checksum)`` differs from what this worker received, as an error."""
     for rank, ((nbytes, crc), (got, got_crc)) in enumerate(zip(sent, received)):
         if (nbytes, crc) != (got, got_crc):
-            return RuntimeError(f"staged round: trainer rank {rank} sent {nbytes} bytes (CRC-32 {crc:#010x}) but this"
-                                f" worker received {got} (CRC-32 {got_crc:#010x}); the round is dropped.")
+            return RuntimeError(f"staged round: trainer rank {rank} sent {nbytes} bytes (checksum {crc:#010x}) but this"
+                                f" worker received {got} (checksum {got_crc:#010x}); the round is dropped.")
     return None
 
 

@@ -24,7 +24,7 @@ from lightning_fsdp_export.targets.directory import DEFAULT_SHARD_BYTES
 from lightning_fsdp_export.targets.rounds import RoundKind
 
 __all__ = ["IPC", "NCCL", "TRANSPORTS", "Directory", "Gloo", "NCCLM2N", "NetworkTransport", "RendezvousTransport",
-           "SparseNCCL", "Transport", "parse_transport"]
+           "SparseNCCL", "StagedNCCL", "Transport", "parse_transport"]
 
 
 def _is_bytes(value: object) -> bool:
@@ -232,6 +232,69 @@ class Gloo(RendezvousTransport):
 
 
 @dataclass(frozen=True)
+class StagedNCCL(RendezvousTransport):
+    """Background syncs between GPUs: ``Gloo(background=True)``'s staged rounds over NCCL (this package's
+    ``staged_nccl`` backend; the servers' environment must have this package installed). The servers go on generating
+    while the version travels: each worker receives it in a thread, on a CUDA stream of its own, into a staging area,
+    and the servers pause only for the swap. A transfer that fails leaves every server serving the previous version,
+    unpaused; the next sync is a full push. GPU only (trainer and servers).
+
+    Args:
+        master_address: see :class:`RendezvousTransport`.
+        master_port: see :class:`RendezvousTransport`.
+        buffer_bytes: the packed chunk size (default 16 MiB).
+        shard_direct: every trainer rank sends its own rows of each FSDP2 shard (no all-gather on the trainer), and
+            the trainer does not wait either: each rank's push takes a host snapshot of its parts (one device-to-host
+            copy of its shard) and returns; a thread sends it on a stream of its own while training goes on (at most
+            one version in flight). Without it rank 0 sends while every rank waits.
+        sparse: after a dense round, each rank sends only the elements of its parts that changed (needs
+            ``shard_direct``; each worker keeps its copy of the model where its staging is).
+        staging: where each worker keeps the version until the swap: ``"device"`` (a copy of the model in the wire
+            dtype in GPU memory beside vLLM's, which ``--gpu-memory-utilization`` must leave free; the swap is a device
+            copy), ``"host"`` (pinned host memory; the swap a host-to-device copy), ``"auto"`` (default: the GPU when
+            its free memory holds the copy with 1 GiB to spare, else the host; decided per round by each worker).
+    """
+
+    name: ClassVar[str] = "staged_nccl"
+    adapter_round: ClassVar[RoundKind | None] = RoundKind.ADAPTER
+    closes_failed_rounds: ClassVar[bool] = True
+    buffer_bytes: int | None = None
+    shard_direct: bool = False
+    sparse: bool = False
+    staging: str = "auto"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_buffer(self, self.buffer_bytes)
+        for flag in ("shard_direct", "sparse"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"StagedNCCL({flag}={getattr(self, flag)!r}) must be True or False.")
+        if self.sparse and not self.shard_direct:
+            raise ValueError("StagedNCCL(sparse=True) computes each rank's patches from its own shards: it needs"
+                             " shard_direct=True (StagedNCCL(shard_direct=True, sparse=True)).")
+        if self.staging not in ("auto", "device", "host"):
+            raise ValueError(f"StagedNCCL(staging={self.staging!r}) must be 'auto', 'device' or 'host'.")
+
+    @property
+    def every_rank(self) -> bool:
+        return self.shard_direct
+
+    @property
+    def weights_round(self) -> RoundKind:
+        return RoundKind.STAGED_PATCHES if self.sparse else RoundKind.STAGED
+
+    def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
+                  timeout: float) -> Any:
+        from lightning_fsdp_export.targets.gloo_trainer import register
+        from lightning_fsdp_export.targets.staged_nccl import StagedNCCLTrainerInitInfo
+
+        register()
+        return StagedNCCLTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size,
+                                         timeout_s=timeout, num_trainer_ranks=trainers, group=group,
+                                         staging=self.staging, **_packed(self.buffer_bytes))
+
+
+@dataclass(frozen=True)
 class NCCLM2N(RendezvousTransport):
     """vLLM's M2N engine (NVIDIA's ``nccl-extensions`` on both sides): every trainer rank sends its local shards
     over NCCL and the workers reshard them. GPU only.
@@ -327,7 +390,8 @@ class Directory:
 
 
 Transport = NetworkTransport | Directory
-TRANSPORTS: dict[str, type[Transport]] = {cls.name: cls for cls in (NCCL, IPC, Gloo, NCCLM2N, SparseNCCL, Directory)}
+TRANSPORTS: dict[str, type[Transport]] = {cls.name: cls for cls in (NCCL, IPC, Gloo, NCCLM2N, SparseNCCL, StagedNCCL,
+                                                                     Directory)}
 
 
 def parse_transport(value: Transport | str | None) -> Transport:

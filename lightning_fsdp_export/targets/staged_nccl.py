@@ -1,0 +1,146 @@
+"""The ``staged_nccl`` backend: our gloo backend's staged rounds (:mod:`.gloo`) over NCCL between GPUs.
+
+vLLM's ``nccl`` engine loads each chunk as it arrives, so the servers pause for the whole transfer. This one is the
+gloo backend's protocol (the same plan, headers, status, digests, shard-direct and sparse rounds) with the group's
+tensors on the GPUs, used for staged rounds only (``RemoteVLLM(transport=StagedNCCL())``): each worker receives the
+version in a thread, on a CUDA stream of its own (the engine's generation never waits for the wire), into a staging
+area on its GPU where memory allows (the swap is then a device copy: 14.2 GiB in 7.3 ms on an H200) or in pinned host
+memory (the swap a host-to-device copy: 276 ms for the same bytes), and loads it at the swap round under the servers'
+pause. Each trainer rank sends on a stream of its own too (a background push never makes training wait).
+
+Per worker the staging costs a copy of the model in the wire dtype (``staging="device"``: GPU memory beside vLLM's,
+which ``--gpu-memory-utilization`` must leave free; ``"host"``: pinned host memory; ``"auto"``: the GPU when its free
+memory holds the copy with 1 GiB to spare, else the host). A digest is the device checksum of
+:func:`~.gloo_protocol.device_checksum` (no copy to the host). A collective that times out aborts the group's
+communicators and fails the round (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` for this group alone): the server lives on.
+
+The servers start with ``--weight-transfer-config '{"backend": "staged_nccl"}'`` (our vLLM plugin registers it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from lightning_fsdp_export.targets.gloo_infos import (
+    GlooTrainerInitInfo,
+    GlooWeightTransferInitInfo,
+    GlooWeightTransferUpdateInfo,
+)
+from lightning_fsdp_export.targets.gloo_trainer import GlooTrainerWeightTransferEngine
+from lightning_fsdp_export.targets.gloo_worker import GlooWeightTransferEngine, _logger
+
+__all__ = ["BACKEND", "STAGINGS", "StagedNCCLInitInfo", "StagedNCCLTrainerInitInfo",
+           "StagedNCCLTrainerWeightTransferEngine", "StagedNCCLWeightTransferEngine", "staging_on_device"]
+
+BACKEND = "staged_nccl"
+STAGINGS = ("auto", "device", "host")
+SPARE_BYTES = 1 << 30  # what "auto" leaves free on the GPU beside the staging
+
+
+def staging_on_device(staging: str, nbytes: int, free_bytes: int) -> bool:
+    """Whether a staged round of ``nbytes`` is kept on the GPU (else in pinned host memory) under ``staging``."""
+    if staging not in STAGINGS:
+        raise ValueError(f"staging={staging!r} must be one of {', '.join(map(repr, STAGINGS))}.")
+    return staging == "device" or (staging == "auto" and free_bytes >= nbytes + SPARE_BYTES)
+
+
+@dataclass(kw_only=True)
+class StagedNCCLInitInfo(GlooWeightTransferInitInfo):
+    """The workers' init info: the gloo one's, and where each worker keeps a staged round (``STAGINGS``)."""
+
+    staging: str = "auto"
+
+
+@dataclass
+class StagedNCCLTrainerInitInfo(GlooTrainerInitInfo):
+    """The trainer ranks' init info: the gloo one's, and the workers' ``staging``."""
+
+    backend: ClassVar[str] = BACKEND
+    staging: str = "auto"
+
+
+class StagedNCCLWeightTransferEngine(GlooWeightTransferEngine):
+    """Worker side: the gloo engine with its group on this worker's GPU, staged rounds received on a stream of their
+    own into device or pinned host memory."""
+
+    init_info_cls = StagedNCCLInitInfo  # type: ignore[assignment]
+
+    def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.wire_device = torch.device(device)
+        self.staging = "auto"
+        self.on_device = True  # where the last staged round was kept
+        self._side: torch.cuda.Stream | None = None
+
+    def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
+        assert isinstance(init_info, StagedNCCLInitInfo)
+        staging_on_device(init_info.staging, 0, 0)  # a bad value fails the rendezvous, named
+        self.staging = init_info.staging
+        super().init_transfer_engine(init_info)
+
+    def update_weights(self, update_info: dict[str, Any]) -> None:
+        stage_as, swap_to = update_info.get("stage_as"), update_info.get("swap_to")
+        if stage_as is not None:
+            info = self.parse_update_info(update_info)
+            free = torch.cuda.mem_get_info(self.wire_device)[0]
+            self.on_device = staging_on_device(self.staging, _nbytes(info), free)
+            _logger().info("staged_nccl: round %s staged in %s memory (%.1f MB; %.1f MB free on the GPU)", stage_as,
+                           "GPU" if self.on_device else "pinned host", _nbytes(info) / 1e6, free / 1e6)
+        super().update_weights(update_info)
+        if swap_to is not None:
+            torch.cuda.synchronize(self.wire_device)  # the swap's copies are done before the servers resume
+
+    def _receiving(self) -> contextlib.AbstractContextManager[None]:
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=self.wire_device)
+        return _on_stream(self._side)
+
+    def _on_host(self, part: torch.Tensor | None) -> torch.Tensor | None:
+        if part is None or self.on_device:
+            return part
+        host = torch.empty(part.shape, dtype=part.dtype, pin_memory=True)
+        host.copy_(part)
+        return host
+
+
+class StagedNCCLTrainerWeightTransferEngine(GlooTrainerWeightTransferEngine):
+    """Trainer side: the gloo engine with its group on this rank's GPU, its sends on a stream of their own."""
+
+    init_info_cls = StagedNCCLTrainerInitInfo  # type: ignore[assignment]
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.wire_device = torch.device("cuda", torch.cuda.current_device())
+        self._side: torch.cuda.Stream | None = None
+
+    @classmethod
+    def worker_init_info(cls, init_info: GlooTrainerInitInfo, group: str) -> GlooWeightTransferInitInfo:
+        assert isinstance(init_info, StagedNCCLTrainerInitInfo)
+        base = super().worker_init_info(init_info, group)
+        return StagedNCCLInitInfo(**{**base.__dict__, "staging": init_info.staging})
+
+    def _sending(self) -> contextlib.AbstractContextManager[None]:
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=self.wire_device)
+        self._side.wait_stream(torch.cuda.current_stream(self.wire_device))  # what the caller's stream made so far
+        return _on_stream(self._side)
+
+
+@contextlib.contextmanager
+def _on_stream(stream: torch.cuda.Stream) -> Any:
+    """Run on ``stream`` (and its device: a new thread's current device is the first GPU); at the end wait for it (in
+    this thread only: the caller's stream never waits)."""
+    with torch.cuda.device(stream.device), torch.cuda.stream(stream):
+        try:
+            yield
+        finally:
+            stream.synchronize()
+
+
+def _nbytes(info: GlooWeightTransferUpdateInfo) -> int:
+    return sum(math.prod(shape) * getattr(torch, dtype).itemsize for shape, dtype in zip(info.shapes, info.dtype_names))
