@@ -200,7 +200,10 @@ def join_group(address: str, port: int, rank: int, world_size: int, group: str, 
     options._timeout = timeout
     # torch's default on a collective that times out is to end the process: a vLLM server must outlive its trainer, so
     # this group only aborts its communicators and raises in the round (read once, when the group is built).
-    with _environment(TORCH_NCCL_ASYNC_ERROR_HANDLING="2"):
+    # Nor may its watchdog stall on a debug dump before it aborts the communicators (a stuck receive would hold the
+    # device's streams), or a heartbeat monitor end the process.
+    with _environment(TORCH_NCCL_ASYNC_ERROR_HANDLING="2", TORCH_NCCL_DUMP_ON_TIMEOUT="0",
+                      TORCH_NCCL_ENABLE_MONITORING="0"):
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, options), store
 
 
@@ -218,37 +221,46 @@ def _environment(**values: str) -> Iterator[None]:
                 os.environ[name] = value
 
 
-def exchange_header(pg: dist.ProcessGroup, code: int = DATA, origin: int = NOBODY, *, device: torch.device = CPU
-                    ) -> tuple[int, int]:
+def exchange_header(pg: dist.ProcessGroup, code: int = DATA, origin: int = NOBODY, *, device: torch.device = CPU,
+                    timeout: timedelta | None = None) -> tuple[int, int]:
     """Every member's ``(code, origin)``, reduced to the smallest: an abort by any trainer rank (and the first
-    rank that aborted) wins over an end, an end over more data. ``device``: where the group's tensors live (the
-    exchanges below take it too)."""
+    rank that aborted) wins over an end, an end over more data. ``device``: where the group's tensors live;
+    ``timeout``: how long to wait for the others (default: the group's; NCCL's needs it to wait on the host, where a
+    dead peer is seen; the exchanges below take both too)."""
     message = torch.tensor([code, origin], dtype=torch.int64, device=device)
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MIN
-    pg.allreduce([message], opts).wait()
+    _wait(pg.allreduce([message], opts), timeout)
     return int(message[0]), int(message[1])
 
 
-def exchange_status(pg: dist.ProcessGroup, failed: bool, *, device: torch.device = CPU) -> bool:
+def exchange_status(pg: dist.ProcessGroup, failed: bool, *, device: torch.device = CPU,
+                    timeout: timedelta | None = None) -> bool:
     """Whether any member of the group failed this round (an all-reduce of everyone's flag)."""
     flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=device)
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MAX
-    pg.allreduce([flag], opts).wait()
+    _wait(pg.allreduce([flag], opts), timeout)
     return bool(flag.item())
 
 
 def exchange_digests(pg: dist.ProcessGroup, trainers: int, mine: tuple[int, int, int] | None, *,
-                     device: torch.device = CPU) -> list[tuple[int, int]]:
+                     device: torch.device = CPU, timeout: timedelta | None = None) -> list[tuple[int, int]]:
     """A staged round's check: every trainer rank's ``(bytes, digest)`` of what it sent, on every member (a trainer
     rank gives ``mine`` as ``(its rank, bytes, digest)``; a worker ``None``): an all-reduce (sum) of one row each."""
     table = torch.zeros(trainers, 2, dtype=torch.int64, device=device)
     if mine is not None:
         rank, nbytes, crc = mine
         table[rank] = torch.tensor([nbytes, crc], dtype=torch.int64, device=device)
-    pg.allreduce([table]).wait()
+    _wait(pg.allreduce([table]), timeout)
     return [(int(n), int(c)) for n, c in table.tolist()]
+
+
+def _wait(work: Any, timeout: timedelta | None) -> None:
+    if timeout is None:
+        work.wait()
+    else:
+        work.wait(timeout)
 
 
 def crc32(crc: int, tensor: torch.Tensor | None) -> int:

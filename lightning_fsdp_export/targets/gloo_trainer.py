@@ -211,7 +211,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 if answer is None or not answer.done():
                     self._abort()
                 raise
-            code, origin = exchange_header(self.group, device=self.wire_device)
+            code, origin = exchange_header(self.group, device=self.wire_device, timeout=self.timeout)
             if code == ABORT:
                 raise RuntimeError(abort_message(origin))
             if code == END:
@@ -239,12 +239,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         except BaseException:
             self._abort()
             raise
-        code, origin = exchange_header(self.group, END, device=self.wire_device)
+        code, origin = exchange_header(self.group, END, device=self.wire_device, timeout=self.timeout)
         if code == ABORT:
             raise RuntimeError(abort_message(origin))
         if staged:
-            exchange_digests(self.group, self.trainers, (self.rank, digest[0], digest[1]), device=self.wire_device)
-        if exchange_status(self.group, False, device=self.wire_device):
+            exchange_digests(self.group, self.trainers, (self.rank, digest[0], digest[1]), device=self.wire_device,
+                             timeout=self.timeout)
+        if exchange_status(self.group, False, device=self.wire_device, timeout=self.timeout):
             if answer is not None:
                 answer.result()  # the worker's own error, through its server
             raise RuntimeError("a worker refused this weight update round" + (
@@ -287,7 +288,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
     def _abort(self) -> None:
         """Tell every member this round is over (they raise), best effort: a dead peer must not hide the error."""
         try:
-            exchange_header(self.group, ABORT, self.rank, device=self.wire_device)
+            exchange_header(self.group, ABORT, self.rank, device=self.wire_device, timeout=self.timeout)
         except Exception:  # noqa: BLE001, S110 - the caller raises the original error
             pass
 

@@ -305,9 +305,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             except Exception as err:  # noqa: BLE001 - the whole group learns of it in the status
                 error = err
         if staging is not None:
-            error = error or _digest_mismatch(exchange_digests(r.group, plan.trainers, None, device=self.wire_device),
-                                              r.digests)
-        failed = exchange_status(r.group, error is not None, device=self.wire_device)
+            sent = exchange_digests(r.group, plan.trainers, None, device=self.wire_device, timeout=self.timeout)
+            error = error or _digest_mismatch(sent, r.digests)
+        failed = exchange_status(r.group, error is not None, device=self.wire_device, timeout=self.timeout)
         current = staging is None or staging is self._staging  # a staged round replaced since writes nothing more
         if r.adapter is None and current:
             self._base = {} if failed or update_info.keep_as is None else r.base
@@ -329,7 +329,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def _header(self, r: _Round) -> tuple[int, int]:
         start = time.perf_counter()
         try:
-            return exchange_header(r.group, device=self.wire_device)
+            return exchange_header(r.group, device=self.wire_device, timeout=self.timeout)
         finally:
             r.times["waiting"] += time.perf_counter() - start
 

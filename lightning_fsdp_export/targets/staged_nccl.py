@@ -12,7 +12,8 @@ Per worker the staging costs a copy of the model in the wire dtype (``staging="d
 which ``--gpu-memory-utilization`` must leave free; ``"host"``: pinned host memory; ``"auto"``: the GPU when its free
 memory holds the copy with 1 GiB to spare, else the host). A digest is the device checksum of
 :func:`~.gloo_protocol.device_checksum` (no copy to the host). A collective that times out aborts the group's
-communicators and fails the round (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2`` for this group alone): the server lives on.
+communicators and fails the round (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, no debug dump, for this group alone): the
+server lives on, and the next sync builds a new group.
 
 The servers start with ``--weight-transfer-config '{"backend": "staged_nccl"}'`` (our vLLM plugin registers it).
 """
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
+import torch.distributed as dist
 
 from lightning_fsdp_export.targets.gloo_infos import (
     GlooTrainerInitInfo,
@@ -92,8 +94,18 @@ class StagedNCCLWeightTransferEngine(GlooWeightTransferEngine):
             _logger().info("staged_nccl: round %s staged in %s memory (%.1f MB; %.1f MB free on the GPU)", stage_as,
                            "GPU" if self.on_device else "pinned host", _nbytes(info) / 1e6, free / 1e6)
         super().update_weights(update_info)
-        if swap_to is not None:
-            torch.cuda.synchronize(self.wire_device)  # the swap's copies are done before the servers resume
+        if swap_to is not None:  # the swap's copies are done before the servers resume (this stream only: a
+            torch.cuda.current_stream(self.wire_device).synchronize()  # device-wide sync would wait on NCCL's too)
+
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo, staging: Any = None) -> None:
+        group = self.group
+        try:
+            super().receive_weights(update_info, staging)
+        except dist.DistError:
+            _abort(group)  # a dead peer or a timeout: free the device's streams from the receive that never ends
+            if self.group is group:
+                self.group = None  # the next round's init builds a new group
+            raise
 
     def _receiving(self) -> contextlib.AbstractContextManager[None]:
         if self._side is None:
@@ -124,6 +136,14 @@ class StagedNCCLTrainerWeightTransferEngine(GlooTrainerWeightTransferEngine):
         base = super().worker_init_info(init_info, group)
         return StagedNCCLInitInfo(**{**base.__dict__, "staging": init_info.staging})
 
+    def _send(self, *args: Any) -> int:
+        group = self.group
+        try:
+            return super()._send(*args)
+        except dist.DistError:
+            _abort(group)  # as the worker does; the next sync re-initializes the transfer (a failed round's rule)
+            raise
+
     def _sending(self) -> contextlib.AbstractContextManager[None]:
         if self._side is None:
             self._side = torch.cuda.Stream(device=self.wire_device)
@@ -140,6 +160,14 @@ def _on_stream(stream: torch.cuda.Stream) -> Any:
             yield
         finally:
             stream.synchronize()
+
+
+def _abort(group: Any) -> None:
+    """Abort ``group``'s NCCL communicators (ends their kernels), best effort: the caller raises the error."""
+    abort = getattr(group, "abort", None)
+    if abort is not None:
+        with contextlib.suppress(Exception):
+            abort()
 
 
 def _nbytes(info: GlooWeightTransferUpdateInfo) -> int:
