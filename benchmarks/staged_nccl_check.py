@@ -108,7 +108,7 @@ def worker(conn: Any, port: int, staging: str, shapes: dict[str, torch.Size], fa
             if staged is not None and staged.thread is not None:
                 staged.thread.join(120)
             ended = time.perf_counter() - died
-            torch.cuda.synchronize()
+            torch.cuda.current_stream().synchronize()  # (a device-wide sync would wait on the transfer's streams)
             kept = checksums(model.buffers_) == checksums(tensors(1, mib))
             error = "none" if staged is None or staged.error is None else f"{type(staged.error).__name__}: {staged.error}"
             print(f"RESULT staged_nccl fault (trainer killed mid-transfer): the worker process lives on; its staged"
@@ -256,6 +256,9 @@ def fault_run(rank: int, conn: Any, port: int, fault: str, mib: int) -> None:
     torch.cuda.set_device(0)
     shapes = {n: t.shape for n, t in tensors(0, mib).items()}
     if rank == 1:
+        import faulthandler
+
+        faulthandler.dump_traceback_later(45, exit=False)  # where it waits, if it does
         worker(conn, port, "device", shapes, fault, mib)
         os._exit(0)  # a communicator whose peer died may block the interpreter's exit
     from lightning_fsdp_export.export.source import ExportSource
@@ -301,6 +304,9 @@ def main() -> None:
                         help="vLLM's weight_transfer package (make vllm033) where vLLM is not installed")
     parser.add_argument("--mib", type=int, default=1024, help="the model's size in MiB (bf16)")
     parser.add_argument("--port", type=int, default=29631)
+    parser.add_argument("--faults", nargs="*", default=["trainer", "worker"], choices=["trainer", "worker"],
+                        help="which process is killed mid-transfer, in turn")
+    parser.add_argument("--faults-only", action="store_true", help="only the fault runs")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("RESULT staged_nccl check skipped: no CUDA GPU")
@@ -308,11 +314,11 @@ def main() -> None:
     stub_vllm(args.weight_transfer)
     sys.path.insert(0, str(ROOT))
     os.environ["PYTHONPATH"] = os.pathsep.join([*sys.path[:2], os.environ.get("PYTHONPATH", "")])
-    for offset, staging in enumerate(("device", "host")):
+    for offset, staging in enumerate(() if args.faults_only else ("device", "host")):
         conns = list(mp.Pipe())
         mp.spawn(run, args=(conns, args.port + offset, staging, args.mib), nprocs=2)
     context = mp.get_context("spawn")
-    for offset, fault in enumerate(("trainer", "worker"), 2):  # a process dies: plain processes, not mp.spawn's
+    for offset, fault in enumerate(args.faults, 2):  # a process dies: plain processes, not mp.spawn's
         conns = list(context.Pipe())
         procs = [context.Process(target=fault_run, args=(rank, conns[rank], args.port + offset, fault, 256))
                  for rank in (0, 1)]  # each process holds only its end: the worker sees EOF when the trainer is gone

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -162,12 +163,20 @@ def _on_stream(stream: torch.cuda.Stream) -> Any:
             stream.synchronize()
 
 
-def _abort(group: Any) -> None:
-    """Abort ``group``'s NCCL communicators (ends their kernels), best effort: the caller raises the error."""
+def _abort(group: Any, wait_s: float = 5.0) -> None:
+    """Abort ``group``'s NCCL communicators (ends their kernels), best effort and in a thread of its own, waited for
+    ``wait_s`` at most (the watchdog may be aborting them too): the caller raises the round's error either way."""
     abort = getattr(group, "abort", None)
-    if abort is not None:
+    if abort is None:
+        return
+
+    def run() -> None:
         with contextlib.suppress(Exception):
             abort()
+
+    thread = threading.Thread(target=run, name="staged-nccl-abort", daemon=True)
+    thread.start()
+    thread.join(wait_s)
 
 
 def _nbytes(info: GlooWeightTransferUpdateInfo) -> int:
