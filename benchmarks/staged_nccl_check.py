@@ -168,12 +168,17 @@ class PipeClient:
         self.call("finish")
 
 
-def run(rank: int, conns: list[Any], port: int, staging: str, mib: int) -> None:
+def on_the_gpu(rank: int, mib: int) -> dict[str, torch.Size]:
+    """This process on the one GPU, as a host of its own to NCCL (see the module's docstring); the model's shapes."""
     os.environ["NCCL_HOSTID"] = f"lfe-staged-{rank}"
     os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     os.environ.setdefault("NCCL_IB_DISABLE", "1")
     torch.cuda.set_device(0)
-    shapes = {n: t.shape for n, t in tensors(0, mib).items()}
+    return {n: t.shape for n, t in tensors(0, mib).items()}
+
+
+def run(rank: int, conns: list[Any], port: int, staging: str, mib: int) -> None:
+    shapes = on_the_gpu(rank, mib)
     if rank == 1:
         worker(conns[1], port, staging, shapes)
         return
@@ -250,11 +255,7 @@ def trainer(client: PipeClient, port: int, staging: str, mib: int) -> None:
 def fault_run(rank: int, conn: Any, port: int, fault: str, mib: int) -> None:
     """Version 1 staged and swapped in, then version 2 with ``fault``: the trainer process (``"trainer"``) or the
     worker process (``"worker"``) dies while it travels."""
-    os.environ["NCCL_HOSTID"] = f"lfe-staged-{rank}"
-    os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    os.environ.setdefault("NCCL_IB_DISABLE", "1")
-    torch.cuda.set_device(0)
-    shapes = {n: t.shape for n, t in tensors(0, mib).items()}
+    shapes = on_the_gpu(rank, mib)
     if rank == 1:
         import faulthandler
 

@@ -166,7 +166,48 @@ class IPC(NetworkTransport):
 
 
 @dataclass(frozen=True)
-class Gloo(RendezvousTransport):
+class _OwnBackend(RendezvousTransport):
+    """What this package's own backends (``Gloo``, ``StagedNCCL``) share: one protocol, so the same chunk size,
+    shard-direct and sparse options, validated alike, and adapters carried in the round."""
+
+    adapter_round: ClassVar[RoundKind | None] = RoundKind.ADAPTER
+    closes_failed_rounds: ClassVar[bool] = True
+    buffer_bytes: int | None = None
+    shard_direct: bool = False
+    sparse: bool = False
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check_buffer(self, self.buffer_bytes)
+        name = type(self).__name__
+        for flag in ("shard_direct", "sparse", "background"):
+            if hasattr(self, flag) and not isinstance(getattr(self, flag), bool):
+                raise ValueError(f"{name}({flag}={getattr(self, flag)!r}) must be True or False.")
+        if self.sparse and not self.shard_direct:
+            raise ValueError(f"{name}(sparse=True) computes each rank's patches from its own shards: it needs"
+                             f" shard_direct=True ({name}(shard_direct=True, sparse=True)).")
+
+    @property
+    def every_rank(self) -> bool:
+        return self.shard_direct
+
+    def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
+                  timeout: float) -> Any:
+        from lightning_fsdp_export.targets.gloo_trainer import register
+
+        register()
+        info_class, extra = self._trainer_info()
+        return info_class(rank=rank, master_address=address, master_port=port, world_size=world_size,
+                          timeout_s=timeout, num_trainer_ranks=trainers, group=group, **extra,
+                          **_packed(self.buffer_bytes))
+
+    def _trainer_info(self) -> tuple[type, dict[str, Any]]:
+        """The trainer init info's class, and its fields beyond the shared ones."""
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class Gloo(_OwnBackend):
     """This package's backend over CPU sockets (the servers' environment must have this package installed).
 
     Args:
@@ -193,26 +234,7 @@ class Gloo(RendezvousTransport):
     """
 
     name: ClassVar[str] = "gloo"
-    adapter_round: ClassVar[RoundKind | None] = RoundKind.ADAPTER
-    closes_failed_rounds: ClassVar[bool] = True
-    buffer_bytes: int | None = None
-    shard_direct: bool = False
-    sparse: bool = False
     background: bool = False
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        _check_buffer(self, self.buffer_bytes)
-        for flag in ("shard_direct", "sparse", "background"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"Gloo({flag}={getattr(self, flag)!r}) must be True or False.")
-        if self.sparse and not self.shard_direct:
-            raise ValueError("Gloo(sparse=True) computes each rank's patches from its own shards: it needs"
-                             " shard_direct=True (Gloo(shard_direct=True, sparse=True)).")
-
-    @property
-    def every_rank(self) -> bool:
-        return self.shard_direct
 
     @property
     def weights_round(self) -> RoundKind:
@@ -220,19 +242,14 @@ class Gloo(RendezvousTransport):
             return RoundKind.STAGED_PATCHES if self.sparse else RoundKind.STAGED
         return RoundKind.PATCHES if self.sparse else RoundKind.DENSE
 
-    def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
-                  timeout: float) -> Any:
+    def _trainer_info(self) -> tuple[type, dict[str, Any]]:
         from lightning_fsdp_export.targets.gloo_infos import GlooTrainerInitInfo
-        from lightning_fsdp_export.targets.gloo_trainer import register
 
-        register()
-        return GlooTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size,
-                                   timeout_s=timeout, num_trainer_ranks=trainers, group=group,
-                                   **_packed(self.buffer_bytes))
+        return GlooTrainerInitInfo, {}
 
 
 @dataclass(frozen=True)
-class StagedNCCL(RendezvousTransport):
+class StagedNCCL(_OwnBackend):
     """Background syncs between GPUs: ``Gloo(background=True)``'s staged rounds over NCCL (this package's
     ``staged_nccl`` backend; the servers' environment must have this package installed). The servers go on generating
     while the version travels: each worker receives it in a thread, on a CUDA stream of its own, into a staging area,
@@ -256,42 +273,21 @@ class StagedNCCL(RendezvousTransport):
     """
 
     name: ClassVar[str] = "staged_nccl"
-    adapter_round: ClassVar[RoundKind | None] = RoundKind.ADAPTER
-    closes_failed_rounds: ClassVar[bool] = True
-    buffer_bytes: int | None = None
-    shard_direct: bool = False
-    sparse: bool = False
     staging: str = "auto"
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        _check_buffer(self, self.buffer_bytes)
-        for flag in ("shard_direct", "sparse"):
-            if not isinstance(getattr(self, flag), bool):
-                raise ValueError(f"StagedNCCL({flag}={getattr(self, flag)!r}) must be True or False.")
-        if self.sparse and not self.shard_direct:
-            raise ValueError("StagedNCCL(sparse=True) computes each rank's patches from its own shards: it needs"
-                             " shard_direct=True (StagedNCCL(shard_direct=True, sparse=True)).")
         if self.staging not in ("auto", "device", "host"):
             raise ValueError(f"StagedNCCL(staging={self.staging!r}) must be 'auto', 'device' or 'host'.")
-
-    @property
-    def every_rank(self) -> bool:
-        return self.shard_direct
 
     @property
     def weights_round(self) -> RoundKind:
         return RoundKind.STAGED_PATCHES if self.sparse else RoundKind.STAGED
 
-    def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
-                  timeout: float) -> Any:
-        from lightning_fsdp_export.targets.gloo_trainer import register
+    def _trainer_info(self) -> tuple[type, dict[str, Any]]:
         from lightning_fsdp_export.targets.staged_nccl import StagedNCCLTrainerInitInfo
 
-        register()
-        return StagedNCCLTrainerInitInfo(rank=rank, master_address=address, master_port=port, world_size=world_size,
-                                         timeout_s=timeout, num_trainer_ranks=trainers, group=group,
-                                         staging=self.staging, **_packed(self.buffer_bytes))
+        return StagedNCCLTrainerInitInfo, {"staging": self.staging}
 
 
 @dataclass(frozen=True)
