@@ -198,10 +198,10 @@ def join_group(address: str, port: int, rank: int, world_size: int, group: str, 
         return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), store
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
-    # torch's default on a collective that times out is to end the process: a vLLM server must outlive its trainer, so
-    # this group only aborts its communicators and raises in the round (read once, when the group is built).
-    # Nor may its watchdog stall on a debug dump before it aborts the communicators (a stuck receive would hold the
-    # device's streams), or a heartbeat monitor end the process.
+    # torch's default on a collective that fails is to end the process: a vLLM server must outlive its trainer, so this
+    # group asks to only abort its communicators, with no debug dump first and no heartbeat monitor. torch reads some of
+    # these only later (on one H200 it still signalled a dump: docs/limitations.md); set only around the construction,
+    # they never change the process's other groups.
     with _environment(TORCH_NCCL_ASYNC_ERROR_HANDLING="2", TORCH_NCCL_DUMP_ON_TIMEOUT="0",
                       TORCH_NCCL_ENABLE_MONITORING="0"):
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, options), store

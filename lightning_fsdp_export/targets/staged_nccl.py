@@ -11,9 +11,11 @@ pause. Each trainer rank sends on a stream of its own too (a background push nev
 Per worker the staging costs a copy of the model in the wire dtype (``staging="device"``: GPU memory beside vLLM's,
 which ``--gpu-memory-utilization`` must leave free; ``"host"``: pinned host memory; ``"auto"``: the GPU when its free
 memory holds the copy with 1 GiB to spare, else the host). A digest is the device checksum of
-:func:`~.gloo_protocol.device_checksum` (no copy to the host). A collective that times out aborts the group's
-communicators and fails the round (``TORCH_NCCL_ASYNC_ERROR_HANDLING=2``, no debug dump, for this group alone): the
-server lives on, and the next sync builds a new group.
+:func:`~.gloo_protocol.device_checksum` (no copy to the host). Every wait of a round is on the host, with the round's
+timeout; a NCCL error aborts the group's communicators (bounded, in a thread) and fails the round, and the next sync
+builds a new group. Measured on one H200 (``benchmarks/staged_nccl_check.py``): a worker process killed mid-transfer
+fails the trainer's round in 1.2 s; a trainer process killed mid-transfer kept the worker's receiving thread inside
+torch's NCCL wait for about 60 s (docs/limitations.md).
 
 The servers start with ``--weight-transfer-config '{"backend": "staged_nccl"}'`` (our vLLM plugin registers it).
 """
