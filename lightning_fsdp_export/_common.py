@@ -7,16 +7,25 @@ the others waiting in an all-gather until the process group's timeout (30 minute
 
 from __future__ import annotations
 
+import contextlib
+import itertools
+import time
+from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
+
+from lightning_fsdp_export._compat import default_store
 
 __all__ = ["SyncGroup", "WeightSyncError", "compare_shapes"]
 
 
 class WeightSyncError(RuntimeError):
     """A sync failed on at least one rank; every rank raises it, and the target is marked stale."""
+
+
+_GROUPS = itertools.count()
 
 
 class SyncGroup:
@@ -31,6 +40,8 @@ class SyncGroup:
         self.rank = 0
         self.world_size = 1
         self._group: Any = None
+        self._id = next(_GROUPS)  # the same on every rank: groups are built collectively, in the same order
+        self._failures = 0
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
             self._group = dist.new_group(backend="gloo", timeout=timeout)  # collective: every rank builds it
@@ -52,7 +63,8 @@ class SyncGroup:
         if self._group is None:
             return [value]
         everyone: list[Any] = [None] * self.world_size
-        dist.all_gather_object(everyone, value, group=self._group)
+        with self._naming_the_missing():
+            dist.all_gather_object(everyone, value, group=self._group)
         return everyone
 
     def collect(self, value: Any) -> list[Any] | None:
@@ -60,7 +72,8 @@ class SyncGroup:
         if self._group is None:
             return [value]
         out: list[Any] | None = [None] * self.world_size if self.rank == 0 else None
-        dist.gather_object(value, out, dst=0, group=self._group)
+        with self._naming_the_missing():
+            dist.gather_object(value, out, dst=0, group=self._group)
         return out
 
     def broadcast(self, value: Any) -> Any:
@@ -68,8 +81,50 @@ class SyncGroup:
         if self._group is None:
             return value
         box = [value]
-        dist.broadcast_object_list(box, src=0, group=self._group)
+        with self._naming_the_missing():
+            dist.broadcast_object_list(box, src=0, group=self._group)
         return box[0]
+
+    @contextlib.contextmanager
+    def _naming_the_missing(self) -> Iterator[None]:
+        """A control message that failed (a rank's process died, or it hangs elsewhere: gloo says only "Connection
+        closed by peer" or a timeout) becomes a :class:`WeightSyncError` naming the ranks that do not answer
+        (:meth:`missing_ranks`)."""
+        try:
+            yield
+        except RuntimeError as err:
+            if isinstance(err, WeightSyncError):
+                raise
+            missing = self.missing_ranks()
+            who = (f"trainer rank(s) {missing} did not answer (their process died, or it is stuck elsewhere)"
+                   if missing else "a trainer rank did not answer in time")
+            raise WeightSyncError(f"The sync's ranks could not agree: {who}; this rank (rank {self.rank}) saw:"
+                                  f" {type(err).__name__}: {_first_line(err)}. Every rank stops here; restart the run"
+                                  " (the servers keep serving the last version they loaded).") from err
+
+    def missing_ranks(self, wait_s: float = 5.0) -> list[int]:
+        """After a failed control message: every rank that gets here says so in the default group's store (the
+        launcher's, which outlives the gloo connections), and waits up to ``wait_s`` for the others; the ranks never
+        heard from. ``[]`` where the store cannot tell; ``[0]`` where it is unreachable and rank 0 hosts it."""
+        if self._group is None:
+            return []
+        self._failures += 1
+        prefix = f"lfe-sync/{getattr(self._group, 'group_name', self._id)}/{self._failures}/alive/"
+        try:
+            store = default_store()
+            store.set(f"{prefix}{self.rank}", "1")
+            deadline = time.monotonic() + wait_s
+            missing = list(range(self.world_size))
+            while missing and time.monotonic() < deadline:
+                missing = [r for r in missing if not store.check([f"{prefix}{r}"])]
+                time.sleep(0.05)
+            return missing
+        except Exception:  # noqa: BLE001 - the store itself is gone: its host is
+            return [0] if self.rank != 0 else []
+
+
+def _first_line(err: BaseException) -> str:
+    return (str(err).strip().splitlines() or [""])[0][:300]
 
 
 def compare_shapes(exported: list[tuple[str, tuple[int, ...]]], expected: dict[str, tuple[int, ...]], *,

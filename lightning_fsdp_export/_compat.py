@@ -13,6 +13,7 @@ from collections.abc import Callable
 from types import ModuleType
 from typing import Any
 
+from torch.distributed import distributed_c10d
 from torch.distributed.fsdp import FSDPModule
 
 
@@ -165,6 +166,16 @@ def install_sharded_storage(fsdp_param: Any, flat: Any) -> None:
     padded = flat.view(fsdp_param.padded_sharded_param_size)
     fsdp_param._sharded_param_data = flat
     param._local_tensor = padded.narrow(0, 0, length)
+
+
+# -- torch.distributed's default store: where the sync's ranks say they are alive after a failed message ------
+# Covered by tests/test_faults.py::test_a_rank_gone_mid_sync_is_named_by_the_survivor (a rename fails it).
+
+
+def default_store() -> Any:
+    """The default process group's store (the launcher's ``TCPStore``): ``_get_default_store``, torch's only way to it
+    (private, unchanged since torch 1.x)."""
+    return distributed_c10d._get_default_store()
 
 
 # -- the reload fixes: each wraps one vLLM method once, marked, keeping the original for its test -------------

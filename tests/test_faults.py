@@ -134,3 +134,24 @@ def test_remote_sends_the_api_key_only_to_its_url() -> None:
     finally:
         server.shutdown()
     assert seen == [("/pause?mode=wait", "Bearer s3cret")]
+
+
+@pytest.mark.subprocess
+def test_a_rank_gone_mid_sync_is_named_by_the_survivor(tmp_path: Path) -> None:
+    """Issue 39: a trainer rank killed during a sync left the others with gloo's bare "Connection closed by peer"; the
+    survivor's agreement now names the rank gone (the ranks check in through the launcher's store), within seconds."""
+    import subprocess
+    import sys
+
+    from tests.conftest import ROOT
+
+    out = tmp_path / "rank_gone.json"
+    proc = subprocess.run([sys.executable, str(ROOT / "tests/scripts/rank_gone.py"), "--out", str(out)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=180)
+    assert out.exists(), proc.stderr[-4000:]
+    got = json.loads(out.read_text())
+    assert got["error"] is not None and got["error"].startswith("WeightSyncError: Weight sync of version 4 failed: The"
+                                                                " sync's ranks could not agree: trainer rank(s) [1] did"
+                                                                " not answer"), got
+    assert "This rank's own failure: RuntimeError: Connection closed by peer" in got["error"]
+    assert got["seconds"] < 15, got["seconds"]

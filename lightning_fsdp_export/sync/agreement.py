@@ -73,7 +73,12 @@ def agree_before(group: SyncGroup, version: int, sources: list[ExportSource],
 
 def agree_after(group: SyncGroup, version: int, mine: str | None, what: str) -> None:
     """Every rank's failure (or ``None``) of one step of the sync; raise on every rank if any failed."""
-    failures = [(rank, msg) for rank, msg in enumerate(group.gather(mine)) if msg]
+    try:
+        everyone = group.gather(mine)
+    except WeightSyncError as err:  # a rank is gone: say so, with what this rank saw of the step itself
+        raise WeightSyncError(f"Weight sync of version {version} failed: {err}" + (
+            f" This rank's own failure: {mine}" if mine else "")) from err
+    failures = [(rank, msg) for rank, msg in enumerate(everyone) if msg]
     if failures:
         lines = "; ".join(f"rank {rank}: {msg}" for rank, msg in failures)
         raise WeightSyncError(what.format(version=version, lines=lines))
