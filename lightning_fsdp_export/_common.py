@@ -8,7 +8,6 @@ the others waiting in an all-gather until the process group's timeout (30 minute
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from collections.abc import Iterator
 from datetime import timedelta
@@ -25,9 +24,6 @@ class WeightSyncError(RuntimeError):
     """A sync failed on at least one rank; every rank raises it, and the target is marked stale."""
 
 
-_GROUPS = itertools.count()
-
-
 class SyncGroup:
     """A gloo group with its own timeout for a sync's small control messages.
 
@@ -40,7 +36,6 @@ class SyncGroup:
         self.rank = 0
         self.world_size = 1
         self._group: Any = None
-        self._id = next(_GROUPS)  # the same on every rank: groups are built collectively, in the same order
         self._failures = 0
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
@@ -109,7 +104,7 @@ class SyncGroup:
         if self._group is None:
             return []
         self._failures += 1
-        prefix = f"lfe-sync/{getattr(self._group, 'group_name', self._id)}/{self._failures}/alive/"
+        prefix = f"lfe-sync/{self._group.group_name}/{self._failures}/alive/"  # (its name is the same on every rank)
         try:
             store = default_store()
             store.set(f"{prefix}{self.rank}", "1")

@@ -168,17 +168,16 @@ def patch_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], co
                     raise RuntimeError(f"sparse round: trainer rank {rank}'s patch of {tensor.name!r} indexes outside"
                                        f" its {elements} elements.")
                 where = where.long()
-            values = _take(parts[rank], offsets, rank, count, tensor.dtype)
-            if count:
-                flat[start:end][where] = values
+            if count:  # (none: a rank may send no payload at all)
+                flat[start:end][where] = _take(parts[rank], offsets, rank, count, tensor.dtype)
         yield tensor.name, full.clone() if fresh else full
 
 
 def _take(part: torch.Tensor | None, offsets: list[int], rank: int, count: int, dtype: torch.dtype) -> torch.Tensor:
     """The next ``count`` elements of ``dtype`` from trainer ``rank``'s payload (its offset moves past them, aligned)."""
     nbytes = count * dtype.itemsize
-    if not nbytes:  # nothing changed: a rank may then send no payload at all
-        return torch.empty(0, dtype=dtype, device=CPU if part is None else part.device)
+    if not nbytes:
+        return torch.empty(0, dtype=dtype)  # nothing changed: a rank may then send no payload at all
     assert part is not None
     start = offsets[rank]
     offsets[rank] += aligned(nbytes)
@@ -281,9 +280,12 @@ def device_checksum(previous: int, tensor: torch.Tensor) -> int:
     weighted by its position (mod 65521, plus one), summed, folded with ``previous`` modulo :data:`CHECKSUM_MOD`.
     Sees a changed, missing, extra or moved byte (not a cryptographic hash: the wire is trusted, the count of what
     arrived is what it checks)."""
-    data = tensor.contiguous().view(-1).view(torch.uint8).to(torch.int64)
-    weights = torch.arange(data.numel(), device=data.device, dtype=torch.int64).remainder_(65521).add_(1)
-    value = int((data * weights).sum().remainder(CHECKSUM_MOD))
+    # each product is < 2^24, so int32 holds the bytes and weights (half of int64's transient memory), except for the
+    # positions of a part of 2 GiB or more
+    data = tensor.contiguous().view(-1).view(torch.uint8).to(torch.int32)
+    positions = torch.int32 if data.numel() < 1 << 31 else torch.int64
+    weights = torch.arange(data.numel(), device=data.device, dtype=positions).remainder_(65521).add_(1)
+    value = int((data * weights).sum(dtype=torch.int64).remainder(CHECKSUM_MOD))
     return (previous * 65537 + value + data.numel()) % CHECKSUM_MOD
 
 

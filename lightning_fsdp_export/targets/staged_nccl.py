@@ -23,7 +23,6 @@ The servers start with ``--weight-transfer-config '{"backend": "staged_nccl"}'``
 from __future__ import annotations
 
 import contextlib
-import math
 import threading
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -36,6 +35,7 @@ from lightning_fsdp_export.targets.gloo_infos import (
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
 )
+from lightning_fsdp_export.targets.gloo_protocol import Plan
 from lightning_fsdp_export.targets.gloo_trainer import GlooTrainerWeightTransferEngine
 from lightning_fsdp_export.targets.gloo_worker import GlooWeightTransferEngine, _logger
 
@@ -88,17 +88,19 @@ class StagedNCCLWeightTransferEngine(GlooWeightTransferEngine):
         self.staging = init_info.staging
         super().init_transfer_engine(init_info)
 
-    def update_weights(self, update_info: dict[str, Any]) -> None:
-        stage_as, swap_to = update_info.get("stage_as"), update_info.get("swap_to")
-        if stage_as is not None:
-            info = self.parse_update_info(update_info)
-            free = torch.cuda.mem_get_info(self.wire_device)[0]
-            self.on_device = staging_on_device(self.staging, _nbytes(info), free)
-            _logger().info("staged_nccl: round %s staged in %s memory (%.1f MB; %.1f MB free on the GPU)", stage_as,
-                           "GPU" if self.on_device else "pinned host", _nbytes(info) / 1e6, free / 1e6)
-        super().update_weights(update_info)
-        if swap_to is not None:  # the swap's copies are done before the servers resume (this stream only: a
-            torch.cuda.current_stream(self.wire_device).synchronize()  # device-wide sync would wait on NCCL's too)
+    def _stage(self, info: GlooWeightTransferUpdateInfo) -> None:
+        nbytes = Plan.of(info, self.trainers, self.buffer_bytes).nbytes
+        free = torch.cuda.mem_get_info(self.wire_device)[0]
+        self.on_device = staging_on_device(self.staging, nbytes, free)
+        _logger().info("staged_nccl: round %s staged in %s memory (%.1f MB; %.1f MB free on the GPU)", info.stage_as,
+                       "GPU" if self.on_device else "pinned host", nbytes / 1e6, free / 1e6)
+        super()._stage(info)
+
+    def _swap(self, staging: Any) -> None:
+        super()._swap(staging)
+        # the swap's copies are done before the servers resume (this stream only: a device-wide sync would wait on
+        # the transfer's NCCL streams too)
+        torch.cuda.current_stream(self.wire_device).synchronize()
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo, staging: Any = None) -> None:
         group = self.group
@@ -180,6 +182,3 @@ def _abort(group: Any, wait_s: float = 5.0) -> None:
     thread.start()
     thread.join(wait_s)
 
-
-def _nbytes(info: GlooWeightTransferUpdateInfo) -> int:
-    return sum(math.prod(shape) * getattr(torch, dtype).itemsize for shape, dtype in zip(info.shapes, info.dtype_names))

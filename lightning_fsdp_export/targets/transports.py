@@ -14,7 +14,7 @@ the frame of every round (:class:`~lightning_fsdp_export.targets.transfer.Native
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 import torch
@@ -180,8 +180,8 @@ class _OwnBackend(RendezvousTransport):
         super().__post_init__()
         _check_buffer(self, self.buffer_bytes)
         name = type(self).__name__
-        for flag in ("shard_direct", "sparse", "background"):
-            if hasattr(self, flag) and not isinstance(getattr(self, flag), bool):
+        for flag in (f.name for f in fields(self) if f.type == "bool"):  # (annotations are strings here)
+            if not isinstance(getattr(self, flag), bool):
                 raise ValueError(f"{name}({flag}={getattr(self, flag)!r}) must be True or False.")
         if self.sparse and not self.shard_direct:
             raise ValueError(f"{name}(sparse=True) computes each rank's patches from its own shards: it needs"
