@@ -322,6 +322,44 @@ def test_staged_nccl_stages_without_a_pause_and_swaps_under_it(monkeypatch: pyte
     assert stub.body("/finish_weight_update")[-1] == {"weight_version": "7"}  # the version is the swap's
 
 
+def test_a_replica_that_cannot_be_paused_fails_the_round_and_the_others_are_resumed_at_once(
+        recording_engine: Any) -> None:
+    # Issue 46, item 0: a dead replica refused /pause; the live one, paused by the same round, stayed paused for the
+    # rest of the fit. Nothing was sent: it holds its version whole, so it must serve again, its label untouched.
+    stubs = [Stub(), Stub()]
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl")
+    target.setup(Rank(0))
+    target.push_source(source(), version=1)
+    for stub in stubs:
+        stub.requests.clear()
+    stubs[1].fail["/pause"] = (500, {"error": "engine dead"})
+    with pytest.raises(ServerError, match=rf"1 of 2 server\(s\) failed to be paused; 1 other\(s\) resumed, serving the"
+                                          rf" version they served \({stubs[1].url}: .*engine dead"):
+        target.push_source(source(), version=2)
+    assert stubs[0].paths() == ["/pause?mode=wait", "/resume"]  # no round was started on it
+    stubs[1].fail.clear()
+    for stub in stubs:
+        stub.requests.clear()
+    target.push_source(source(), version=3)  # a new group, everything pushed to both
+    assert [s.paths()[-len(ROUND):] for s in stubs] == [ROUND, ROUND]
+
+
+def test_a_replica_failing_after_the_data_stays_paused_and_the_others_serve_the_new_version(
+        recording_engine: Any) -> None:
+    # The data reached both; one server refuses the prefix-cache reset: it stays paused (its cache may hold the old
+    # weights' blocks), named; the other holds version 4 whole, labelled by finish_weight_update: resumed.
+    stubs = [Stub(), Stub()]
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl")
+    target.setup(Rank(0))
+    stubs[0].fail["/reset_prefix_cache"] = (200, {"success": False})
+    with pytest.raises(ServerError, match=rf"1 of 2 server\(s\) failed to take version 4 and stay paused; 1 other\(s\)"
+                                          rf" resumed, serving version 4 \({stubs[0].url}: .*refused to reset"):
+        target.push_source(source(), version=4)
+    assert stubs[1].paths()[2:] == ROUND and stubs[1].body("/finish_weight_update") == [{"weight_version": "4"}]
+    assert "/resume" not in stubs[0].paths() and stubs[0].paths()[-1] == "/finish_weight_update"  # closed, paused
+    assert "/finish_weight_update" not in stubs[1].paths()[-1:]  # the resumed one's round is not closed again
+
+
 def test_a_failed_replica_closes_the_round_leaves_all_paused_and_the_next_push_starts_over(
         recording_engine: Any) -> None:
     stubs = [Stub(), Stub()]
@@ -666,7 +704,7 @@ def test_a_colocated_quantized_engine_is_refused() -> None:
     assert engine_quantization_problem(llm(None, None)) is None
 
 
-def test_an_adapter_sync_holds_the_servers_paused_between_base_and_adapter_and_a_failed_load_leaves_all_paused(
+def test_an_adapter_sync_holds_the_servers_paused_between_base_and_adapter_and_a_failed_load_pauses_only_its_server(
         recording_engine: Any, tmp_path: Any) -> None:
     # vLLM's NCCL engine cannot carry an adapter: the servers read the directory the sync wrote (shared filesystem).
     stubs = [Stub(), Stub()]
@@ -687,9 +725,12 @@ def test_an_adapter_sync_holds_the_servers_paused_between_base_and_adapter_and_a
     for stub in stubs:
         stub.requests.clear()
     stubs[1].fail["/v1/load_lora_adapter"] = (500, {"error": "cannot load"})
-    with pytest.raises(ServerError, match="cannot load"):
+    with pytest.raises(ServerError, match="failed to take version 6 and stay paused; 1 other.*cannot load"):
         target.push_adapter(tmp_path / "rank0" / "v000006", version=6)
-    assert all("/resume" not in s.paths() and s.paths()[0] == "/pause?mode=wait" for s in stubs)
+    assert "/resume" not in stubs[1].paths() and stubs[1].paths()[0] == "/pause?mode=wait"
+    # the other loaded adapter 6 beside its base: one whole version, labelled and serving
+    assert stubs[0].paths() == ["/pause?mode=wait", "/v1/load_lora_adapter", "/reset_prefix_cache",
+                                "/update_weight_version", "/resume"]
     assert target.adapter_version is None
 
 

@@ -12,7 +12,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-__all__ = ["Server", "ServerError", "interrupt", "not_answering", "on_all"]
+__all__ = ["Server", "ServerError", "interrupt", "not_answering", "on_all", "on_each"]
 
 T = TypeVar("T")
 
@@ -107,6 +107,13 @@ def interrupt(conn: http.client.HTTPConnection) -> None:
             pass
 
 
+def on_each(servers: Sequence[Server], call: Callable[[Server], Any]) -> dict[Server, BaseException]:
+    """``call`` on every server concurrently; what failed, by server (empty: it succeeded on every one).
+
+    For a step whose failure on one server must not decide the others' fate (resume the servers that took it)."""
+    return {server: err for server, (_, err) in zip(servers, _outcomes(servers, call)) if err is not None}
+
+
 def on_all(servers: Sequence[Server], call: Callable[[Server], T]) -> list[T]:
     """``call`` on every server concurrently; raises the first failure after all have answered.
 
@@ -114,16 +121,22 @@ def on_all(servers: Sequence[Server], call: Callable[[Server], T]) -> list[T]:
     """
     if len(servers) == 1:
         return [call(servers[0])]
-    with ThreadPoolExecutor(max_workers=len(servers)) as pool:
-        futures = [pool.submit(call, server) for server in servers]
-    errors = [(s, f.exception()) for s, f in zip(servers, futures) if f.exception() is not None]
+    outcomes = _outcomes(servers, call)
+    errors = [(s, err) for s, (_, err) in zip(servers, outcomes) if err is not None]
     if errors:
         first = errors[0][1]
         if len(errors) == 1:
-            raise first  # type: ignore[misc]
+            raise first
         lines = "; ".join(str(err) for _, err in errors)
         raise ServerError(f"{len(errors)} of {len(servers)} servers failed: {lines}", errors[0][0].url) from first
-    return [f.result() for f in futures]
+    return [result for result, _ in outcomes]  # type: ignore[misc]
+
+
+def _outcomes(servers: Sequence[Server], call: Callable[[Server], T]) -> list[tuple[T | None, BaseException | None]]:
+    """``call`` on every server concurrently, each one's ``(result, None)`` or ``(None, error)``."""
+    with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
+        futures = [pool.submit(call, server) for server in servers]
+    return [(None, f.exception()) if f.exception() is not None else (f.result(), None) for f in futures]
 
 
 def not_answering(servers: Sequence[Server], timeout: float = 5.0) -> list[str]:

@@ -80,10 +80,10 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
     every server, stream the export once (every trainer rank takes part in the gathers and rank 0 sends;
     shard-direct: every rank sends its own shards, gloo also its own experts' checkpoint pieces; only plain
     tensors and other layouts are gathered and sent whole by rank 0), set the version and reset the
-    prefix cache on every server, ``/resume``. All servers form one group: one replica that is down or refuses a tensor fails the
-    sync for all of them. Then every rank raises (``WeightSyncError`` from ``VLLMWeightSync``), the
-    servers that answer have their round closed and stay paused (never serving a half-loaded model),
-    and the next sync rebuilds the group, pushes every tensor and resumes them.
+    prefix cache on every server, ``/resume``. All servers form one group: one replica that is down or refuses a
+    tensor fails the sync for all of them. Then every rank raises (``WeightSyncError`` from ``VLLMWeightSync``);
+    servers that may hold half-loaded weights stay paused (never serving them), those holding one whole version (a
+    replica down at the pause: nothing sent) are resumed; the next sync rebuilds the group and pushes every tensor.
 
     Args:
         base_url: a server's address (``"http://10.0.0.5:8000"``), or a list of them (replicas). A

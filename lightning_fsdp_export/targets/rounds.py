@@ -2,8 +2,9 @@
 
 Every round has the same frame (``NativeTransfer.push``): rank 0 rebuilds the group if it broke or the plan changed,
 pauses the servers, every rank of the group sends, rank 0 tells the servers what follows (reset the prefix caches;
-load an adapter and set the version), then resumes them; a failure closes the round and leaves them paused. What
-differs is what is sent and what the servers are told after it, which is all a round class says:
+load an adapter and set the version), then resumes them; a failure closes the round and leaves paused the servers
+that may hold half-loaded weights (the others are resumed, each serving one whole version). What differs is what is
+sent and what the servers are told after it, which is all a round class says:
 
 - :class:`DenseRound`: the model's weights through the transport's engine (whole from rank 0, or every rank's rows);
 - :class:`PatchRound`: the same through our gloo engine with this rank's copy: parts whole or patched (sparse rounds);
@@ -64,7 +65,7 @@ class Round(ABC):
     kind: ClassVar[RoundKind]
     pauses_for_data: ClassVar[bool] = True
     """The servers pause before the data travels (the model is loaded as it arrives); ``False``: they pause only for
-    :meth:`on_servers` (a staged round: the data goes to a staging area while they generate)."""
+    :meth:`on_server` (a staged round: the data goes to a staging area while they generate)."""
 
     def plan_key(self, transfer: NativeTransfer) -> str | None:
         """What a sparse round's copies must have been made for (the source's metadata); ``None``: no copies."""
@@ -78,9 +79,10 @@ class Round(ABC):
     def run(self, transfer: NativeTransfer, *, version: int, sparse: bool) -> None:
         """Every rank of the group: send this round's data (the source is ``transfer.source``'s export)."""
 
-    def on_servers(self, transfer: NativeTransfer, *, version: int) -> None:
-        """Rank 0, after the data went through: the servers drop their prefix caches (old weights' KV)."""
-        reset_prefix_caches(transfer.servers, transfer.pause_mode)
+    def on_server(self, server: Server, *, version: int, mode: PauseMode) -> None:
+        """Rank 0, after the data went through, on each server (concurrently; the frame resumes the servers this
+        succeeded on and names the others): the server drops its prefix cache (old weights' KV)."""
+        reset_prefix_caches([server], mode)
 
     def succeeded(self, transfer: NativeTransfer) -> None:  # noqa: B027 - a default that does nothing
         """Every rank, after a round that succeeded everywhere: keep what it made (a sparse round's copy)."""
@@ -116,10 +118,10 @@ class AdapterRound(Round):
         transfer.engine.send_weights(GlooRound(adapter=(self.server_dir, self.config)))
 
     @override
-    def on_servers(self, transfer: NativeTransfer, *, version: int) -> None:
-        load_adapter(transfer.servers, self.name, self.server_dir)
-        super().on_servers(transfer, version=version)
-        set_versions(transfer.servers, version)
+    def on_server(self, server: Server, *, version: int, mode: PauseMode) -> None:
+        load_adapter([server], self.name, self.server_dir)
+        super().on_server(server, version=version, mode=mode)
+        set_versions([server], version)
 
 
 class _CopyRound(Round):
@@ -203,8 +205,8 @@ class _Staged(Round):
         return None  # the staging sets nothing; each server's swap sets the version
 
     @override
-    def on_servers(self, transfer: NativeTransfer, *, version: int) -> None:
-        swap_staged(transfer.servers, self.stage_id, version, transfer.pause_mode)
+    def on_server(self, server: Server, *, version: int, mode: PauseMode) -> None:
+        swap_staged(server, self.stage_id, version, mode)
 
 
 class StagedRound(_Staged, DenseRound):
@@ -244,40 +246,20 @@ def round_for(kind: RoundKind, **arguments: Any) -> Round:
     return ROUNDS[kind](**arguments)
 
 
-def swap_staged(servers: Sequence[Server], stage_id: str, version: int, mode: PauseMode) -> None:
-    """Rank 0, the servers paused: every server loads the round its workers staged as ``stage_id`` and reports
-    ``version``, then drops its prefix cache. A server whose swap fails stays paused (its model may be half-loaded)
-    and is named in the error; the others are resumed at once, serving ``version``."""
+def swap_staged(server: Server, stage_id: str, version: int, mode: PauseMode) -> None:
+    """Rank 0, the server paused: it loads the round its workers staged as ``stage_id`` and reports ``version``, then
+    drops its prefix cache. A failed load is closed on the server (its model may be half-loaded: it stays paused)."""
     from lightning_fsdp_export.targets.gloo_trainer import swap_update_info
 
-    body = {"update_info": swap_update_info(stage_id)}
-
-    def swap(server: Server) -> BaseException | None:
-        try:
-            server.request("POST", "/start_weight_update")
-            try:
-                server.request("POST", "/update_weights", body)
-            except ServerError:
-                with contextlib.suppress(ServerError):  # a worker that failed closed its reload already
-                    server.request("POST", "/finish_weight_update")
-                raise
-            server.request("POST", "/finish_weight_update", {"weight_version": str(version)})
-            reset_prefix_caches([server], mode)
-        except Exception as err:  # noqa: BLE001 - every server's outcome is collected below
-            return err
-        return None
-
-    outcomes = on_all(servers, swap)
-    failed = [(s, err) for s, err in zip(servers, outcomes) if err is not None]
-    if not failed:
-        return
-    swapped = [s for s, err in zip(servers, outcomes) if err is None]
-    if swapped:
-        on_all(swapped, lambda s: s.request("POST", "/resume"))
-    lines = "; ".join(f"{s.url}: {err}" for s, err in failed)
-    raise ServerError(f"{len(failed)} of {len(servers)} server(s) failed to swap in version {version} and stay paused"
-                      f" ({lines}); {len(swapped)} serve version {version}. The next sync pushes every tensor whole.",
-                      failed[0][0].url)
+    server.request("POST", "/start_weight_update")
+    try:
+        server.request("POST", "/update_weights", {"update_info": swap_update_info(stage_id)})
+    except ServerError:
+        with contextlib.suppress(ServerError):  # a worker that failed closed its reload already
+            server.request("POST", "/finish_weight_update")
+        raise
+    server.request("POST", "/finish_weight_update", {"weight_version": str(version)})
+    reset_prefix_caches([server], mode)
 
 
 def set_versions(servers: Sequence[Server], version: int) -> None:

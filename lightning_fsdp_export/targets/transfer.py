@@ -11,9 +11,10 @@ gathers line up). This module adds what a deployment needs around it:
 * :class:`NativeTransfer`, the frame of every round: ``/pause``, the round (one class per kind,
   :mod:`~lightning_fsdp_export.targets.rounds`: what is sent, what the servers are told after it), ``/resume``
   (a staged round, ``Gloo(background=True)``, pauses only after its data arrived, for the swap);
-  and after a failure: close the round on every reachable server, leave them paused (they answer no request
-  with half-loaded weights), and re-initialise the transfer group at the next sync, which then pushes
-  everything.
+  and after a failure: close the round on every reachable server that may hold half-loaded weights and leave it
+  paused (it answers no request then), resume every server that holds one whole version (a pause or a group that
+  failed before the send; the servers whose swap, adapter or cache reset succeeded when others' failed), and
+  re-initialise the transfer group at the next sync, which then pushes everything.
 
 Shard-direct transports (``gloo`` with ``shard_direct=True``, vLLM's ``nccl_m2n``) put every trainer rank
 in the transfer group. Only rank 0 talks to the servers, so what it learns there (each server's world size,
@@ -28,7 +29,6 @@ import importlib.util
 import os
 import shutil
 import socket
-import time
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
@@ -49,80 +49,28 @@ from lightning_fsdp_export.targets.adapters import (
     SERVER_ADAPTER_ROOT,
     AdapterFiles,
     AdapterTensors,
-    load_adapter,
     prune_versions,
 )
 from lightning_fsdp_export.targets.clients import FanOutClient
 from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.targets.http import Server, ServerError, not_answering, on_all
+from lightning_fsdp_export.targets.pauses import PartlyFailed, Pauses, close_rounds, pause_route
 from lightning_fsdp_export.targets.preflight import check_servers
 from lightning_fsdp_export.targets.rounds import ROUNDS, PauseMode, Round, reset_prefix_caches, round_for, set_versions
 from lightning_fsdp_export.targets.transports import Directory, NetworkTransport, RendezvousTransport
 
-__all__ = ["DirectoryReload", "NativeTransfer", "PauseMode", "pause_route",
-           "reset_prefix_caches"]
+__all__ = ["DirectoryReload", "NativeTransfer", "PartlyFailed", "PauseMode", "pause_route", "reset_prefix_caches"]
 
 
-def pause_route(mode: PauseMode) -> str:
-    """The ``/pause`` request of every round: ``wait`` drains running requests; ``keep`` and ``keep_old_kv``
-    freeze them and keep their KV (``clear_cache=false``); with ``keep`` it is recomputed with the new weights
-    after the prefix cache reset, with ``keep_old_kv`` it stays (see :func:`reset_prefix_caches`)."""
-    return "/pause?mode=wait" if mode == "wait" else "/pause?mode=keep&clear_cache=false"
-
-
-class _Pauses:
-    """What both rounds share: the servers' pause, held across a base round into its adapter round, and its timing."""
-
-    servers: list[Server]
-    pause_mode: PauseMode
-    rank: int
-
-    def _init_pauses(self, servers: Sequence[Server], pause_mode: PauseMode) -> None:
-        self.servers = list(servers)
-        self.pause_mode = pause_mode
-        self.rank = 0
-        self.last_pause: tuple[float, float] | None = None
-        """Rank 0: wall-clock times (``time.time()``) of the last completed sync's ``/pause`` and ``/resume``."""
-        self._held_since: float | None = None  # rank 0: a base round left the servers paused for its adapter
-
-    def _pause(self) -> float:
-        """Rank 0: pause every server unless a base round holds them paused; when the pause began."""
-        if self._held_since is None:
-            on_all(self.servers, lambda s: s.request("POST", pause_route(self.pause_mode)))
-        return self._held_since or time.time()
-
-    def _finish(self, paused_at: float, resume: bool) -> None:
-        """Rank 0 after a round that succeeded: resume the servers (and time the pause), or hold them paused."""
-        if self.rank != 0:
-            return
-        if not resume:
-            self._held_since = paused_at
-            return
-        on_all(self.servers, lambda s: s.request("POST", "/resume"))
-        self._held_since = None
-        self.last_pause = (paused_at, time.time())
-
-    def _load_adapter_from(self, path: str, *, name: str, version: int) -> None:
-        """Rank 0: every server reads the adapter at ``path`` (on its host) and serves it as ``name``: pause (unless
-        held), load, reset the prefix caches, set the version, resume. A server that fails leaves every server
-        paused (none serves another adapter than the others) until the next full push resumes them."""
-        paused_at = self._pause()
-        try:
-            load_adapter(self.servers, name, path)
-            reset_prefix_caches(self.servers, self.pause_mode)
-            set_versions(self.servers, version)
-        finally:
-            self._held_since = None
-        self._finish(paused_at, resume=True)
-
-
-class NativeTransfer(_Pauses, BackgroundPushes):
+class NativeTransfer(Pauses, BackgroundPushes):
     """One transfer group from the trainer to every worker of ``servers``, and the one round every sync runs.
 
     The round, whichever the transport: (rank 0) rebuild the group if it is broken or the source's plan
     changed, then ``/pause`` every server; send (every rank in the group sends its part; others iterate the
     source so the gathers line up); (rank 0) reset the prefix caches, ``/resume``. A failed round is closed
-    on every server that answers and leaves them paused; the next one rebuilds the group. Where every trainer
+    on every server that may hold half-loaded weights, which stays paused; a server holding one whole version
+    (nothing sent yet, or its part of the round after the data succeeded) is resumed; the next round rebuilds the
+    group. Where every trainer
     rank joins the group (``transport.every_rank``: shard-direct), rank 0's decisions (rebuild with what
     plan, or that it failed) reach the others through a small gloo control group before the send; else rank
     0 alone knows, and the other ranks' iteration is drained by the sync if rank 0 fails.
@@ -293,7 +241,10 @@ class NativeTransfer(_Pauses, BackgroundPushes):
             self.engine.send_weights()  # iterates the source: this rank's part of the gathers
             return
         this = self._round_of(version, adapter)
+        own_pause = self._held_since is None  # else a base round paused them for this adapter round
         plan, paused, paused_at, sparse = self._start_round(this.plan_key(self), pause=this.pauses_for_data)
+        sent = False  # from the send on, a failure may leave a server's model half-loaded
+        resumed: list[Server] = []  # rank 0: servers that hold a whole version after a failure, serving again
         try:
             if plan is not None:
                 self._connect(plan)
@@ -301,14 +252,17 @@ class NativeTransfer(_Pauses, BackgroundPushes):
             if self.rank == 0:
                 assert self.client is not None
                 self.client.version = this.client_version(version)
+            sent = True
             this.run(self, version=version, sparse=sparse)
             outcome: str | None = None
             if self.rank == 0:
                 try:
                     if not paused:  # a staged round: the servers generated while the data travelled
                         paused_at, paused = self._pause(), True
-                    this.on_servers(self, version=version)
+                    self._on_each_server(lambda s: this.on_server(s, version=version, mode=self.pause_mode),
+                                         version=version, resume=resume)
                 except Exception as err:
+                    resumed = err.resumed if isinstance(err, PartlyFailed) else []
                     outcome = f"{type(err).__name__}: {err}"
                     if not self.sends_in_background:
                         raise
@@ -323,7 +277,11 @@ class NativeTransfer(_Pauses, BackgroundPushes):
             self._held_since = None
             self.forget()
             if self.rank == 0 and paused:
-                self._close_round()
+                if not sent and own_pause:  # nothing of this round reached them: they serve what they served
+                    self._resume_after(err)  # raises, saying so
+                else:
+                    close_rounds([s for s in self.servers if s not in resumed], timeout=self.timeout,
+                                 empty_round=not self.options.closes_failed_rounds)
             silent = not_answering(self.servers) if self.rank == 0 and not isinstance(err, ServerError) else []
             if silent:  # a peer that closed the transfer group's connection, named (gloo names only its address)
                 raise ServerError(f"{type(err).__name__}: {err}; server(s) not answering now: {', '.join(silent)}",
@@ -401,28 +359,11 @@ class NativeTransfer(_Pauses, BackgroundPushes):
         """``nccl_m2n`` builds its engine for one source plan: a new plan (another model, dtype) needs a new group."""
         return repr(source_metadata(self.source)) if self.options.layout is SourceLayout.M2N else ""
 
-    def _close_round(self) -> None:
-        """After a failed round: end it on every server that answers, so the next one can start. The
-        servers stay paused (the model may be half-loaded) until the next full push resumes them."""
-        for server in self.servers:
-            try:
-                server.request("POST", "/finish_weight_update", timeout=min(self.timeout, 30.0))
-                continue
-            except ServerError as err:
-                if "without a matching" not in str(err) or self.options.closes_failed_rounds:
-                    continue  # down, or the worker already closed its round when it failed
-            try:  # vLLM's engines leave the layerwise reload open after a failed update: close it empty
-                server.request("POST", "/start_weight_update", timeout=min(self.timeout, 30.0))
-                server.request("POST", "/finish_weight_update", timeout=min(self.timeout, 30.0))
-            except ServerError:
-                pass
-
-
-class DirectoryReload(_Pauses):
+class DirectoryReload(Pauses):
     """``Directory``'s round: rank 0 writes the version as safetensors, then on every server ``/pause``,
-    ``reload_weights`` from it, reset the prefix cache, set the version, ``/resume``. A failed reload leaves
-    the servers paused (as a failed network round does), never serving a half-reloaded model; the next
-    sync's full reload resumes them.
+    ``reload_weights`` from it, reset the prefix cache, set the version, ``/resume``. A server whose reload failed
+    stays paused (as after a failed network round), never serving a half-reloaded model, until the next sync's full
+    reload resumes it; the servers whose reload succeeded serve the new version, resumed.
 
     Args:
         servers: the servers (replicas) updated by every sync.
@@ -454,9 +395,13 @@ class DirectoryReload(_Pauses):
             check_servers(self.servers, backend=None)  # dev mode and quantization, before the first reload
             self._checked = True
         paused_at = self._pause()
-        on_all(self.servers, lambda s: s.request("POST", "/collective_rpc", reload))
-        reset_prefix_caches(self.servers, self.pause_mode)
-        set_versions(self.servers, version)
+
+        def reload_one(server: Server) -> None:
+            server.request("POST", "/collective_rpc", reload)
+            reset_prefix_caches([server], self.pause_mode)
+            set_versions([server], version)
+
+        self._on_each_server(reload_one, version=version, resume=resume)
         self._finish(paused_at, resume)
 
     def push_adapter(self, files: AdapterFiles, *, version: int, name: str) -> None:

@@ -6,8 +6,8 @@ Run by ``tests/test_remote_transfer.py``: ``torchrun --nproc-per-node 2 remote_t
 
 * ``fit``: a fit syncing every 2 steps to both servers; after each sync both servers' prompt and
   sample logprobs are scored against the trainer's exported weights, and against the previous ones;
-* ``replica_down``: the second server is killed between syncs; the next sync must fail naming it, leave
-  the first server paused on its old version; after a restart the next sync must be full and right;
+* ``replica_down``: the second server is killed between syncs; the next sync must fail naming it and leave
+  the first server serving its old version, unpaused; after a restart the next sync must be full and right;
 * ``source``: ``strategy.weight_source()`` of a tied Qwen2, an untied Llama and a LoRA Qwen2 (merged),
   checked the way vLLM's NCCL trainer checks a source (``_checked_iter``) and with ``iter_groups()``;
 * ``refused``: at the target level, a round where one tensor is unknown to vLLM fails mid-way on both
@@ -183,6 +183,8 @@ def scenario_replica_down(root: Path, urls: list[str], model_dir: Path, *, shard
             events["stale_after_failure"] = sync.stale
             if trainer.global_rank == 0:
                 events["first_server_after_failure"] = state(sync.target, first=1)[0]  # the other one is down
+                # it serves (a paused server would not answer) the version it is labelled with, 2
+                events["first_server_gap"] = gap(sync.target.servers[0], after.previous)
                 start = time.monotonic()
                 start_server(model_dir, port, args=LORA_ARGS, env=LORA_ENV)  # as tests/conftest.py started it
                 wait_for_server(urls[1], model_dir / f"server{port}.log")

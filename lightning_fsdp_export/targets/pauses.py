@@ -1,0 +1,144 @@
+"""The servers' pause around a round, and what a failed round leaves behind: the rule that no server holding one whole
+version stays paused, and that a server which may hold half-loaded weights never serves.
+
+Rank 0 pauses every server before a round's data travels (or, for a staged round, before the swap), tells each server
+what follows the data (:meth:`Pauses._on_each_server`: swap, adapter, prefix-cache reset, label) and resumes them. Where
+a step fails on some servers only, the others are resumed at once (:class:`PartlyFailed` names both); a round that
+failed mid-transfer is closed on the servers that may hold half-loaded weights (:func:`close_rounds`), which stay
+paused until the next full push.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+
+from lightning_fsdp_export.targets.adapters import load_adapter
+from lightning_fsdp_export.targets.http import Server, ServerError, on_all, on_each
+from lightning_fsdp_export.targets.rounds import PauseMode, reset_prefix_caches, set_versions
+
+__all__ = ["PartlyFailed", "Pauses", "close_rounds", "pause_route"]
+
+
+class PartlyFailed(ServerError):
+    """A round that failed on some servers only: the others, each holding one whole version with its label, were
+    resumed (``resumed``); ``url`` names the first that failed."""
+
+    def __init__(self, message: str, url: str, *, resumed: list[Server]) -> None:
+        super().__init__(message, url)
+        self.resumed = resumed
+
+
+def pause_route(mode: PauseMode) -> str:
+    """The ``/pause`` request of every round: ``wait`` drains running requests; ``keep`` and ``keep_old_kv``
+    freeze them and keep their KV (``clear_cache=false``); with ``keep`` it is recomputed with the new weights
+    after the prefix cache reset, with ``keep_old_kv`` it stays (see :func:`reset_prefix_caches`)."""
+    return "/pause?mode=wait" if mode == "wait" else "/pause?mode=keep&clear_cache=false"
+
+
+class Pauses:
+    """What both rounds share: the servers' pause, held across a base round into its adapter round, and its timing."""
+
+    servers: list[Server]
+    pause_mode: PauseMode
+    rank: int
+
+    def _init_pauses(self, servers: Sequence[Server], pause_mode: PauseMode) -> None:
+        self.servers = list(servers)
+        self.pause_mode = pause_mode
+        self.rank = 0
+        self.last_pause: tuple[float, float] | None = None
+        """Rank 0: wall-clock times (``time.time()``) of the last completed sync's ``/pause`` and ``/resume``."""
+        self._held_since: float | None = None  # rank 0: a base round left the servers paused for its adapter
+
+    def _pause(self) -> float:
+        """Rank 0: pause every server unless a base round holds them paused; when the pause began. Servers that cannot
+        be paused fail the round before anything is sent: the others are resumed at once (they serve the version they
+        served, its label true) and the error names the ones that failed."""
+        if self._held_since is not None:
+            return self._held_since
+        failed = on_each(self.servers, lambda s: s.request("POST", pause_route(self.pause_mode)))
+        if failed:
+            self._resume_all_but(failed, failed_to="be paused", serving="the version they served")
+        return time.time()
+
+    def _on_each_server(self, step: Callable[[Server], None], *, version: int, resume: bool) -> None:
+        """Rank 0, the servers paused after the round's data reached them: ``step`` on every server (what it is told
+        then: swap, load an adapter, reset its prefix cache, set its label). Where ``step`` fails on some servers
+        only, the others hold ``version`` whole, labelled: with ``resume`` they are resumed at once (without it an
+        adapter round follows, so they stay paused with the rest); the failed ones stay paused, named in the error."""
+        failed = on_each(self.servers, step)
+        if not failed:
+            return
+        if not resume:
+            raise next(iter(failed.values()))
+        self._resume_all_but(failed, failed_to=f"take version {version} and stay paused", serving=f"version {version}")
+
+    def _resume_all_but(self, failed: dict[Server, BaseException], *, failed_to: str, serving: str) -> None:
+        """Rank 0, a round that failed on ``failed`` only: resume every other server (each holds one whole version,
+        ``serving``), then raise a :class:`PartlyFailed` naming them all."""
+        whole = [s for s in self.servers if s not in failed]
+        stuck = on_each(whole, lambda s: s.request("POST", "/resume"))
+        resumed = [s for s in whole if s not in stuck]
+        self._held_since = None
+        lines = "; ".join(f"{s.url}: {err}" for s, err in {**failed, **stuck}.items())
+        first = next(iter(failed))
+        raise PartlyFailed(f"{len(failed)} of {len(self.servers)} server(s) failed to {failed_to}; {len(resumed)}"
+                           f" other(s) resumed, serving {serving}" + (f", {len(stuck)} not" if stuck else "")
+                           + f" ({lines}). The next sync pushes every tensor whole.", first.url,
+                           resumed=resumed) from failed[first]
+
+    def _finish(self, paused_at: float, resume: bool) -> None:
+        """Rank 0 after a round that succeeded: resume the servers (and time the pause), or hold them paused."""
+        if self.rank != 0:
+            return
+        if not resume:
+            self._held_since = paused_at
+            return
+        on_all(self.servers, lambda s: s.request("POST", "/resume"))
+        self._held_since = None
+        self.last_pause = (paused_at, time.time())
+
+    def _resume_after(self, err: BaseException) -> None:
+        """Rank 0, a round that failed after the pause but before any data was sent (building the group): resume every
+        server that answers, then raise ``err`` saying so."""
+        stuck = on_each(self.servers, lambda s: s.request("POST", "/resume"))
+        lines = f" ({'; '.join(f'{s.url}: {e}' for s, e in stuck.items())})" if stuck else ""
+        raise ServerError(f"{type(err).__name__}: {err}; nothing was sent: {len(self.servers) - len(stuck)} of"
+                          f" {len(self.servers)} server(s) resumed, serving the version they served{lines}.",
+                          next(iter(stuck)).url if stuck else self.servers[0].url) from err
+
+    def _load_adapter_from(self, path: str, *, name: str, version: int) -> None:
+        """Rank 0: every server reads the adapter at ``path`` (on its host) and serves it as ``name``: pause (unless
+        held), load, reset the prefix caches, set the version, resume. A server that fails stays paused until the next
+        full push; the others serve ``version`` (its adapter and base), resumed."""
+        paused_at = self._pause()
+
+        def load(server: Server) -> None:
+            load_adapter([server], name, path)
+            reset_prefix_caches([server], self.pause_mode)
+            set_versions([server], version)
+
+        try:
+            self._on_each_server(load, version=version, resume=True)
+        finally:
+            self._held_since = None
+        self._finish(paused_at, resume=True)
+
+
+def close_rounds(servers: Sequence[Server], *, timeout: float, empty_round: bool) -> None:
+    """After a failed round: end it on each of ``servers`` that answers, so the next one can start. They stay paused
+    (the model may be half-loaded) until the next full push resumes them. ``empty_round``: a server that has no round
+    open any more gets an empty one (vLLM's engines leave the layerwise reload open after a failed update)."""
+    for server in servers:
+        try:
+            server.request("POST", "/finish_weight_update", timeout=min(timeout, 30.0))
+            continue
+        except ServerError as err:
+            if "without a matching" not in str(err) or not empty_round:
+                continue  # down, or the worker already closed its round when it failed
+        try:
+            server.request("POST", "/start_weight_update", timeout=min(timeout, 30.0))
+            server.request("POST", "/finish_weight_update", timeout=min(timeout, 30.0))
+        except ServerError:
+            pass
