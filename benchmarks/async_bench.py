@@ -45,7 +45,7 @@ def timeline_svg(runs: dict[str, dict[str, Any]], width: int = 1100) -> str:
         rows.append(f'<text x="4" y="{y + 12}" font-weight="bold">{label}</text>')
         y += 18
 
-        def bar(a: float, b: float, row_y: float, kind: str, h: float = lane - 3) -> None:
+        def bar(a: float, b: float, row_y: float, kind: str, h: float = lane - 3, t0: float = t0) -> None:
             x = left + (a - t0) * scale
             rows.append(f'<rect x="{x:.1f}" y="{row_y:.1f}" width="{max(0.5, (b - a) * scale):.1f}" height="{h:.1f}"'
                         f' fill="{COLORS[kind]}"><title>{kind} {b - a:.2f} s</title></rect>')
@@ -71,7 +71,8 @@ def timeline_svg(runs: dict[str, dict[str, Any]], width: int = 1100) -> str:
             y += max(lane, 4 * len(ends) + 4)
         y += gap
     legend = " ".join(f'<rect x="{left + i * 110}" y="{y}" width="12" height="12" fill="{c}"/>'
-                      f'<text x="{left + i * 110 + 16}" y="{y + 11}">{k}</text>' for i, (k, c) in enumerate(COLORS.items()))
+                      f'<text x="{left + i * 110 + 16}" y="{y + 11}">{k}</text>'
+                      for i, (k, c) in enumerate(COLORS.items()))
     ticks = "".join(f'<text x="{left + t * scale:.0f}" y="{y + 30}">{t:.0f} s</text>'
                     for t in range(0, int(span) + 1, max(1, int(span) // 10)))
     return (f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{y + 40}" font-family="sans-serif"'
@@ -108,7 +109,8 @@ run.timelines = {}  # type: ignore[attr-defined]
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--steps", type=int, default=12)
-    parser.add_argument("--staleness", default="0,1,2", help="bounds; '1s': K=1 with Gloo(shard_direct=True), '1b': with"
+    parser.add_argument("--staleness", default="0,1,2",
+                        help="bounds; '1s': K=1 with Gloo(shard_direct=True), '1b': with"
                                                             " Gloo(shard_direct=True, background=True)")
     parser.add_argument("--server", default=None)
     parser.add_argument("--svg", default=None, help="write the timeline picture here (SVG)")
@@ -131,7 +133,8 @@ def main() -> None:
     print(f"| max_staleness | {' | '.join(keys)} | steps/min ratio |")
     print("|---" * (len(keys) + 2) + "|")
     for bound, r in results.items():
-        name = {"b": f"{bound[:-1]} (shard-direct, background)", "s": f"{bound[:-1]} (shard-direct)"}.get(bound[-1], bound)
+        name = {"b": f"{bound[:-1]} (shard-direct, background)",
+                "s": f"{bound[:-1]} (shard-direct)"}.get(bound[-1], bound)
         print(f"| {name} | {' | '.join(f'{r[k]:.2f}' for k in keys)} | {r['steps/min'] / base['steps/min']:.2f}x |")
     if args.svg:
         Path(args.svg).write_text(timeline_svg(run.timelines))  # type: ignore[attr-defined]

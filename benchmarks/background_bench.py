@@ -16,8 +16,10 @@ rotates each step), both ``pause_mode="keep"``:
 ``--sparse`` makes both ``sparse=True`` (with a small ``--lr``, so few bf16 elements change). Rank 0 prints, per
 round, the medians (first sync dropped: it pays the rendezvous) of: the seconds the trainer is blocked (``keep``: the
 whole round; ``background``: its snapshot, the round then runs in a thread; the benchmark waits for it at once, with
-``VLLMWeightSync.settle()``, to time it), the whole round, the servers' paused seconds, the rest of the sync (the servers serving: the export and
-the agreement, and in the background round the transfer), the completions the busy server answered during the sync, and the paused
+``VLLMWeightSync.settle()``, to time it), the whole round, the servers' paused seconds, the rest of the sync (the
+servers serving: the export and
+the agreement, and in the background round the transfer), the completions the busy server answered during the sync,
+and the paused
 ratio to ``keep``; at the end vLLM's checksums of both servers, which must be equal.
 """
 
@@ -37,13 +39,13 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.targets import Gloo  # noqa: E402
-from lightning_fsdp_export.targets.http import Server, ServerError  # noqa: E402
-from lightning_fsdp_export.testing import tiny_qwen2  # noqa: E402
-from benchmarks.lora_bench import SIZES  # noqa: E402
-from benchmarks.sparse_bench import LM  # noqa: E402
-from tests.scripts.common import start_server, stop_server, wait_for_server  # noqa: E402
+from benchmarks.lora_bench import SIZES
+from benchmarks.sparse_bench import LM
+from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export.targets import Gloo
+from lightning_fsdp_export.targets.http import Server, ServerError
+from lightning_fsdp_export.testing import tiny_qwen2
+from tests.scripts.common import start_server, stop_server, wait_for_server
 
 
 class Busy:
@@ -153,7 +155,8 @@ def main() -> None:
                                                                                  background=True),
                                                          pause_mode="keep"), sync_on_train_start=False)}
         rotate = Rotate(syncs, busy)
-        data = torch.randint(0, overrides["vocab_size"], (2 * args.steps, 32), generator=torch.Generator().manual_seed(0))
+        data = torch.randint(0, overrides["vocab_size"], (2 * args.steps, 32),
+                             generator=torch.Generator().manual_seed(0))
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=1)
         trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(pretrained=ckpt),
                              max_steps=args.steps, callbacks=[rotate], logger=False, enable_checkpointing=False,

@@ -6,7 +6,8 @@
     python benchmarks/export_bench.py --fp32-master           # fp32 masters exported as bf16: cast, group, prefetch
 
 Re-launches itself under ``torch.distributed.run`` with 2 processes unless started by torchrun.
-Methods alternate within each repeat (after one warm-up round); rank 0 reports wall seconds (median, min, max) and its peak
+Methods alternate within each repeat (after one warm-up round); rank 0 reports wall seconds (median, min, max) and
+its peak
 extra RSS (``VmHWM``, reset through ``/proc/self/clear_refs`` before each method), with ratios
 against ``lazy``:
 
@@ -50,8 +51,8 @@ from torch.distributed.tensor import DTensor
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lightning_fsdp_export.export.lazy import lazy_export, plan_export  # noqa: E402
-from lightning_fsdp_export.phases.offload import move_module  # noqa: E402
+from lightning_fsdp_export.export.lazy import lazy_export, plan_export
+from lightning_fsdp_export.phases.offload import move_module
 
 SHAPES = {  # name: (vocab, hidden, layers)
     "default": (32000, 1024, 12),  # 200.8M params; the tied embedding is 16% of the bytes
@@ -241,7 +242,7 @@ def lora_methods(model: torch.nn.Module, device: torch.device) -> dict[str, Call
 
 def run_all(methods: dict[str, Callable[[], tuple[int, int, int]]], repeats: int) -> dict[str, list[Sample]]:
     samples: dict[str, list[Sample]] = {m: [] for m in methods}
-    for name, run in methods.items():  # warm-up: first calls pay one-off allocations
+    for run in methods.values():  # warm-up: first calls pay one-off allocations
         run()
     for _ in range(repeats):
         for name, run in methods.items():

@@ -31,7 +31,7 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
-import torch  # noqa: E402
+import torch
 
 
 def checkpoints(root: Path, experts: int, layers: int) -> tuple[Path, Path, int]:
@@ -91,7 +91,8 @@ def main() -> None:
         dense = timed_reloads(LLM(model=str(dense_dir), **kwargs), dense_dir, args.repeats)
     calls = args.experts * 4 * args.layers
     rows = [("gpt_oss exact", exact), ("gpt_oss unfixed (loses the experts)", unfixed), ("dense, same bytes", dense)]
-    print(f"\nreload of {nbytes / 1e6:.1f} MB bf16; GPT-OSS {args.experts} experts x {args.layers} layers: {calls} per-expert"
+    print(f"\nreload of {nbytes / 1e6:.1f} MB bf16; GPT-OSS {args.experts} experts x {args.layers} layers:"
+          f" {calls} per-expert"
           f" loader calls with the fix; median of {args.repeats}")
     print(f"{'':<38}{'seconds':>10}{'vs dense':>10}")
     for name, seconds in rows:

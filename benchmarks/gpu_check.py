@@ -37,8 +37,8 @@ from torch.distributed.fsdp import fully_shard
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lightning_fsdp_export.export.lazy import lazy_export  # noqa: E402
-from lightning_fsdp_export.phases.offload import move_module  # noqa: E402
+from lightning_fsdp_export.export.lazy import lazy_export
+from lightning_fsdp_export.phases.offload import move_module
 
 PRESETS = {  # hidden, intermediate, layers, heads, kv heads, vocab, tied
     "qwen2.5-7b": (3584, 18944, 28, 28, 4, 152064, False),

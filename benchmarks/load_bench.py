@@ -32,11 +32,11 @@ from transformers import Qwen2ForCausalLM
 
 sys.path.insert(0, os.path.dirname(__file__))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from export_bench import describe, qwen2, run_all, shard, start_two_ranks, table  # noqa: E402
+from export_bench import describe, qwen2, run_all, shard, start_two_ranks, table
 
-from lightning_fsdp_export.export.lazy import lazy_export  # noqa: E402
-from lightning_fsdp_export.prepare.materialize import materialize_meta  # noqa: E402
-from lightning_fsdp_export.prepare.pretrained import load_hf_checkpoint  # noqa: E402
+from lightning_fsdp_export.export.lazy import lazy_export
+from lightning_fsdp_export.prepare.materialize import materialize_meta
+from lightning_fsdp_export.prepare.pretrained import load_hf_checkpoint
 
 
 def whole_then_shard(path: Path) -> torch.nn.Module:

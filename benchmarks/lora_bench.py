@@ -33,11 +33,11 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.targets import Directory, Gloo  # noqa: E402
-from lightning_fsdp_export.testing import LORA_TARGETS, tiny_qwen2  # noqa: E402
-from benchmarks.transport_bench import SIZES as SHAPES  # noqa: E402
-from tests.scripts.common import start_server, stop_server, wait_for_server  # noqa: E402
+from benchmarks.transport_bench import SIZES as SHAPES
+from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export.targets import Directory, Gloo
+from lightning_fsdp_export.testing import LORA_TARGETS, tiny_qwen2
+from tests.scripts.common import start_server, stop_server, wait_for_server
 
 SIZES = {"tiny": dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2), **SHAPES}

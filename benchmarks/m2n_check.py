@@ -4,7 +4,8 @@ or, with ``--transport sparse_nccl``, of ``SparseNCCL()`` (vLLM 0.33's sparse en
     torchrun --nproc-per-node N benchmarks/m2n_check.py [--transport sparse_nccl]  # N trainer GPUs, the server on GPU N
 
 Needs N + 1 GPUs, vLLM (CUDA) and, for m2n, NVIDIA's ``nccl-extensions`` (``import nccl.m2n``); for
-``sparse_nccl`` vLLM 0.33 or newer. No network. Rank 0 writes a tiny Qwen2 checkpoint (head_dim 64, untied and tied lm_head alike), starts one
+``sparse_nccl`` vLLM 0.33 or newer. No network. Rank 0 writes a tiny Qwen2 checkpoint (head_dim 64, untied and tied
+lm_head alike), starts one
 vLLM server on GPU N with ``--weight-transfer-config '{"backend": "nccl_m2n"}'``, then every rank runs a
 3-step fit on its GPU syncing every step with ``verify="logprobs"`` (the server's prompt and greedy
 continuation scored by the trainer's model) and, for comparison, the same syncs through ``nccl``. It
@@ -28,9 +29,9 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.testing import tiny_qwen2  # noqa: E402
-from tests.scripts.common import CausalLM, start_server, stop_server, token_loader, wait_for_server  # noqa: E402
+from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export.testing import tiny_qwen2
+from tests.scripts.common import CausalLM, start_server, stop_server, token_loader, wait_for_server
 
 
 class Record(pl.Callback):

@@ -29,10 +29,10 @@ import torch.distributed as dist
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from benchmarks.export_bench import drain, measure, start_two_ranks  # noqa: E402
-from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat  # noqa: E402
-from lightning_fsdp_export.export.lazy import lazy_export, plan_export  # noqa: E402
-from lightning_fsdp_export.export.shards import row_bounds, shard_export  # noqa: E402
+from benchmarks.export_bench import drain, measure, start_two_ranks
+from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
+from lightning_fsdp_export.export.lazy import lazy_export, plan_export
+from lightning_fsdp_export.export.shards import row_bounds, shard_export
 
 
 def qwen3_moe(experts: int, hidden: int, layers: int) -> torch.nn.Module:
@@ -86,7 +86,8 @@ def main() -> None:
             if round_:
                 samples[name].append(sample)
     if dist.get_rank() == 0:
-        print(f"Qwen3-MoE {args.experts} experts, hidden {args.hidden}, {args.layers} layers: {params / 1e6:.1f}M params bf16,"
+        print(f"Qwen3-MoE {args.experts} experts, hidden {args.hidden}, {args.layers} layers:"
+              f" {params / 1e6:.1f}M params bf16,"
               f" largest fused expert tensor {fused * 2 / 2**20:.1f} MiB, 2 ranks, {args.repeats} repeats, rank 0")
         base_t = statistics.median(s[0] for s in samples["memory_layout"])
         base_m = statistics.median(s[1] for s in samples["memory_layout"])
@@ -95,7 +96,7 @@ def main() -> None:
             t = statistics.median(s[0] for s in rows)
             m = statistics.median(s[1] for s in rows)
             print(f"{name:<18}{t:>10.3f}{m / 2**20:>16.1f}{rows[0][3]:>9}{t / base_t:>8.2f}{m / base_m:>7.2f}")
-    del methods, model
+    methods.clear()  # the lambdas held the model: free it before the barrier
     dist.barrier()
     dist.destroy_process_group()
     # Seen here after the large async gathers: gloo's threads abort the interpreter's teardown

@@ -37,11 +37,11 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.targets import Gloo  # noqa: E402
-from lightning_fsdp_export.testing import tiny_qwen2  # noqa: E402
-from benchmarks.lora_bench import SIZES  # noqa: E402
-from tests.scripts.common import start_server, stop_server, wait_for_server  # noqa: E402
+from benchmarks.lora_bench import SIZES
+from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export.targets import Gloo
+from lightning_fsdp_export.testing import tiny_qwen2
+from tests.scripts.common import start_server, stop_server, wait_for_server
 
 
 class LM(pl.LightningModule):

@@ -5,7 +5,8 @@ and a server's worker, run by gpu_check.sh.
 
 The engines are ours, run as a vLLM server runs them (the worker's ``update_weights`` behind a client); what stands in:
 vLLM itself is not installed on the GPU machine (its wheel is too large to carry), so its weight-transfer package (pure
-Python, from the 0.33 wheel: ``make vllm033``) is imported under stubs of the four vLLM modules it and our engines import
+Python, from the 0.33 wheel: ``make vllm033``) is imported under stubs of the four vLLM modules it and our engines
+import
 (config classes, the logger, the layerwise reload, the MTP check: no-ops), and the worker's model is a stand-in whose
 ``load_weights`` copies each tensor into its preallocated GPU buffer (what a weight loader does). NCCL refuses two ranks
 of one communicator on one device of one host, so each process names a host of its own (``NCCL_HOSTID``; the bytes go
@@ -45,7 +46,8 @@ STUBS = {
     "vllm/model_executor/model_loader/mtp_validation.py":
         "import contextlib\n\ndef disable_mtp_completeness_check():\n    return contextlib.nullcontext()\n",
     "vllm/model_executor/model_loader/reload.py":
-        "def initialize_layerwise_reload(model):\n    pass\n\ndef finalize_layerwise_reload(model, config):\n    pass\n",
+        "def initialize_layerwise_reload(model):\n    pass\n\n"
+        "def finalize_layerwise_reload(model, config):\n    pass\n",
 }
 
 
@@ -110,7 +112,8 @@ def worker(conn: Any, port: int, staging: str, shapes: dict[str, torch.Size], fa
             ended = time.perf_counter() - died
             torch.cuda.current_stream().synchronize()  # (a device-wide sync would wait on the transfer's streams)
             kept = checksums(model.buffers_) == checksums(tensors(1, mib))
-            error = "none" if staged is None or staged.error is None else f"{type(staged.error).__name__}: {staged.error}"
+            error = ("none" if staged is None or staged.error is None
+                     else f"{type(staged.error).__name__}: {staged.error}")
             print(f"RESULT staged_nccl fault (trainer killed mid-transfer): the worker process lives on; its staged"
                   f" round ended {ended:.2f} s after the trainer died, with {error[:160]!r}; the model still serves"
                   f" version 1: {kept}", flush=True)
@@ -184,7 +187,7 @@ def run(rank: int, conns: list[Any], port: int, staging: str, mib: int) -> None:
         return
     try:
         trainer(PipeClient(conns[0]), port, staging, mib)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 - a check's result line, printed whatever stopped it
         traceback.print_exc()
         print(f"RESULT staged_nccl ({staging} staging): FAILED (see the traceback above)", flush=True)
     finally:

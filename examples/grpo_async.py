@@ -27,10 +27,10 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.rollouts import AsyncRollouts, RolloutBatch, Sample, truncated_importance_weights  # noqa: E402
-from lightning_fsdp_export.targets import Gloo  # noqa: E402
-from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
+from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export.rollouts import AsyncRollouts, RolloutBatch, Sample, truncated_importance_weights
+from lightning_fsdp_export.targets import Gloo
+from lightning_fsdp_export.testing import VOCAB, tiny_qwen2
 
 GROUPS_PER_RANK, GROUP, PROMPT_LEN, GEN_LEN = 4, 8, 8, 16
 
@@ -84,7 +84,8 @@ class AsyncGRPO(pl.LightningModule):
             self.paused.append(self.sync.target.last_paused_seconds or 0.0)
             self.pushes.append(self.sync.last_metrics.get("weight_sync/seconds", 0.0))
             end = time.time()
-            self.timeline["steps"].append({"fill_start": self._fill_end - self._batch.waited, "fill_end": self._fill_end,
+            self.timeline["steps"].append({"fill_start": self._fill_end - self._batch.waited,
+                                           "fill_end": self._fill_end,
                                            "sync_start": end - self.pushes[-1], "end": end,
                                            "paused": self.sync.target.last_pause})
             for group in self._batch.groups:
@@ -98,7 +99,8 @@ class AsyncGRPO(pl.LightningModule):
             minutes = (time.monotonic() - self.started) / 60
             total = time.monotonic() - self.started
             self.timeline["end"] = time.time()
-            print(f"steps per minute {self.trainer.global_step / minutes:.1f}  trainer waiting {self.waited / total:.0%}"
+            print(f"steps per minute {self.trainer.global_step / minutes:.1f}"
+                  f"  trainer waiting {self.waited / total:.0%}"
                   f"  paused per sync {1e3 * sum(self.paused) / len(self.paused):.0f} ms"
                   f"  sync {1e3 * sum(self.pushes) / len(self.pushes):.0f} ms", flush=True)
 
@@ -121,7 +123,7 @@ def start_server(workdir: Path) -> tuple[subprocess.Popen, str]:
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
            "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "128", "--enforce-eager",
            "--skip-tokenizer-init", "--enable-scale-out", "--weight-transfer-config", '{"backend": "gloo"}']
-    log = open(workdir / "server.log", "w")
+    log = open(workdir / "server.log", "w")  # noqa: SIM115 - the server's log, open for the server's lifetime
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     for _ in range(300):
@@ -155,7 +157,8 @@ def main() -> None:
     parser.add_argument("--server", default=None, help="running server(s), comma-separated; default: start one")
     parser.add_argument("--workdir", default="runs/grpo_async")
     parser.add_argument("--timeline", default=None, help="write rank 0's timestamps here (JSON, for the benchmark)")
-    parser.add_argument("--shard-direct", action="store_true", help="Gloo(shard_direct=True): every rank sends its rows")
+    parser.add_argument("--shard-direct", action="store_true",
+                        help="Gloo(shard_direct=True): every rank sends its rows")
     parser.add_argument("--background", action="store_true",
                         help="Gloo(background=True): the servers generate while each version travels (with"
                              " --shard-direct the trainer trains on meanwhile)")
@@ -164,7 +167,8 @@ def main() -> None:
     workdir.mkdir(parents=True, exist_ok=True)
     server, urls = server_urls(args.server, workdir)
     pl.seed_everything(0)
-    sync = VLLMWeightSync(RemoteVLLM(urls, transport=Gloo(shard_direct=args.shard_direct, background=args.background), pause_mode="keep", timeout=120))
+    transport = Gloo(shard_direct=args.shard_direct, background=args.background)
+    sync = VLLMWeightSync(RemoteVLLM(urls, transport=transport, pause_mode="keep", timeout=120))
     rollouts = AsyncRollouts(sync, prompt, reward, batch_size=GROUPS_PER_RANK, group_size=GROUP,
                              max_staleness=args.max_staleness,
                              sampling={"max_tokens": GEN_LEN, "temperature": 1.0, "ignore_eos": True})

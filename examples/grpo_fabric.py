@@ -23,12 +23,12 @@ import torch
 from lightning.fabric import Fabric, seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from examples.grpo_async import GROUP, GROUPS_PER_RANK, GEN_LEN, prompt, reward, server_urls  # noqa: E402
-from lightning_fsdp_export import RemoteVLLM  # noqa: E402
-from lightning_fsdp_export.fabric import AsyncRollouts, LazyExportFSDP2, WeightSync  # noqa: E402
-from lightning_fsdp_export.rollouts import RolloutBatch, truncated_importance_weights  # noqa: E402
-from lightning_fsdp_export.targets import Gloo  # noqa: E402
-from lightning_fsdp_export.testing import tiny_qwen2  # noqa: E402
+from examples.grpo_async import GEN_LEN, GROUP, GROUPS_PER_RANK, prompt, reward, server_urls
+from lightning_fsdp_export import RemoteVLLM
+from lightning_fsdp_export.fabric import AsyncRollouts, LazyExportFSDP2, WeightSync
+from lightning_fsdp_export.rollouts import RolloutBatch, truncated_importance_weights
+from lightning_fsdp_export.targets import Gloo
+from lightning_fsdp_export.testing import tiny_qwen2
 
 
 def grpo_loss(model: torch.nn.Module, batch: RolloutBatch) -> torch.Tensor:

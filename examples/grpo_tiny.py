@@ -27,8 +27,8 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.testing import VOCAB, tiny_lora_qwen2, tiny_qwen2  # noqa: E402
+from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, VLLMWeightSync
+from lightning_fsdp_export.testing import VOCAB, tiny_lora_qwen2, tiny_qwen2
 
 PROMPTS_PER_RANK, GROUP, PROMPT_LEN, GEN_LEN = 4, 8, 8, 16
 

@@ -40,10 +40,10 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.targets import Gloo  # noqa: E402
-from lightning_fsdp_export.testing import VOCAB, save_word_tokenizer, tiny_family, tiny_qwen2  # noqa: E402
-from tests.scripts.common import start_server, stop_server, wait_for_server  # noqa: E402
+from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export.targets import Gloo
+from lightning_fsdp_export.testing import VOCAB, save_word_tokenizer, tiny_family, tiny_qwen2
+from tests.scripts.common import start_server, stop_server, wait_for_server
 
 
 class PolicyWithReference(pl.LightningModule):

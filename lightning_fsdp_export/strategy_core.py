@@ -31,7 +31,12 @@ from lightning_fsdp_export.export.model_export import ModelExport
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
 from lightning_fsdp_export.phases.compute import ComputePhases, PhaseListener
 from lightning_fsdp_export.phases.offload import OffloadMode
-from lightning_fsdp_export.prepare.preparation import ModelPreparation, move_unsharded, validate_options, validate_pretrained
+from lightning_fsdp_export.prepare.preparation import (
+    ModelPreparation,
+    move_unsharded,
+    validate_options,
+    validate_pretrained,
+)
 
 __all__ = ["LazyExportCore"]
 
@@ -193,7 +198,8 @@ class LazyExportCore:
         Every rank must iterate it fully and in the same order. Tensors come as ``save_pretrained`` writes
         them (fused MoE experts one tensor per expert and projection; :attr:`checkpoint_format`); each is
         staged on ``device`` and gathered alone, no model-wide move even while offloaded; a tied tensor is
-        gathered once, yielded under each name. Peft ``"merged"`` takes the staged path (:mod:`~lightning_fsdp_export.export.lora`).
+        gathered once, yielded under each name. Peft ``"merged"`` takes the staged path
+        (:mod:`~lightning_fsdp_export.export.lora`).
 
         Args:
             dtype: cast floating tensors to this dtype (``None``: their own dtype).

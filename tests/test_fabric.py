@@ -3,7 +3,8 @@
 The same preparation and export as the Trainer's strategy, in a loop written with Lightning Fabric: the export bit
 for bit against the model's own weights and against the Trainer strategy's export of the same model on the same
 ranks; the user's ``parallelize_fn``; ``fabric.init_module(empty_init=True)`` with ``pretrained=``;
-``offload="params"``; a reference model beside the policy; ``WeightSync`` into memory with ``fabric.save`` / ``fabric.load``. The sync into real servers is
+``offload="params"``; a reference model beside the policy; ``WeightSync`` into memory with ``fabric.save`` /
+``fabric.load``. The sync into real servers is
 ``tests/test_remote_fabric.py``.
 """
 

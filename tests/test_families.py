@@ -84,7 +84,8 @@ def test_export_equals_save_pretrained_of_the_newest_transformers_too(tmp_path: 
     # version's conversion table is the one reviewed.
     if not NEWER_TRANSFORMERS.exists():
         pytest.fail(f"{NEWER_TRANSFORMERS} is missing: `make setup` builds it.")
-    table = json.loads(subprocess.run([str(NEWER_TRANSFORMERS), str(ROOT / "tests" / "scripts" / "conversion_table.py")],
+    script = str(ROOT / "tests" / "scripts" / "conversion_table.py")
+    table = json.loads(subprocess.run([str(NEWER_TRANSFORMERS), script],
                                       cwd=ROOT, capture_output=True, text=True, check=True).stdout)
     version = table["version"]
     assert version != __import__("transformers").__version__
@@ -157,7 +158,8 @@ def test_gpt_oss_reload_still_needs_the_fix_and_the_fix_is_exact(tmp_path: Path)
     got = _reload_check(path, "gpt_oss")
     assert got["by_plugin"] is True and got["installed"] is True
     stale = [f"model.layers.{i}.{p}" for i in (0, 1) for p in
-             ["attn.sinks"] + [f"mlp.experts.routed_experts.{w}" for w in ("w13_bias", "w13_weight", "w2_bias", "w2_weight")]]
+             ["attn.sinks"]
+             + [f"mlp.experts.routed_experts.{w}" for w in ("w13_bias", "w13_weight", "w2_bias", "w2_weight")]]
     assert got["unfixed_differ"] == stale
     assert got["fixed_differ"] == [] and got["again_differ"] == []  # from weights_path, then from an iterator
 

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 
 from lightning_fsdp_export import RemoteVLLM
-from lightning_fsdp_export.targets.transports import Directory
 from lightning_fsdp_export._common import compare_shapes
+from lightning_fsdp_export.targets.transports import Directory
 from tests.conftest import run_torchrun
 from tests.test_sync import ENGINE_ENV
 
@@ -117,7 +117,7 @@ def test_remote_sends_the_api_key_only_to_its_url() -> None:
     seen: list[tuple[str, str | None]] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802 - http.server's naming
+        def do_POST(self) -> None:
             seen.append((self.path, self.headers.get("Authorization")))
             self.send_response(200)
             self.end_headers()
@@ -129,7 +129,8 @@ def test_remote_sends_the_api_key_only_to_its_url() -> None:
     server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     try:
-        remote = RemoteVLLM(f"http://127.0.0.1:{server.server_port}/", transport=Directory("/tmp/unused"), api_key="s3cret")
+        remote = RemoteVLLM(f"http://127.0.0.1:{server.server_port}/", transport=Directory("/tmp/unused"),
+                            api_key="s3cret")
         remote.request("POST", "/pause?mode=wait")
     finally:
         server.shutdown()

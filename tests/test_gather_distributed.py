@@ -2,7 +2,8 @@
 
 One torchrun job (``tests/scripts/gather_distributed.py``): cast before the gather, layer-grouped buckets,
 row-block chunks (a 1 KiB bucket splits every matrix) and prefetch (0 and the default 1; more than
-one gather at once is left out since one gloo hang was seen with 4, see BENCHMARKS.md), on uneven rows, a rank holding no
+one gather at once is left out since one gloo hang was seen with 4, see BENCHMARKS.md), on uneven rows, a rank
+holding no
 rows, mixed dtypes, tied and untied models and the staged LoRA merged path.
 """
 

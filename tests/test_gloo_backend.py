@@ -18,11 +18,11 @@ import torch
 
 pytest.importorskip("vllm")
 
-from lightning_fsdp_export.export.source import ExportSource  # noqa: E402
-from lightning_fsdp_export.targets import gloo, gloo_protocol  # noqa: E402
-from lightning_fsdp_export.targets.gloo import GlooRound  # noqa: E402
-from lightning_fsdp_export.export.vllm_source import FSDP2WeightSource  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
+from lightning_fsdp_export.export.source import ExportSource
+from lightning_fsdp_export.export.vllm_source import FSDP2WeightSource
+from lightning_fsdp_export.targets import gloo, gloo_protocol
+from lightning_fsdp_export.targets.gloo import GlooRound
+from tests.conftest import free_port
 
 
 class Model(torch.nn.Module):
@@ -162,7 +162,8 @@ def test_a_refused_tensor_fails_the_round_on_the_trainer_and_every_worker_quickl
     tensors = weights()
     engine, models, _ = connect(2, tensors, refuse="model.layers.0.mlp.up_proj.weight")
     start = time.monotonic()
-    with pytest.raises(ValueError, match=r"refused 'model.layers.0.mlp.up_proj.weight' bfloat16 \(16, 8\) \(ValueError: There is no module or parameter named"):
+    with pytest.raises(ValueError, match=r"refused 'model.layers.0.mlp.up_proj.weight' bfloat16 \(16, 8\)"
+                                         r" \(ValueError: There is no module or parameter named"):
         engine.send_weights()
     assert time.monotonic() - start < 10  # the status exchange, not the 20 s collective timeout
     assert "model.layers.1.mlp.up_proj.weight" not in models[0].loaded  # it stopped loading at the refusal

@@ -80,8 +80,8 @@ def test_sleep_level_2_pushes_after_every_wake_even_after_validation(results: di
     got = scenario(results, "level2")
     timeline = got["timeline"]
     assert timeline[:2] == ["offload", "rollouts"]  # sync_on_train_start=False: the checkpoint's weights
-    assert ["validation", "offload", "wake_up(weights)", "push", "wake_up(kv_cache)", "rollouts"] == \
-        timeline[timeline.index("validation"):timeline.index("validation") + 6]
+    assert timeline[timeline.index("validation"):timeline.index("validation") + 6] == \
+        ["validation", "offload", "wake_up(weights)", "push", "wake_up(kv_cache)", "rollouts"]
     every_wake = [i for i, call in enumerate(timeline) if call == "wake_up(weights)"]
     assert all(timeline[i + 1] == "push" for i in every_wake)
     assert_matches_trainer(got, 3)
@@ -122,7 +122,8 @@ def test_sleep_level_2_refuses_what_would_leave_the_engine_without_weights(kwarg
         target.push_adapter = lambda *a, **k: None  # type: ignore[method-assign]
     with pytest.raises(ValueError, match=f"sleep_level=2.*{match}"):
         VLLMWeightSync(target, **kwargs)
-    VLLMWeightSync(ColocatedVLLM(model="unused", sleep_level=1, enable_lora=True), **kwargs)  # level 1 keeps the weights
+    # level 1 keeps the weights
+    VLLMWeightSync(ColocatedVLLM(model="unused", sleep_level=1, enable_lora=True), **kwargs)
 
 
 @pytest.mark.parametrize("bad", [0, 3, True, "1"])

@@ -24,7 +24,8 @@ LOGPROB_TOLERANCE = 0.1
 @pytest.fixture(scope="module")
 def results(servers: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     _, urls = servers
-    return run_torchrun("sparse_sync.py", tmp_path_factory.mktemp("sparse") / "results.json", "--server", ",".join(urls))
+    return run_torchrun("sparse_sync.py", tmp_path_factory.mktemp("sparse") / "results.json", "--server",
+                        ",".join(urls))
 
 
 def exact(compared: dict[str, Any]) -> bool:

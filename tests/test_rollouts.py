@@ -111,7 +111,7 @@ def test_async_tokens_carry_the_versions_that_made_them_within_the_bound(async_r
     # longer span off by more than 0.3 when scored with the other version (measured 1.1-4.7 on 180-199 tokens; the
     # spans' median of two is the larger)
     frozen_truth = frozen["token_truth"]
-    assert within_tolerance(frozen_truth) and 0.3 < frozen_truth["other_gaps_median"], frozen
+    assert within_tolerance(frozen_truth) and frozen_truth["other_gaps_median"] > 0.3, frozen
     # a request salted with the version served whose server swapped before its prefill is refused and sent again
     # (its prompt could come from the older weights' cached blocks; these prompts are shorter than a block, so the
     # fits cannot meet that case); the same request on a settled server is accepted
@@ -125,14 +125,14 @@ def test_async_tokens_carry_the_versions_that_made_them_within_the_bound(async_r
     # span it moved least, a short one)
     truth = first["token_truth"]
     assert truth["spans"] >= 12 and truth["unscored"] == 0, truth
-    assert within_tolerance(truth) and 1.0 < truth["other_gaps_median"], truth
+    assert within_tolerance(truth) and truth["other_gaps_median"] > 1.0, truth
     # the resumed fit synced in the background (Gloo(shard_direct=True, background=True): the trainer trained on while
     # each version travelled, the servers generated until its swap): its labels are as true. Each sample's first span
     # only: with keep_old_kv a span after a swap was sampled over the old weights' KV (measured: up to 0.89 off the
     # recompute), so no forward of either version reproduces it
     truth = resumed["token_truth"]
     assert truth["spans"] >= 12 and truth["unscored"] == 0, truth
-    assert within_tolerance(truth) and 1.0 < truth["other_gaps_median"], truth
+    assert within_tolerance(truth) and truth["other_gaps_median"] > 1.0, truth
     # the resumed fit: versions continue (the resume push is 5), prompts go on from where the first stopped
     assert resumed["history"][0]["version"] == first["version"] + 1 == 5
     first_prompts = {i for b in first["prompt_indices"] for i in b}

@@ -10,8 +10,14 @@ import pytest
 import torch
 
 from lightning_fsdp_export import InMemoryTarget, RemoteVLLM, VLLMWeightSync
-from lightning_fsdp_export.rollouts import (AsyncRollouts, RolloutBatch, Sample, SampleGroup, staleness_mask,
-                                            truncated_importance_weights)
+from lightning_fsdp_export.rollouts import (
+    AsyncRollouts,
+    RolloutBatch,
+    Sample,
+    SampleGroup,
+    staleness_mask,
+    truncated_importance_weights,
+)
 
 URL = "http://127.0.0.1:9"
 

@@ -143,32 +143,40 @@ def test_bad_arguments() -> None:
 def test_two_syncs_share_a_trainer_when_their_targets_differ_or_are_named() -> None:
     # issue 38, defect 1: a dense and a sparse server pool (or an eval engine beside rollout servers) in one Trainer
     # failed at construction with Lightning's "Found more than one stateful callback of type `VLLMWeightSync`"
-    from lightning.pytorch import Trainer
+    from lightning.pytorch import LightningModule, Trainer
 
-    from lightning_fsdp_export import ColocatedVLLM, RemoteVLLM
+    from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM
     from lightning_fsdp_export.targets import Gloo
 
     dense = VLLMWeightSync(RemoteVLLM("http://h:1", transport=Gloo(shard_direct=True)))
     sparse = VLLMWeightSync(RemoteVLLM("http://h:2", transport=Gloo(shard_direct=True, sparse=True)))
     engine = VLLMWeightSync(ColocatedVLLM(model="/ckpt"))
-    keys = {dense.state_key, sparse.state_key, engine.state_key}
+    keys = {dense.checkpoint_key, sparse.checkpoint_key, engine.checkpoint_key}
     assert keys == {"VLLMWeightSync{'lora': 'merged', 'target': 'RemoteVLLM(gloo)'}",
                     "VLLMWeightSync{'lora': 'merged', 'target': 'RemoteVLLM(gloo, sparse)'}",
                     "VLLMWeightSync{'lora': 'merged', 'target': 'ColocatedVLLM'}"}
     Trainer(accelerator="cpu", devices=1, logger=False, callbacks=[dense, sparse, engine])
     # the same kind twice: name= tells them apart (and the key does not depend on the URL, so a resume may move)
-    pools = [VLLMWeightSync(RemoteVLLM(url), name=name) for url, name in (("http://a:1", "pool-a"), ("http://b:1", "pool-b"))]
+    pools = [VLLMWeightSync(RemoteVLLM(url), name=name)
+             for url, name in (("http://a:1", "pool-a"), ("http://b:1", "pool-b"))]
     Trainer(accelerator="cpu", devices=1, logger=False, callbacks=pools)
-    with pytest.raises(RuntimeError, match="more than one stateful callback of type `VLLMWeightSync`"):
-        Trainer(accelerator="cpu", devices=1, logger=False,
-                callbacks=[VLLMWeightSync(RemoteVLLM("http://a:1")), VLLMWeightSync(RemoteVLLM("http://b:1"))])
+    # unnamed, the same kind twice: issue 45's defect, Lightning's bare "Found more than one stateful callback of type
+    # `VLLMWeightSync`" at Trainer(); the syncs' setup names the fix instead
+    twins = [VLLMWeightSync(RemoteVLLM("http://a:1")), VLLMWeightSync(RemoteVLLM("http://b:1"))]
+    trainer = Trainer(accelerator="cpu", devices=1, logger=False, callbacks=twins, strategy=LazyExportFSDP2())
+    with pytest.raises(ValueError, match=r"2 VLLMWeightSync callbacks.*under one checkpoint key"
+                                         r" \(VLLMWeightSync\{'lora':"
+                                         r" 'merged', 'target': 'RemoteVLLM\(gloo\)'\}; target names"
+                                         r" 'RemoteVLLM\(gloo\)',"
+                                         r" 'RemoteVLLM\(gloo\)'\): give each a name of its own, e.g.*name='rollouts'"):
+        twins[0].setup(trainer, LightningModule(), "fit")
     with pytest.raises(ValueError, match="name=''"):
         VLLMWeightSync(InMemoryTarget(), name="")
 
     class Failing(InMemoryTarget):  # a user's subclass is of its kind: a resume may swap one for the other
         pass
 
-    assert VLLMWeightSync(Failing()).state_key == VLLMWeightSync(InMemoryTarget()).state_key
+    assert VLLMWeightSync(Failing()).checkpoint_key == VLLMWeightSync(InMemoryTarget()).checkpoint_key
 
 
 def test_adapter_mode_into_an_engine_without_lora_is_refused_at_construction() -> None:

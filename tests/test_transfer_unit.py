@@ -20,12 +20,12 @@ import torch
 
 pytest.importorskip("vllm")
 
-from lightning_fsdp_export import RemoteVLLM  # noqa: E402
-from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL, StagedNCCL  # noqa: E402,E501
-from lightning_fsdp_export.export.source import ExportSource, layerwise_entries, layerwise_groups  # noqa: E402
-from lightning_fsdp_export._compat import iter_full, source_metadata, weight_source_contract  # noqa: E402
-from lightning_fsdp_export.targets.http import ServerError  # noqa: E402
-from tests.conftest import free_port  # noqa: E402
+from lightning_fsdp_export import RemoteVLLM
+from lightning_fsdp_export._compat import iter_full, source_metadata, weight_source_contract
+from lightning_fsdp_export.export.source import ExportSource, layerwise_entries, layerwise_groups
+from lightning_fsdp_export.targets.http import ServerError
+from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL, StagedNCCL
+from tests.conftest import free_port
 
 VLLM_VERSION = __import__("vllm").__version__
 
@@ -139,10 +139,10 @@ class Stub:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def do_GET(self) -> None:  # noqa: N802
+            def do_GET(self) -> None:
                 self._answer("GET")
 
-            def do_POST(self) -> None:  # noqa: N802
+            def do_POST(self) -> None:
                 self._answer("POST")
 
             def log_message(self, *args: Any) -> None:
@@ -446,7 +446,8 @@ def test_the_precheck_is_skipped_when_the_checkpoint_is_not_readable_here(record
     (lambda: StagedNCCL(shard_direct=1), ValueError, r"StagedNCCL\(shard_direct=1\) must be True or False"),
     (lambda: StagedNCCL(buffer_bytes=True), ValueError, r"StagedNCCL\(buffer_bytes=True\) must be a positive"),
     (lambda: RemoteVLLM(URL, transport="directory"), ValueError, r"needs the directory: transport=Directory\(PATH\)"),
-    (lambda: RemoteVLLM(URL, pause_mode="abort"), ValueError, r"pause_mode='abort'\) must be one of 'wait', 'keep', 'keep_old_kv'"),
+    (lambda: RemoteVLLM(URL, pause_mode="abort"), ValueError,
+     r"pause_mode='abort'\) must be one of 'wait', 'keep', 'keep_old_kv'"),
     (lambda: RemoteVLLM("127.0.0.1:8000"), ValueError, "base_url='127.0.0.1:8000'"),
     (lambda: RemoteVLLM(URL, timeout=0), ValueError, "timeout=0"),
 ])
@@ -493,13 +494,13 @@ class FakeM2N:
         self.reshards.append({"shard": shard.clone(), "src_mesh": src_mesh, "src": src_placements,
                               "dst_mesh": dst_mesh, "dst": dst_placements})
 
-    def Mesh(self, dims: Any, start_rank: int) -> tuple[Any, int]:  # noqa: N802 - nccl.m2n's names
+    def Mesh(self, dims: Any, start_rank: int) -> tuple[Any, int]:
         return tuple(dims), start_rank
 
-    def Replicate(self) -> str:  # noqa: N802
+    def Replicate(self) -> str:
         return "R"
 
-    def Shard(self, dim: int) -> str:  # noqa: N802
+    def Shard(self, dim: int) -> str:
         return f"S{dim}"
 
     class Config:
@@ -519,7 +520,8 @@ def fake_m2n(monkeypatch: pytest.MonkeyPatch) -> FakeM2N:
     fused or quantized layers), and the CUDA stream calls."""
     if weight_source_contract() == "0.33":
         pytest.skip("vLLM 0.33's M2N trainer engine has other CUDA-only seams than this stand-in replaces; our 0.33 m2n"
-                    " source is checked by tests/test_vllm_contracts.py with 0.33's own planning, the engine by gpu_check")
+                    " source is checked by tests/test_vllm_contracts.py with 0.33's own planning, the engine by"
+                    " gpu_check")
     from vllm.distributed.weight_transfer import m2n_trainer
 
     fake = FakeM2N()
@@ -757,7 +759,8 @@ def test_an_adapter_round_tells_the_gloo_workers_where_to_write_it() -> None:
 
 
 @pytest.mark.subprocess  # a fresh interpreter imports the package beside the adapters
-def test_gloo_workers_write_adapters_in_a_private_directory_no_import_can_mistake_for_the_package(tmp_path: Any) -> None:
+def test_gloo_workers_write_adapters_in_a_private_directory_no_import_can_mistake_for_the_package(
+        tmp_path: Any) -> None:
     # issue 38, defect 8: workers wrote /tmp/lightning_fsdp_export/adapters/..., a namespace package that shadowed
     # this one for every process with /tmp on its path; older runs' directories were never removed
     import os
@@ -906,7 +909,8 @@ def test_sparse_nccl_sends_every_element_first_then_only_changes_and_is_dense_af
     tensors["model.norm.weight"][0] += 1
     stub.requests.clear()
     sparse_engine.fail_next = True
-    with pytest.raises(RuntimeError, match="trainer rank 0 sending to the servers: RuntimeError: NCCL broadcast failed"):
+    with pytest.raises(RuntimeError,
+                       match="trainer rank 0 sending to the servers: RuntimeError: NCCL broadcast failed"):
         push(4, 3)
     assert "/resume" not in stub.paths()  # left paused: the servers may hold half the patches
     push(5, 3)  # the caller still says 3: the copy is gone, every element goes again
@@ -920,7 +924,8 @@ def test_sparse_nccl_needs_vllm_with_the_engine(monkeypatch: pytest.MonkeyPatch)
 
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if "sparse_nccl" in name else real(name, *a))
-    with pytest.raises(ValueError, match=r"needs vLLM's sparse_nccl weight-transfer engine \(vLLM 0.33 or newer; this is"
+    with pytest.raises(ValueError, match=r"needs vLLM's sparse_nccl weight-transfer engine \(vLLM 0.33 or newer;"
+                                         r" this is"
                                          r" vLLM .*Gloo\(shard_direct=True, sparse=True\)"):
         RemoteVLLM(URL, transport=SparseNCCL())
     with pytest.raises(ValueError, match=r"SparseNCCL\(chunk_bytes=0\) must be a positive number of bytes"):

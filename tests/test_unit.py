@@ -257,7 +257,8 @@ def test_the_rooms_import_each_other_without_a_cycle_as_architecture_md_says() -
 
 
 # What a function-local import may guard: an optional dependency (vLLM; our modules that import vLLM at their top; the
-# vLLM plugin module, which imports this package), peft (only peft models need it; it costs seconds to import), and APIs of a version newer than the
+# vLLM plugin module, which imports this package), peft (only peft models need it; it costs seconds to import), and
+# APIs of a version newer than the
 # package's minimum (transformers 5's conversion rules, torch's HuggingFaceStorageReader).
 LAZY_IMPORTS = ("vllm", "lightning_fsdp_export.export.vllm_source", "lightning_fsdp_export.targets.gloo",
                 "lightning_fsdp_export.targets.gloo_infos", "lightning_fsdp_export.targets.gloo_trainer",
@@ -311,7 +312,7 @@ def test_the_syncs_modes_are_parsed_once_into_enums() -> None:
     sync = VLLMWeightSync(InMemoryTarget(), on_error="warn")
     assert sync.lora is SyncLora.MERGED and sync.lora == "merged" and str(sync.lora) == "merged"
     assert sync._on_error is OnError.WARN and sync._verify is None
-    assert sync.state_key == "VLLMWeightSync{'lora': 'merged', 'target': 'InMemoryTarget'}"  # the plain string
+    assert sync.checkpoint_key == "VLLMWeightSync{'lora': 'merged', 'target': 'InMemoryTarget'}"  # the plain string
     assert parse_option(Verify, "logprobs", "verify") is Verify.LOGPROBS
     with pytest.raises(ValueError, match=r"VLLMWeightSync\(on_error='ignore'\) must be one of 'raise', 'warn'\."):
         VLLMWeightSync(InMemoryTarget(), on_error="ignore")  # type: ignore[arg-type]
@@ -366,7 +367,7 @@ def test_the_modules_old_paths_still_import_with_a_warning_naming_the_new_one() 
         assert sys.modules[new].__spec__.name == new  # the moved module keeps its own spec
     sys.modules.pop("lightning_fsdp_export.callback")
     with pytest.warns(DeprecationWarning, match="lightning_fsdp_export.callback moved to lightning_fsdp_export.sync"):
-        from lightning_fsdp_export.callback import VLLMWeightSync  # noqa: F401
+        from lightning_fsdp_export.callback import VLLMWeightSync
     assert VLLMWeightSync is callback.VLLMWeightSync
     with pytest.warns(DeprecationWarning, match=r"export.gather_full moved to lightning_fsdp_export.export.lazy"):
         from lightning_fsdp_export.export import gather_full  # noqa: F401

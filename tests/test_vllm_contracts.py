@@ -21,11 +21,11 @@ import torch
 
 pytest.importorskip("vllm")
 
-from lightning_fsdp_export import _compat  # noqa: E402
-from lightning_fsdp_export.export.shards import ShardSource  # noqa: E402
-from lightning_fsdp_export.export.source import ExportSource  # noqa: E402
-from lightning_fsdp_export.export.vllm_source import FSDP2M2NSource, FSDP2WeightSource, RowShardMeta  # noqa: E402
-from tests.conftest import ROOT  # noqa: E402
+from lightning_fsdp_export import _compat
+from lightning_fsdp_export.export.shards import ShardSource
+from lightning_fsdp_export.export.source import ExportSource
+from lightning_fsdp_export.export.vllm_source import FSDP2M2NSource, FSDP2WeightSource, RowShardMeta
+from tests.conftest import ROOT
 
 OVERLAY = ROOT / ".vllm033" / "weight_transfer"
 CONTRACT = _compat.weight_source_contract()
@@ -34,7 +34,8 @@ CONTRACT = _compat.weight_source_contract()
 def tensors(seed: int) -> list[tuple[str, torch.Tensor]]:
     g = torch.Generator().manual_seed(seed)
     return [("model.embed_tokens.weight", torch.randn(6, 4, generator=g)),
-            ("model.layers.0.q.weight", torch.randn(4, 4, generator=g)), ("model.norm.weight", torch.randn(4, generator=g))]
+            ("model.layers.0.q.weight", torch.randn(4, 4, generator=g)),
+            ("model.norm.weight", torch.randn(4, generator=g))]
 
 
 def full(items: list[tuple[str, torch.Tensor]]) -> ExportSource:
@@ -57,8 +58,8 @@ def shards(items: list[tuple[str, torch.Tensor]], rank: int = 0) -> ShardSource:
 def test_the_contract_is_read_from_vllms_api() -> None:
     from vllm.distributed.weight_transfer import base
 
-    assert CONTRACT == ("0.33" if hasattr(base, "Shard") else "0.32")
-    assert CONTRACT == os.environ.get("LFE_EXPECT_CONTRACT", CONTRACT)  # the 0.33 job asks for "0.33"
+    assert ("0.33" if hasattr(base, "Shard") else "0.32") == CONTRACT
+    assert os.environ.get("LFE_EXPECT_CONTRACT", CONTRACT) == CONTRACT  # the 0.33 job asks for "0.33"
 
 
 def test_the_full_source_declares_what_it_yields_and_follows_each_syncs_export() -> None:

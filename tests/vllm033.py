@@ -22,11 +22,12 @@ def install(folder: str | os.PathLike[str]) -> None:
     folder = Path(folder)
     if not (folder / "base.py").exists():
         raise FileNotFoundError(f"{folder} holds no weight_transfer package: run `make vllm033` first.")
-    import vllm.distributed  # noqa: F401 - the installed parent package
+    import vllm.distributed
 
     for name in [n for n in sys.modules if n == NAME or n.startswith(NAME + ".")]:
         del sys.modules[name]
-    spec = importlib.util.spec_from_file_location(NAME, folder / "__init__.py", submodule_search_locations=[str(folder)])
+    spec = importlib.util.spec_from_file_location(NAME, folder / "__init__.py",
+                                                  submodule_search_locations=[str(folder)])
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
     sys.modules[NAME] = module

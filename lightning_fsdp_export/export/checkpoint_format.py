@@ -36,8 +36,8 @@ from torch import Tensor, nn
 from torch.distributed.fsdp import FSDPModule
 from transformers import PreTrainedModel
 
-from lightning_fsdp_export.export.names import export_name, is_lora_name, is_peft_model
 from lightning_fsdp_export._fsdp import chunk_bounds, unsharded_class
+from lightning_fsdp_export.export.names import export_name, is_lora_name, is_peft_model
 
 __all__ = ["DEFAULT_BLOCK_ELEMENTS", "CheckpointFormat", "Piece"]
 

@@ -121,7 +121,8 @@ def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torc
                          stage: Callable[[], bool], unstage: Callable[[], None],
                          on_finish: Callable[[ExportReport], None],
                          bucket_bytes: int = 0, prefetch: int = 0,
-                         reorder: Callable[[list[tuple[list[str], Tensor]]], list[tuple[list[str], Tensor]]] | None = None,
+                         reorder: Callable[[list[tuple[list[str], Tensor]]], list[tuple[list[str], Tensor]]]
+                         | None = None,
                          checkpoint_format: CheckpointFormat | None = None,
                          ) -> Iterator[tuple[str, Tensor]]:
     """Yield the merged base weights of a peft model under HF names; a collective generator.

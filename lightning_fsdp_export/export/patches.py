@@ -164,7 +164,8 @@ class PatchBase:
         stats.dense_bytes += numel * itemsize
         old = self.tensors.get(name)
         if not self.sparse or old is None or old.shape != host.shape or old.dtype != host.dtype:
-            self.tensors[name] = (host.clone(memory_format=torch.contiguous_format) if host.data_ptr() == part.data_ptr()
+            self.tensors[name] = (host.clone(memory_format=torch.contiguous_format)
+                                  if host.data_ptr() == part.data_ptr()
                                   else host.contiguous())  # never the module's storage; flat-indexable
             stats.dense += 1
             stats.wire_bytes += numel * itemsize

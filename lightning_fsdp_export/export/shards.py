@@ -31,13 +31,14 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from lightning_fsdp_export._fsdp import chunk_bounds
 from lightning_fsdp_export.export.buckets import bucketable
 from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
 from lightning_fsdp_export.export.lazy import ExportReport, _converted, gather_full
-from lightning_fsdp_export._fsdp import chunk_bounds
 from lightning_fsdp_export.export.source import Entries, ExportSource, wire_dtype
 
-__all__ = ["Layout", "ShardMeta", "ShardSnapshot", "ShardSource", "owner_bounds", "row_bounds", "shard_export", "trainer_world"]
+__all__ = ["Layout", "ShardMeta", "ShardSnapshot", "ShardSource", "owner_bounds", "row_bounds", "shard_export",
+           "trainer_world"]
 
 # How an entry goes: its rows' offsets over the ranks, each checkpoint piece's owner rank, or None (whole).
 Layout = tuple[int, ...] | dict[str, int] | None
@@ -135,8 +136,8 @@ def _local_rows(names: list[str], tensor: Tensor, bounds: tuple[int, ...], rank:
     want = bounds[rank + 1] - bounds[rank]
     if local.shape[0] != want:
         raise RuntimeError(f"{names[0]!r}: rank {rank} holds {local.shape[0]} rows of its FSDP2 shard where the"
-                           f" chunk rule gives rows {bounds[rank]}:{bounds[rank + 1]} of {tensor.shape[0]}; shard-direct"
-                           " transfer needs torch.chunk row shards (as fully_shard makes them).")
+                           f" chunk rule gives rows {bounds[rank]}:{bounds[rank + 1]} of {tensor.shape[0]};"
+                           " shard-direct transfer needs torch.chunk row shards (as fully_shard makes them).")
     return [(fmt.pieces(name, tensor)[0].name, local) for name in names]
 
 

@@ -93,7 +93,8 @@ class FSDP2WeightSource(_Repointable, WeightSource):
         self.export = export
 
     def _metadata(self) -> list[ParamMeta]:
-        """``ParamMeta`` per tensor; over a :class:`~lightning_fsdp_export.export.shards.ShardSource` a :class:`RowShardMeta`
+        """``ParamMeta`` per tensor; over a :class:`~lightning_fsdp_export.export.shards.ShardSource` a
+        :class:`RowShardMeta`
         (with each rank's rows, for the gloo backend's shard-direct mode)."""
         if isinstance(self.export, ShardSource):
             return [RowShardMeta(m.name, m.dtype, m.shape, m.bounds) for m in self.export.metadata()]
@@ -136,7 +137,8 @@ else:
     from vllm.distributed.weight_transfer.m2n_source import M2NWeightSource
 
     class FSDP2M2NSource(_Repointable, M2NWeightSource):  # type: ignore[no-redef]
-        """vLLM 0.32's ``M2NWeightSource`` (``nccl_m2n``) over a :class:`~lightning_fsdp_export.export.shards.ShardSource`.
+        """vLLM 0.32's ``M2NWeightSource`` (``nccl_m2n``) over a
+        :class:`~lightning_fsdp_export.export.shards.ShardSource`.
 
         ``mesh()`` is the trainer's ranks as one FSDP axis, ``(world, 1)``; ``metadata()`` gives each tensor's
         checkpoint name, wire dtype, full shape and placement: ``(0, REPLICATE)`` (rows over the ranks) for a

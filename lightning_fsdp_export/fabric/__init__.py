@@ -10,7 +10,7 @@ loop calls, and :class:`~lightning_fsdp_export.rollouts.AsyncRollouts` runs with
 """
 
 from lightning_fsdp_export.fabric.strategy import LazyExportFSDP2
-from lightning_fsdp_export.rollouts import AsyncRollouts
 from lightning_fsdp_export.fabric.sync import WeightSync
+from lightning_fsdp_export.rollouts import AsyncRollouts
 
 __all__ = ["AsyncRollouts", "LazyExportFSDP2", "WeightSync"]

@@ -100,7 +100,8 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
                             " in your parallelize_fn instead, or leave the sharding to the strategy.")
         module = self._parallelize_fn(module, self.device_mesh)  # type: ignore[arg-type]
         if not isinstance(module, nn.Module):
-            raise TypeError(f"LazyExportFSDP2(parallelize_fn=...) must return the nn.Module, got {type(module).__name__}.")
+            raise TypeError("LazyExportFSDP2(parallelize_fn=...) must return the nn.Module, got"
+                            f" {type(module).__name__}.")
         self._module = module
         self._prepare(module, module, called=True)
         self._place(module, lambda: module.to(self.root_device))

@@ -62,7 +62,8 @@ class WeightSync(SyncEngine):
         """Every rank, after ``fabric.setup_module(model)``: set the target up (build an engine, reach the servers),
         check the exact check's precondition, sleep a colocated engine during the steps' compute phases."""
         if not isinstance(fabric, Fabric):
-            raise TypeError(f"WeightSync.setup(fabric) takes the loop's lightning.fabric.Fabric, got {type(fabric).__name__}.")
+            raise TypeError("WeightSync.setup(fabric) takes the loop's lightning.fabric.Fabric, got"
+                            f" {type(fabric).__name__}.")
         if self._run is not None and self._run.fabric is fabric:
             return
         self._run = FabricRun(fabric)

@@ -124,7 +124,7 @@ def _move_rest(module: nn.Module, device: torch.device) -> None:
     """Gradients of the shards, plain parameters and buffers: moved tensor by tensor."""
     with torch.no_grad():
         for sub in module.modules():
-            for key, param in sub._parameters.items():
+            for param in sub._parameters.values():
                 if param is None:
                     continue
                 if not isinstance(param, DTensor) and param.device != device:

@@ -81,8 +81,9 @@ def materialize_meta(
                 for sub in model.modules():
                     sub.__dict__.pop(_FLAG, None)
                 model.initialize_weights()
-            for name, sub in root.named_modules():
-                if id(sub) not in inside_hf and _holds_tensors(sub) and callable(getattr(sub, "reset_parameters", None)):
+            for sub in root.modules():
+                if (id(sub) not in inside_hf and _holds_tensors(sub)
+                        and callable(getattr(sub, "reset_parameters", None))):
                     sub.reset_parameters()
             for name in _agreed_unset(root):
                 _fallback_init(root.get_submodule(name))
@@ -191,10 +192,10 @@ def _outermost_hf_models(root: nn.Module) -> list[nn.Module]:
 def _needs_rank_distinct_rng(root: nn.Module) -> bool:
     """Whether a DTensor lives on a mesh without DTensor's RNG tracker (CPU): then shards would repeat."""
     for tensor in _own_tensors(root):
-        if isinstance(tensor, DTensor):
-            # DTensor's own test (is_rng_supported_mesh), without its warning: torch.cpu has no set_rng_state
-            if not hasattr(getattr(torch, tensor.device_mesh.device_type, None), "set_rng_state"):
-                return True
+        # DTensor's own test (is_rng_supported_mesh), without its warning: torch.cpu has no set_rng_state
+        if isinstance(tensor, DTensor) and not hasattr(getattr(torch, tensor.device_mesh.device_type, None),
+                                                       "set_rng_state"):
+            return True
     return False
 
 

@@ -22,8 +22,8 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from lightning_fsdp_export.export.lora import is_peft_model
-from lightning_fsdp_export.prepare.materialize import materialize_meta
 from lightning_fsdp_export.phases.offload import OffloadMode
+from lightning_fsdp_export.prepare.materialize import materialize_meta
 from lightning_fsdp_export.prepare.pretrained import load_hf_checkpoint
 from lightning_fsdp_export.prepare.sharding import auto_shard, is_fully_sharded, outermost, reject_fsdp1
 

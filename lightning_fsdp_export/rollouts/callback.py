@@ -1,5 +1,6 @@
 """``AsyncRollouts``: the Lightning callback (and, for a Fabric loop, the batch iterator) that keeps the servers
-generating while the trainer trains; its batch fill, metrics and checkpointed prompt positions. The pacing, the client threads and their shared state are its
+generating while the trainer trains; its batch fill, metrics and checkpointed prompt positions. The pacing, the client
+threads and their shared state are its
 parts (:mod:`.pacing`, :mod:`.clients`, :mod:`.state`)."""
 
 from __future__ import annotations
@@ -238,8 +239,8 @@ class AsyncRollouts(Callback, FabricLoop):
         if self._restored is not None:
             saved = len(self._restored["positions"])
             if saved != self._world:
-                raise ValueError(f"AsyncRollouts: the checkpoint holds the prompt positions of {saved} rank(s), this run"
-                                 f" has {self._world}; resume on as many ranks, or build a new AsyncRollouts.")
+                raise ValueError(f"AsyncRollouts: the checkpoint holds the prompt positions of {saved} rank(s),"
+                                 f" this run has {self._world}; resume on as many ranks, or build a new one.")
             self.state.next = self._restored["positions"][self._rank]
             self.state.done = set(self._restored["consumed_after"][self._rank])
             self.state.retry.clear()
@@ -324,7 +325,7 @@ class AsyncRollouts(Callback, FabricLoop):
             except ServerError as err:
                 states.append(f"{server.url}: unreachable ({err})")
         return (f"AsyncRollouts: {have} of {self.batch_size} groups for the step at version {version} after"
-                f" {self.batch_timeout}s ({len(self.state.in_flight)} request(s) in flight). Servers: {'; '.join(states)}."
-                " A server left paused by a failed sync stays so until the next full push (VLLMWeightSync's"
-                " error said why); raise batch_timeout if generation is just slow."
+                f" {self.batch_timeout}s ({len(self.state.in_flight)} request(s) in flight)."
+                f" Servers: {'; '.join(states)}. A server left paused by a failed sync stays so until the next full"
+                " push (VLLMWeightSync's error said why); raise batch_timeout if generation is just slow."
                 + (f" Last request errors: {'; '.join(self.state.errors[-3:])}" if self.state.errors else ""))

@@ -53,7 +53,8 @@ class RolloutClients:
         self._threads: list[threading.Thread] = []
 
     def start(self, count: int, *, rank: int, world: int) -> None:
-        """Start ``count`` threads for trainer rank ``rank`` of ``world`` (it takes prompts ``rank, rank + world, ...``)."""
+        """Start ``count`` threads for trainer rank ``rank`` of ``world`` (it takes prompts ``rank, rank + world,
+        ...``)."""
         self.rank, self.world = rank, world
         self.state.stopping.clear()
         for i in range(count):

@@ -17,9 +17,9 @@ import torch
 from typing_extensions import override
 
 from lightning_fsdp_export._common import WeightSyncError
+from lightning_fsdp_export.strategy import LazyExportFSDP2
 from lightning_fsdp_export.sync.engine import SyncEngine
 from lightning_fsdp_export.sync.options import OnError, SyncLora, parse_option
-from lightning_fsdp_export.strategy import LazyExportFSDP2
 from lightning_fsdp_export.sync.triggers import SyncTriggers
 from lightning_fsdp_export.targets.base import SleepsDuringCompute, WeightTarget
 
@@ -86,8 +86,8 @@ class VLLMWeightSync(SyncTriggers, SyncEngine):
             below what a stale or misnamed tensor causes (2.7 to 7.5).
         name: names this sync in the checkpoint's callback states (default: the target's ``state_name``, e.g.
             ``"RemoteVLLM(gloo, sparse)"``). Two syncs in one Trainer need different keys: give ``name=`` when both
-            have the same mode and the same kind of target (two server pools over the same transport); keep it
-            across a resume.
+            have the same mode and the same kind of target (two server pools over the same transport; else the fit
+            stops at setup naming them); keep it across a resume. ``checkpoint_key`` is the key it makes.
         when_busy: with a target that pushes in the background (``Gloo(shard_direct=True, background=True)``), what a
             sync does while the previous version still travels: ``"wait"`` for it (the default), or ``"skip"``: push
             nothing this time, count it in ``skipped`` (and ``weight_sync/skipped``), and try again at the next
@@ -117,19 +117,29 @@ class VLLMWeightSync(SyncTriggers, SyncEngine):
         self._every_n_epochs = every_n_epochs
         self._sync_on_train_start = sync_on_train_start
         self._fit_start_step: int | None = None  # the global step this fit started at: no optimizer step yet there
+        self._in_trainer = False  # set at setup(): from then on state_key is the checkpoint's key
+
+    @property
+    def checkpoint_key(self) -> str:
+        """The key of this sync's state in a checkpoint's callback states: the mode and the kind of target (or
+        ``name=``). Stable across a resume, even one that swaps the target for another of its kind (a new server)."""
+        return self._generate_state_key(lora=self._lora.value, target=self._name)
 
     @property
     @override
     def state_key(self) -> str:
-        # Stable across a resume, even one that swaps the target for another of its kind (a new server); unique per
-        # mode and kind of target (or name=), so one Trainer may hold syncs into an eval engine and rollout servers.
-        return self._generate_state_key(lora=self._lora.value, target=self._name)
+        # checkpoint_key once in a Trainer (setup). Before, this instance's own: Lightning's duplicate check at
+        # Trainer() would stop two unnamed syncs of one kind with a message that cannot name the fix; setup() checks
+        # them instead, naming name= (_require_distinct_keys).
+        return self.checkpoint_key if self._in_trainer else f"{self.checkpoint_key}#{id(self):x}"
 
     # -- when -------------------------------------------------------------------------------------------
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         _require_strategy(trainer)
+        self._in_trainer = True
+        _require_distinct_keys(trainer)
 
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -174,6 +184,19 @@ def _require_strategy(trainer: pl.Trainer) -> LazyExportFSDP2:
             " Use Trainer(strategy=LazyExportFSDP2(...)) or Trainer(strategy='lazy_fsdp2')."
         )
     return strategy
+
+
+def _require_distinct_keys(trainer: pl.Trainer) -> None:
+    """Two syncs in one Trainer must keep their states under different checkpoint keys: name the ones that would not."""
+    syncs = [cb for cb in trainer.callbacks if isinstance(cb, VLLMWeightSync)]  # type: ignore[attr-defined]
+    keys = [sync.checkpoint_key for sync in syncs]
+    twice = sorted({key for key in keys if keys.count(key) > 1})
+    if twice:
+        names = ", ".join(repr(sync._name) for sync, key in zip(syncs, keys) if key in twice)
+        raise ValueError(f"The Trainer holds {len(syncs)} VLLMWeightSync callbacks, and some would keep their state"
+                         f" under one checkpoint key ({', '.join(twice)}; target names {names}): give each a name of"
+                         " its own, e.g. VLLMWeightSync(target, name='rollouts') and VLLMWeightSync(eval_target,"
+                         " name='eval'), and keep the names across a resume.")
 
 
 def _validate_sleep(target: WeightTarget, every_n_train_steps: Any, every_n_epochs: Any, lora: SyncLora,

@@ -74,9 +74,10 @@ class SyncEngine:
                          exact_first_sync=exact_first_sync, owner=owner)
         busy = parse_option(WhenBusy, when_busy, "when_busy", owner)
         if busy is WhenBusy.SKIP and not target.pushes_in_background:
-            raise ValueError(f"{owner}(when_busy='skip') skips a push while the previous one still travels, which only a"
-                             f" target that pushes in the background does; {type(target).__name__} never does (use"
-                             " RemoteVLLM(urls, transport=Gloo(shard_direct=True, background=True)), or drop when_busy).")
+            raise ValueError(f"{owner}(when_busy='skip') skips a push while the previous one still travels, which"
+                             f" only a target that pushes in the background does; {type(target).__name__} never does"
+                             " (use RemoteVLLM(urls, transport=Gloo(shard_direct=True, background=True)), or drop"
+                             " when_busy).")
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"{owner}(name={name!r}) must be a non-empty string (it keys the sync's state in"
                              " checkpoints), or None for the target's own name.")

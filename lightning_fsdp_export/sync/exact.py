@@ -86,9 +86,9 @@ def check_precondition(group: SyncGroup, strategy: LazyExportFSDP2, target: Exac
 
 EXACT_FAILED = ("Exact check of version {version} failed ({lines}). The engine was zeroed and then pushed the trainer's"
                 " weights, which equal its checkpoint: these parameters did not load (a tensor the export names or lays"
-                " out otherwise than the engine's loader expects, or one the engine's reload drops), or the engine no longer"
-                " held its checkpoint when the check began (a server that an earlier run pushed to: restart it, or drop"
-                " exact_first_sync).")
+                " out otherwise than the engine's loader expects, or one the engine's reload drops), or the engine"
+                " no longer held its checkpoint when the check began (a server that an earlier run pushed to: restart"
+                " it, or drop exact_first_sync).")
 
 
 def exact_verdict(target: ExactCheckable, baseline: dict[str, dict[str, str]]) -> tuple[ExactCheck | None, str | None]:

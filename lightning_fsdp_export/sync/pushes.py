@@ -35,7 +35,8 @@ class Push:
     consume: Callable[[ExportSource], None]
 
 
-def plan_pushes(strategy: LazyExportFSDP2, target: WeightTarget, *, lora: SyncLora, base_pushed: bool, dtype: torch.dtype | None,
+def plan_pushes(strategy: LazyExportFSDP2, target: WeightTarget, *, lora: SyncLora, base_pushed: bool,
+                dtype: torch.dtype | None,
                 version: int, rank: int, adapter_dir: Callable[[], Path], show_progress: bool) -> list[Push]:
     """The sources this sync pushes, in the order every rank runs them.
 

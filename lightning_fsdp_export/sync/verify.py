@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 __all__ = ["check_logprobs"]
 
 
-def check_logprobs(strategy: LazyExportFSDP2, target: ScoresLogprobs, tolerance: float) -> tuple[float | None, str | None]:
+def check_logprobs(strategy: LazyExportFSDP2, target: ScoresLogprobs,
+                   tolerance: float) -> tuple[float | None, str | None]:
     """This rank's engine(s) against the trainer on a fixed probe: ``(worst difference, message past tolerance)``.
 
     The trainer's forward runs with the shards on the device and starts no compute phase. A target may
@@ -38,6 +39,6 @@ def check_logprobs(strategy: LazyExportFSDP2, target: ScoresLogprobs, tolerance:
     worst = max(diffs, key=diffs.__getitem__)
     if diffs[worst] <= tolerance:
         return diffs[worst], None
-    return diffs[worst], (f"{worst}'s probe logprobs differ from the trainer's by {diffs[worst]:.3f} > verify_tolerance="
-                          f"{tolerance}: it does not hold the trainer's weights (a missing or misnamed tensor, or a"
-                          " stale cache)")
+    return diffs[worst], (f"{worst}'s probe logprobs differ from the trainer's by {diffs[worst]:.3f} >"
+                          f" verify_tolerance={tolerance}: it does not hold the trainer's weights (a missing or"
+                          " misnamed tensor, or a stale cache)")

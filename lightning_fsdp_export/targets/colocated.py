@@ -68,7 +68,8 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
     def __init__(self, model: str | os.PathLike[str] | None = None, *, llm: Any = None,
                  tensor_parallel_size: int = 1, sleep_level: int | None = None, **llm_kwargs: Any) -> None:
         if (model is None) == (llm is None):
-            raise ValueError("ColocatedVLLM needs exactly one of model=PATH (an HF checkpoint directory) or llm=LLM(...).")
+            raise ValueError("ColocatedVLLM needs exactly one of model=PATH (an HF checkpoint directory) or"
+                             " llm=LLM(...).")
         if llm is not None and llm_kwargs:
             raise ValueError(f"ColocatedVLLM(llm=...) builds nothing, so {sorted(llm_kwargs)} would be ignored.")
         if llm is not None:

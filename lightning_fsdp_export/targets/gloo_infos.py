@@ -109,7 +109,8 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                              f" {len(self.shapes)} shapes; they must be equally long.")
         if self.bounds is not None and len(self.bounds) != len(self.names):
             raise ValueError(f"gloo update_info: {len(self.bounds)} bounds for {len(self.names)} names.")
-        bad = [(n, d) for n, d in zip(self.names, self.dtype_names) if not isinstance(getattr(torch, d, None), torch.dtype)]
+        bad = [(n, d) for n, d in zip(self.names, self.dtype_names)
+               if not isinstance(getattr(torch, d, None), torch.dtype)]
         if bad:
             raise ValueError(f"gloo update_info: {bad[0][1]!r} (for {bad[0][0]!r}) is not a torch dtype name such as"
                              " 'bfloat16'.")
@@ -119,11 +120,11 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                              f" (got adapter_dir={self.adapter_dir!r}).")
         if (self.patch_of is not None and self.keep_as is None) or (
                 self.adapter_dir is not None and self.keep_as is not None):
-            raise ValueError(f"gloo update_info: patch_of={self.patch_of!r} needs keep_as, and an adapter round keeps no"
-                             f" copy (got keep_as={self.keep_as!r}).")
+            raise ValueError(f"gloo update_info: patch_of={self.patch_of!r} needs keep_as, and an adapter round keeps"
+                             f" no copy (got keep_as={self.keep_as!r}).")
         if self.stage_as is not None and self.adapter_dir is not None:
-            raise ValueError(f"gloo update_info: stage_as={self.stage_as!r}: an adapter round is written to files, never"
-                             " staged.")
+            raise ValueError(f"gloo update_info: stage_as={self.stage_as!r}: an adapter round is written to files,"
+                             " never staged.")
         if self.swap_to is not None and (self.names or self.stage_as is not None or self.adapter_dir is not None):
             raise ValueError(f"gloo update_info: swap_to={self.swap_to!r} loads a staged round: it carries no tensors"
                              " and stages nothing.")

@@ -98,7 +98,8 @@ class Plan:
                                      or any(a > b for a, b in zip(rows, rows[1:]))):
                 raise ValueError(f"gloo update_info: bounds {rows} of {name!r} {list(shape)} are not row offsets over"
                                  f" {trainers} trainer ranks.")
-            tensors.append(PlannedTensor(name, getattr(torch, dtype_name), tuple(shape), None if rows is None else tuple(rows)))
+            tensors.append(PlannedTensor(name, getattr(torch, dtype_name), tuple(shape),
+                                         None if rows is None else tuple(rows)))
         return cls(tensors, trainers, buffer_bytes)
 
 
@@ -134,7 +135,8 @@ def sparse_segment(chunk: list[PlannedTensor], rank: int, counts: list[int]) -> 
 
 
 def patch_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], counts: list[list[int] | None],
-                trainers: int, base: dict[str, torch.Tensor], *, fresh: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                trainers: int, base: dict[str, torch.Tensor], *,
+                fresh: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """A sparse round's chunk: each tensor is its copy in ``base`` (the previous round's, updated here in place)
     with every trainer rank's part written whole or patched; yielded as a fresh tensor (the copy stays ours), or
     with ``fresh=False`` as the copy itself (a staged round, which loads from the copy later)."""
@@ -174,7 +176,8 @@ def patch_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], co
 
 
 def _take(part: torch.Tensor | None, offsets: list[int], rank: int, count: int, dtype: torch.dtype) -> torch.Tensor:
-    """The next ``count`` elements of ``dtype`` from trainer ``rank``'s payload (its offset moves past them, aligned)."""
+    """The next ``count`` elements of ``dtype`` from trainer ``rank``'s payload (its offset moves past them,
+    aligned)."""
     nbytes = count * dtype.itemsize
     if not nbytes:
         return torch.empty(0, dtype=dtype)  # nothing changed: a rank may then send no payload at all
@@ -294,7 +297,8 @@ def abort_message(origin: int) -> str:
             " incomplete until the next full round")
 
 
-def unpack_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], trainers: int) -> Iterator[tuple[str, torch.Tensor]]:
+def unpack_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None],
+                 trainers: int) -> Iterator[tuple[str, torch.Tensor]]:
     """The chunk's tensors: a whole one is a view of rank 0's part; a row-sharded one a fresh tensor of every
     rank's rows."""
     offsets = [0] * trainers

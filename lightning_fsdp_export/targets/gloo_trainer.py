@@ -33,9 +33,9 @@ from lightning_fsdp_export.targets.gloo_protocol import (
     Plan,
     PlannedTensor,
     abort_message,
+    aligned,
     crc32,
     exchange_digests,
-    aligned,
     exchange_header,
     exchange_status,
     join_group,
@@ -109,7 +109,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if not engine.is_sender:
             return engine
         engine.workers = list(range(trainers, init_info.world_size))
-        group = init_info.group or uuid.uuid4().hex  # a fresh namespace per rendezvous: a re-init never meets stale keys
+        # a fresh namespace per rendezvous: a re-init never meets stale keys
+        group = init_info.group or uuid.uuid4().hex
 
         def connect() -> None:
             engine.group, engine._store = join_group(init_info.master_address, init_info.master_port, init_info.rank,
@@ -289,7 +290,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         """Tell every member this round is over (they raise), best effort: a dead peer must not hide the error."""
         try:
             exchange_header(self.group, ABORT, self.rank, device=self.wire_device, timeout=self.timeout)
-        except Exception:  # noqa: BLE001, S110 - the caller raises the original error
+        except Exception:  # noqa: BLE001 - the caller raises the original error
             pass
 
     def _checked(self, source: WeightSource, meta: list[Any]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -302,9 +303,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 bounds[self.rank + 1] - bounds[self.rank], *want.shape[1:])
             if want is None or name != want.name or tensor.dtype != want.dtype or tuple(tensor.shape) != tuple(shape):
                 expected = "nothing more" if want is None else f"{want.name!r} {want.dtype} {tuple(shape)}"
-                raise ValueError(f"WeightSource yielded {name!r} {tensor.dtype} {tuple(tensor.shape)} at position {sent}"
-                                 f" on trainer rank {self.rank} where metadata() declared {expected}; the two must"
-                                 " agree.")
+                raise ValueError(f"WeightSource yielded {name!r} {tensor.dtype} {tuple(tensor.shape)} at position"
+                                 f" {sent} on trainer rank {self.rank} where metadata() declared {expected}; the two"
+                                 " must agree.")
             sent += 1
             yield name, tensor
         if sent != len(meta):

@@ -147,7 +147,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.buffer_bytes = init_info.packed_buffer_size_bytes
         self.trainers = init_info.num_trainer_ranks
         self.timeout = timedelta(seconds=init_info.timeout_s)
-        self.group, self._store = join_group(init_info.master_address, init_info.master_port, rank, init_info.world_size,
+        self.group, self._store = join_group(init_info.master_address, init_info.master_port, rank,
+                                             init_info.world_size,
                                         init_info.group, init_info.timeout_s, host=False, device=self.wire_device)
 
     def start_weight_update(self) -> None:
@@ -265,9 +266,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         error: BaseException | None = None
         held: _Received | None = None  # the last chunk received: loaded while the next one arrives
         adapter = update_info.adapter_dir is not None
-        if not adapter and staging is None:  # the model's weights change: the copy is valid only if this round succeeds
-            if update_info.patch_of is None:
-                self._base = {}
+        if not adapter and staging is None and update_info.patch_of is None:
+            self._base = {}  # the model's weights change: the copy is valid only if this round succeeds
         r = _Round(update_info, self.group, self._base if staging is None else staging.base,
                    adapter={} if adapter else None, staging=staging)
         if not adapter:

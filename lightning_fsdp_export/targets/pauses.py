@@ -83,10 +83,10 @@ class Pauses:
         self._held_since = None
         lines = "; ".join(f"{s.url}: {err}" for s, err in {**failed, **stuck}.items())
         first = next(iter(failed))
-        raise PartlyFailed(f"{len(failed)} of {len(self.servers)} server(s) failed to {failed_to}; {len(resumed)}"
-                           f" other(s) resumed, serving {serving}" + (f", {len(stuck)} not" if stuck else "")
-                           + f" ({lines}). The next sync pushes every tensor whole.", first.url,
-                           resumed=resumed) from failed[first]
+        others = (f"{len(resumed)} other(s) resumed, serving {serving}" + (f", {len(stuck)} not" if stuck else "")
+                  if whole else "no other server")
+        raise PartlyFailed(f"{len(failed)} of {len(self.servers)} server(s) failed to {failed_to}; {others} ({lines})."
+                           " The next sync pushes every tensor whole.", first.url, resumed=resumed) from failed[first]
 
     def _finish(self, paused_at: float, resume: bool) -> None:
         """Rank 0 after a round that succeeded: resume the servers (and time the pause), or hold them paused."""

@@ -240,8 +240,8 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
             self._checks = [CheckpointCheck(root) for root in roots]
             self.precheck_skipped = [s.url for s, c in zip(self.servers, self._checks) if not c.readable]
             if self.precheck_skipped:
-                rank_zero_info(f"RemoteVLLM: the checkpoints of {self.precheck_skipped} are not readable here; names and"
-                               " shapes are not checked before sending (the servers' load checks them).")
+                rank_zero_info(f"RemoteVLLM: the checkpoints of {self.precheck_skipped} are not readable here;"
+                               " names and shapes are not checked before sending (the servers' load checks them).")
         return [f"{s.url}: {line}" for s, check in zip(self.servers, self._checks) for line in check.problems(exported)]
 
     @override

@@ -39,18 +39,18 @@ import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_fsdp_export._compat import source_metadata
 from lightning_fsdp_export._common import SyncGroup
+from lightning_fsdp_export._compat import source_metadata
 from lightning_fsdp_export.export.patches import PatchBase
 from lightning_fsdp_export.export.shards import ShardSource
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
-from lightning_fsdp_export.targets.background import BackgroundPushes
 from lightning_fsdp_export.targets.adapters import (
     SERVER_ADAPTER_ROOT,
     AdapterFiles,
     AdapterTensors,
     prune_versions,
 )
+from lightning_fsdp_export.targets.background import BackgroundPushes
 from lightning_fsdp_export.targets.clients import FanOutClient
 from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.targets.http import Server, ServerError, not_answering, on_all
@@ -320,13 +320,15 @@ class NativeTransfer(Pauses, BackgroundPushes):
     def _start_round(self, plan_key: str | None, *, pause: bool = True) -> tuple[dict[str, Any] | None, bool, float,
                                                                                   bool]:
         """Rank 0 rebuilds the group if needed (a broken round on any rank of the group, or a new plan) and, with
-        ``pause``, pauses the servers (unless a base round holds them paused; a staged round pauses later); alone in the group it connects before pausing,
+        ``pause``, pauses the servers (unless a base round holds them paused; a staged round pauses later); alone in
+        the group it connects before pausing,
         else the group's other ranks learn the plan (every rank connects after the pause), or rank 0's failure,
         from its broadcast. Returns ``(plan to connect with or None, whether this rank paused the servers, when the
         pause began, whether the round sends patches)``: only where every rank of the group holds a copy of the
         confirmed version of this ``plan_key`` (rank 0 also the workers' copy's id) and the group stays."""
         rebuild = self.broken or self._digest() != self._plan_digest
-        can_patch = (plan_key is not None and self.patches is not None and self.patches.can_patch(self.confirmed, plan_key)
+        can_patch = (plan_key is not None and self.patches is not None
+                     and self.patches.can_patch(self.confirmed, plan_key)
                      and (self.rank != 0 or self.kept is not None))
         sparse = False
         if self.control is not None:

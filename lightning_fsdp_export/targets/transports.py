@@ -1,4 +1,4 @@
-"""``RemoteVLLM``'s transports, each named once with its options: ``RemoteVLLM(url, transport=Gloo(shard_direct=True))``.
+"""``RemoteVLLM``'s transports, each named once with its options: ``RemoteVLLM(url, transport=Gloo(shard_direct=True))``
 
 A transport is a frozen options dataclass: its fields are the only options it takes (a combination that does
 not exist cannot be built), ``name`` is the backend the servers run (``--weight-transfer-config

@@ -122,6 +122,7 @@ def start_server(model_dir: Path, port: int, *, backend: str | None = "gloo", en
     """Start ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1:``port`` (no wait); its log and
     pid go to ``model_dir/server{port}.log|.pid`` (the pid file lets whoever restarts it be cleaned up).
     ``backend=None``: no ``--weight-transfer-config``; ``env`` overrides ``SERVER_ENV``; ``args`` are appended."""
+    import json
     import os
     import subprocess
     import sys
@@ -130,9 +131,9 @@ def start_server(model_dir: Path, port: int, *, backend: str | None = "gloo", en
            "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
            "--max-logprobs", "1", "--enable-scale-out"]
     if backend:
-        cmd += ["--weight-transfer-config", '{"backend": "%s"}' % backend]
+        cmd += ["--weight-transfer-config", json.dumps({"backend": backend})]
     cmd += args or []
-    log = open(model_dir / f"server{port}.log", "a")
+    log = open(model_dir / f"server{port}.log", "a")  # noqa: SIM115 - open for the server's lifetime
     proc = subprocess.Popen(cmd, env={**os.environ, **SERVER_ENV, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)
     (model_dir / f"server{port}.pid").write_text(str(proc.pid))

@@ -20,11 +20,11 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import fully_shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from lightning_fsdp_export import InMemoryTarget, RemoteVLLM  # noqa: E402
-from lightning_fsdp_export.fabric import LazyExportFSDP2, WeightSync  # noqa: E402
-from lightning_fsdp_export.targets import Gloo  # noqa: E402
-from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
-from tests.scripts.common import end_script, name_diff, run_scenarios, start_script  # noqa: E402
+from lightning_fsdp_export import InMemoryTarget, RemoteVLLM
+from lightning_fsdp_export.fabric import LazyExportFSDP2, WeightSync
+from lightning_fsdp_export.targets import Gloo
+from lightning_fsdp_export.testing import VOCAB, tiny_qwen2
+from tests.scripts.common import end_script, name_diff, run_scenarios, start_script
 
 TIMEOUT = 60.0
 
@@ -192,7 +192,8 @@ def scenario_reference(root: Path) -> dict[str, Any]:
         second = None
     except ValueError as err:
         second = str(err)
-    return {"second_setup": second, "kls": kls, "offloaded_before": offloaded_before, "loaded_by_the_reference": loaded_by_the_reference,
+    return {"second_setup": second, "kls": kls, "offloaded_before": offloaded_before,
+            "loaded_by_the_reference": loaded_by_the_reference,
             "offloaded_after": fabric.strategy.params_offloaded,
             "export": same(list(fabric.strategy.export_weights()), full_state(both.policy)),
             "reference_is_the_checkpoint": same(list(reference_state.items()), saved.state_dict()),
@@ -371,7 +372,8 @@ def main() -> None:
     model_dir = Path(os.environ.get("LFE_MODEL_DIR", ""))
     runs = {"auto": scenario_auto, "parallelize_fn": scenario_parallelize_fn,
             "meta_pretrained": lambda: scenario_meta_pretrained(root), "offload": scenario_offload,
-            "reference": lambda: scenario_reference(root), "sync_state": lambda: scenario_sync_state(root), "lora": scenario_lora,
+            "reference": lambda: scenario_reference(root), "sync_state": lambda: scenario_sync_state(root),
+            "lora": scenario_lora,
             "remote": lambda: scenario_remote(root, urls, model_dir)}
     results = run_scenarios(runs, args.only.split(","))
     if dist.get_rank() == 0:

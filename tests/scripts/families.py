@@ -23,10 +23,10 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer, seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.targets import Gloo  # noqa: E402
-from lightning_fsdp_export.testing import save_word_tokenizer, tiny_family  # noqa: E402
-from tests.scripts.common import CausalLM, name_diff, run_scenarios, start_script, token_loader  # noqa: E402
+from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export.targets import Gloo
+from lightning_fsdp_export.testing import save_word_tokenizer, tiny_family
+from tests.scripts.common import CausalLM, name_diff, run_scenarios, start_script, token_loader
 
 ROOT: Path
 
@@ -271,7 +271,8 @@ def scenario_lora(arch: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
 
     def local(module: torch.nn.Module) -> dict[str, torch.Tensor]:
-        return {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone() for n, p in module.named_parameters()}
+        return {n: (p.to_local() if isinstance(p, DTensor) else p).detach().clone()
+                for n, p in module.named_parameters()}
 
     class Check(pl.Callback):
         def on_train_start(self, trainer: Trainer, pl_module: CausalLM) -> None:

@@ -59,7 +59,8 @@ def main() -> None:
         mla_check(llm, args.dir, sums)
         return
     install, uninstall = {"moe": (_compat.install_cpu_moe_reload_fix, _compat.uninstall_cpu_moe_reload_fix),
-                          "gpt_oss": (_compat.install_gpt_oss_reload_fix, _compat.uninstall_gpt_oss_reload_fix)}[args.fix]
+                          "gpt_oss": (_compat.install_gpt_oss_reload_fix,
+                                      _compat.uninstall_gpt_oss_reload_fix)}[args.fix]
     tensors = lambda: sorted(load_file(os.path.join(args.dir, "model.safetensors")).items())  # noqa: E731
 
     def reload(from_path: bool = True) -> float:

@@ -24,12 +24,11 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from lightning_fsdp_export import (  # noqa: E402
-    ColocatedVLLM, InMemoryTarget, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync)
-from lightning_fsdp_export.targets import Directory  # noqa: E402
-from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
-from tests.scripts.common import run_scenarios, start_script  # noqa: E402
-from tests.scripts.sync import LM, loader  # noqa: E402
+from lightning_fsdp_export import ColocatedVLLM, InMemoryTarget, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export.targets import Directory
+from lightning_fsdp_export.testing import VOCAB, tiny_qwen2
+from tests.scripts.common import run_scenarios, start_script
+from tests.scripts.sync import LM, loader
 
 
 class FailingTarget(InMemoryTarget):

@@ -23,10 +23,10 @@ from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from lightning_fsdp_export.export.lazy import ExportReport, gather_full, lazy_export, plan_export  # noqa: E402
-from lightning_fsdp_export.export.lora import merged_in_place, staged_merged_export  # noqa: E402
-from lightning_fsdp_export.testing import tiny_llama, tiny_lora_qwen2, tiny_qwen2  # noqa: E402
-from tests.scripts.common import OddNet, end_script, start_script  # noqa: E402
+from lightning_fsdp_export.export.lazy import ExportReport, gather_full, lazy_export, plan_export
+from lightning_fsdp_export.export.lora import merged_in_place, staged_merged_export
+from lightning_fsdp_export.testing import tiny_llama, tiny_lora_qwen2, tiny_qwen2
+from tests.scripts.common import OddNet, end_script, start_script
 
 MODES = [dict(bucket_bytes=b, prefetch=p) for b, p in itertools.product([0, 1 << 10, 1 << 20], [0, 1])]
 

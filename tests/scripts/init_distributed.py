@@ -19,9 +19,9 @@ from lightning.pytorch import Trainer, seed_everything
 from torch import nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from lightning_fsdp_export import LazyExportFSDP2  # noqa: E402
-from lightning_fsdp_export.testing import tiny_llama, tiny_qwen2  # noqa: E402
-from tests.scripts.common import CausalLM, name_diff, run_scenarios, start_script, token_loader  # noqa: E402
+from lightning_fsdp_export import LazyExportFSDP2
+from lightning_fsdp_export.testing import tiny_llama, tiny_qwen2
+from tests.scripts.common import CausalLM, name_diff, run_scenarios, start_script, token_loader
 
 STEPS = 3
 
@@ -62,7 +62,7 @@ def scenario_meta(build: Any) -> dict[str, Any]:
     init_warnings = fit_recording_warnings(trainer, module)
     weights = dict(capture.start)
     fresh = build()
-    std = getattr(fresh.config, "initializer_range")
+    std = fresh.config.initializer_range
     matrices = {n: t for n, t in weights.items() if t.ndim == 2}
     return {
         "was_meta": was_meta,

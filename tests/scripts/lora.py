@@ -20,11 +20,11 @@ from lightning.pytorch import Trainer, seed_everything
 from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export._compat import list_loras  # noqa: E402
-from lightning_fsdp_export.testing import tiny_lora_qwen2, tiny_qwen2  # noqa: E402
-from tests.scripts.common import CausalLM, name_diff, run_scenarios, start_script, token_loader  # noqa: E402
-from tests.scripts.sync import PROMPTS, reference_logprobs, vllm_scores  # noqa: E402
+from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, VLLMWeightSync
+from lightning_fsdp_export._compat import list_loras
+from lightning_fsdp_export.testing import tiny_lora_qwen2, tiny_qwen2
+from tests.scripts.common import CausalLM, name_diff, run_scenarios, start_script, token_loader
+from tests.scripts.sync import PROMPTS, reference_logprobs, vllm_scores
 
 
 def loader() -> torch.utils.data.DataLoader:
@@ -104,10 +104,12 @@ class CompareEngines(pl.Callback):
             ref_prompt = reference_logprobs(weights, PROMPTS)
             ref_full = reference_logprobs(weights, [p + t for p, t in zip(PROMPTS, tokens)])
             ref_gen = [r[len(p) - 1:] for r, p in zip(ref_full, PROMPTS)]
-            result[f"{name}_prompt_max_diff"] = max(abs(a - b) for x, y in zip(prompt_lp, ref_prompt) for a, b in zip(x, y))
+            result[f"{name}_prompt_max_diff"] = max(abs(a - b) for x, y in zip(prompt_lp, ref_prompt)
+                                                    for a, b in zip(x, y))
             result[f"{name}_gen_max_diff"] = max(abs(a - b) for x, y in zip(gen_lp, ref_gen) for a, b in zip(x, y))
             scores[name] = prompt_lp
-        result["modes_max_diff"] = max(abs(a - b) for x, y in zip(scores["merged"], scores["adapter"]) for a, b in zip(x, y))
+        result["modes_max_diff"] = max(abs(a - b) for x, y in zip(scores["merged"], scores["adapter"])
+                                       for a, b in zip(x, y))
         result["loras"] = sorted(list_loras(self.adapter.target.llm))
         result["lora_id"] = self.adapter.target.lora_request.lora_int_id
         self.checks.append(result)

@@ -21,10 +21,10 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer, seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
-from tests.scripts.common import run_scenarios, start_script  # noqa: E402
-from tests.scripts.sync import build_checkpoint, compare  # noqa: E402
+from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, VLLMWeightSync
+from lightning_fsdp_export.testing import VOCAB, tiny_qwen2
+from tests.scripts.common import run_scenarios, start_script
+from tests.scripts.sync import build_checkpoint, compare
 
 
 class RolloutLM(pl.LightningModule):
@@ -172,7 +172,8 @@ def fabric_loop(model_dir: Path, *, steps: int) -> dict[str, Any]:
         optimizer.zero_grad()
         sync.push(fabric, step=step)
         got = compare(target.llm, dict(strategy.export_weights(dtype=torch.bfloat16)))
-        record.update(after_step={"params_offloaded": strategy.params_offloaded, "engine_sleeping": engine.is_sleeping()},
+        record.update(after_step={"params_offloaded": strategy.params_offloaded,
+                                  "engine_sleeping": engine.is_sleeping()},
                       prompt_max_diff=got["prompt_max_diff"], gen_max_diff=got["gen_max_diff"],
                       verify_diff=sync.last_verify_diff)
         records.append(record)

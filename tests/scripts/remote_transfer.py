@@ -44,13 +44,22 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer, seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.targets import Gloo  # noqa: E402
-from lightning_fsdp_export.export.shards import ShardSource  # noqa: E402
-from lightning_fsdp_export.export.source import ExportSource  # noqa: E402
-from lightning_fsdp_export.testing import VOCAB, tiny_llama, tiny_lora_qwen2, tiny_qwen2  # noqa: E402
-from tests.scripts.common import (LORA_ARGS, LORA_ENV, CausalLM, name_diff, run_scenarios, start_server,  # noqa: E402
-                                 stop_server, token_loader, wait_for_server)
+from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export.export.shards import ShardSource
+from lightning_fsdp_export.export.source import ExportSource
+from lightning_fsdp_export.targets import Gloo
+from lightning_fsdp_export.testing import VOCAB, tiny_llama, tiny_lora_qwen2, tiny_qwen2
+from tests.scripts.common import (
+    LORA_ARGS,
+    LORA_ENV,
+    CausalLM,
+    name_diff,
+    run_scenarios,
+    start_server,
+    stop_server,
+    token_loader,
+    wait_for_server,
+)
 
 PROMPT = [(7 * j + 3) % VOCAB for j in range(40)]
 GEN = 8
@@ -454,7 +463,8 @@ class CheckShards(pl.Callback):
                       for r in range(world)} if any(".experts." in m.name for m in meta) else {},
             "owned_names": [m.name for m in meta if m.bounds is not None and ".experts." in m.name],
             "lm_head": next((list(m.bounds or []) for m in meta if m.name == "lm_head.weight"), None),
-            "m2n_mesh": list(m2n.mesh().dims), "m2n_problems": problems, "m2n_rows_right": rows_right(m2n_meta, list(m2n)),
+            "m2n_mesh": list(m2n.mesh().dims), "m2n_problems": problems,
+            "m2n_rows_right": rows_right(m2n_meta, list(m2n)),
             "m2n_replicated": [m.name for m in m2n_meta if m.placements is None],
             "vllm_own_source_problems": own,
         }

@@ -3,8 +3,10 @@
 ``--server kind=URL,...``: ``no_dev_mode`` (started without ``VLLM_SERVER_DEV_MODE=1``), ``no_backend`` (dev mode,
 no ``--weight-transfer-config``), ``other_vocab_directory`` (a model of another vocabulary, its checkpoint not
 readable here, so only the server's loader can refuse); a kind ending in ``_directory`` uses the directory transport
-instead, one ending in ``_plain`` gloo without shard-direct (rank 0 alone talks to the servers and sends). Each rank fits one step with ``RemoteVLLM(url, transport=Gloo(shard_direct=True), timeout=60)`` (or
-``RemoteVLLM(url, transport=Directory(...))``) and records the error and the seconds from the fit's start to it; each rank
+instead, one ending in ``_plain`` gloo without shard-direct (rank 0 alone talks to the servers and sends). Each rank
+fits one step with ``RemoteVLLM(url, transport=Gloo(shard_direct=True), timeout=60)`` (or
+``RemoteVLLM(url, transport=Directory(...))``) and records the error and the seconds from the fit's start to it; each
+rank
 writes its own JSON (``--out`` and ``--out.rank1``).
 """
 
@@ -21,9 +23,9 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer, seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.targets import Directory, Gloo  # noqa: E402
-from tests.scripts.common import CausalLM, run_scenarios, start_script, token_loader  # noqa: E402
+from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export.targets import Directory, Gloo
+from tests.scripts.common import CausalLM, run_scenarios, start_script, token_loader
 
 
 def scenario(url: str, directory: Path | None = None, plain: bool = False) -> dict[str, Any]:

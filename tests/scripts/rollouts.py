@@ -5,7 +5,8 @@ Run by ``tests/test_remote_transfer.py`` (its servers, started with ``--enable-s
 
 * ``async``: a policy-gradient fit (``max_staleness=2``, ``pause_mode="keep"``) that checkpoints after 3 steps
   and resumes to 6 (``pause_mode="keep_old_kv"``, ``Gloo(shard_direct=True, background=True)``: each rank's push
-  returns once its snapshot is taken, and the servers generate while each version travels); rank 0 keeps a CPU copy of every pushed version and scores each
+  returns once its snapshot is taken, and the servers generate while each version travels); rank 0 keeps a CPU copy
+  of every pushed version and scores each
   consumed sample's tokens with the version its label names (and with a neighbouring one); between the fits, a
   request the first fit's servers are generating when the next version is pushed (:func:`a_request_frozen_by_a_push`);
 * ``on_policy``: ``max_staleness=0``: every sample has one version, the trainer's;
@@ -37,11 +38,11 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer, seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.rollouts import AsyncRollouts, RolloutBatch, RolloutError, truncated_importance_weights  # noqa: E402
-from lightning_fsdp_export.targets import Gloo  # noqa: E402
-from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
-from tests.scripts.common import end_script, run_scenarios, start_script  # noqa: E402
+from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export.rollouts import AsyncRollouts, RolloutBatch, RolloutError, truncated_importance_weights
+from lightning_fsdp_export.targets import Gloo
+from lightning_fsdp_export.testing import VOCAB, tiny_qwen2
+from tests.scripts.common import end_script, run_scenarios, start_script
 
 TIMEOUT = 60.0
 PROMPTS = [[(13 * i + 5 * j + 1) % VOCAB for j in range(8 + i % 5)] for i in range(64)]
@@ -232,7 +233,7 @@ def a_request_frozen_by_a_push(trainer: Trainer, sync: VLLMWeightSync, rollouts:
             body = {"request_id": f"frozen-{attempt}", "token_ids": prompt,
                     "sampling_params": {**rollouts.clients.sampling, "n": 1}, "cache_salt": f"lfe-v{before}"}
 
-            def ask(body: dict[str, Any] = body) -> None:
+            def ask(body: dict[str, Any] = body, answer: dict[str, Any] = answer) -> None:
                 answer.update(server.request("POST", GENERATE_ROUTE, body), answered=time.monotonic())
 
             worker = threading.Thread(target=ask)
@@ -469,7 +470,8 @@ def scenario_replica_dies(root: Path, urls: list[str]) -> dict[str, Any]:
 def main() -> None:
     args, root = start_script("async,on_policy,replica_dies", "async")
     urls = args.server.split(",")
-    runs = {"async": lambda: scenario_async(root / "a", urls), "on_policy": lambda: scenario_on_policy(root / "b", urls),
+    runs = {"async": lambda: scenario_async(root / "a", urls),
+            "on_policy": lambda: scenario_on_policy(root / "b", urls),
             "replica_dies": lambda: scenario_replica_dies(root / "c", urls)}
     results = run_scenarios(runs, args.only.split(","))
     if dist.get_rank() == 0:

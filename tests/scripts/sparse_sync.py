@@ -35,13 +35,12 @@ from lightning.pytorch import Trainer, seed_everything
 from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.export.shards import ShardSource  # noqa: E402
-from lightning_fsdp_export.targets import Gloo  # noqa: E402
-from lightning_fsdp_export.testing import tiny_qwen2  # noqa: E402
-from tests.scripts.common import (CausalLM, end_script, run_scenarios, sparse_nccl_stand_in,  # noqa: E402
-                                 start_script, token_loader)
-from tests.scripts.remote_transfer import gap, state  # noqa: E402
+from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export.export.shards import ShardSource
+from lightning_fsdp_export.targets import Gloo
+from lightning_fsdp_export.testing import tiny_qwen2
+from tests.scripts.common import CausalLM, end_script, run_scenarios, sparse_nccl_stand_in, start_script, token_loader
+from tests.scripts.remote_transfer import gap, state
 
 TIMEOUT = 60.0
 SPARSE = Gloo(shard_direct=True, sparse=True)
@@ -289,7 +288,8 @@ def scenario_sparse_nccl_target() -> dict[str, Any]:
     second, third = nudged(first, 0.02, 1), nudged(first, 0.02, 3)
     out: dict[str, Any] = {"rounds": []}
     for version, weights, confirmed, fail in ((1, first, None, None), (2, second, 1, None),
-                                              (3, third, 2, "model.layers.1.mlp.up_proj.weight"), (4, third, None, None),
+                                              (3, third, 2, "model.layers.1.mlp.up_proj.weight"),
+                                              (4, third, None, None),
                                               (5, second, 4, None)):
         target.confirm(confirmed)
         error = None
@@ -298,7 +298,8 @@ def scenario_sparse_nccl_target() -> dict[str, Any]:
         except Exception as err:  # noqa: BLE001 - recorded for the test
             error = f"{type(err).__name__}: {err}"
         exact = rank == 0 and error is None and all(
-            torch.equal(RecordingSparseEngine.model[n].view(torch.int16), t.view(torch.int16)) for n, t in weights.items())
+            torch.equal(RecordingSparseEngine.model[n].view(torch.int16), t.view(torch.int16))
+            for n, t in weights.items())
         out["rounds"].append({"version": version, "error": everyone(error), "exact": exact,
                               "sparse": everyone((target.last_patch or {}).get("sparse"))})
     target.teardown()

@@ -20,9 +20,9 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from lightning_fsdp_export import LazyExportFSDP2  # noqa: E402
-from lightning_fsdp_export.testing import tiny_llama, tiny_qwen2  # noqa: E402
-from tests.scripts.common import CausalLM, OddNet, name_diff, run_scenarios, token_loader  # noqa: E402
+from lightning_fsdp_export import LazyExportFSDP2
+from lightning_fsdp_export.testing import tiny_llama, tiny_qwen2
+from tests.scripts.common import CausalLM, OddNet, name_diff, run_scenarios, token_loader
 
 
 def batches() -> torch.utils.data.DataLoader:
@@ -49,7 +49,8 @@ class LM(CausalLM):
         elif self.own_sharding == "fsdp1":
             from torch.distributed.fsdp import FullyShardedDataParallel
 
-            self.model.model.layers[0] = FullyShardedDataParallel(self.model.model.layers[0], device_id=torch.device("cpu"))
+            self.model.model.layers[0] = FullyShardedDataParallel(self.model.model.layers[0],
+                                                                  device_id=torch.device("cpu"))
 
 
 class WithExtras(LM):

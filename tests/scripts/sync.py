@@ -25,11 +25,17 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from lightning_fsdp_export import (  # noqa: E402
-    ColocatedVLLM, DirectoryTarget, InMemoryTarget, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync)
-from lightning_fsdp_export.targets import Directory  # noqa: E402
-from lightning_fsdp_export.testing import VOCAB, tiny_qwen2  # noqa: E402
-from tests.scripts.common import CausalLM, run_scenarios, start_script, token_loader  # noqa: E402
+from lightning_fsdp_export import (
+    ColocatedVLLM,
+    DirectoryTarget,
+    InMemoryTarget,
+    LazyExportFSDP2,
+    RemoteVLLM,
+    VLLMWeightSync,
+)
+from lightning_fsdp_export.targets import Directory
+from lightning_fsdp_export.testing import VOCAB, tiny_qwen2
+from tests.scripts.common import CausalLM, run_scenarios, start_script, token_loader
 
 PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(100)] for i in range(1, 4)]  # long: prefix cache matters
 GEN = 8
@@ -57,7 +63,8 @@ def reference_logprobs(weights: dict[str, torch.Tensor], seqs: list[list[int]]) 
     return out
 
 
-def vllm_scores(llm: Any, lora_request: Any = None) -> tuple[list[list[float]], list[list[int]], list[list[float]], int]:
+def vllm_scores(llm: Any,
+                lora_request: Any = None) -> tuple[list[list[float]], list[list[int]], list[list[float]], int]:
     """vLLM's prompt logprobs, greedy continuations, their logprobs, and cached prompt tokens."""
     from vllm import SamplingParams
 
@@ -164,7 +171,8 @@ def scenario_colocated(root: Path, model_dir: Path) -> dict[str, Any]:
 def scenario_triggers(root: Path) -> dict[str, Any]:
     out = {}
     cases = {"steps_2": dict(every_n_train_steps=2), "default": {}, "no_start": dict(sync_on_train_start=False),
-             "epochs_1": dict(every_n_epochs=1), "accumulate": {}, "accumulate_no_start": dict(sync_on_train_start=False)}
+             "epochs_1": dict(every_n_epochs=1), "accumulate": {},
+             "accumulate_no_start": dict(sync_on_train_start=False)}
     for name, kwargs in cases.items():
         seed_everything(0)
         target = InMemoryTarget()
@@ -200,7 +208,8 @@ def scenario_directory(root: Path) -> dict[str, Any]:
     trainer = trainer_for([sync], steps=2, root=root)
     trainer.fit(LM(), loader())
     weights = dict(trainer.strategy.export_weights(dtype=torch.bfloat16))
-    result: dict[str, Any] = {"current": str(target.current), "versions": sorted(p.name for p in (root / "export").iterdir())}
+    result: dict[str, Any] = {"current": str(target.current),
+                              "versions": sorted(p.name for p in (root / "export").iterdir())}
     if trainer.global_rank == 0:
         from transformers import AutoModelForCausalLM
 

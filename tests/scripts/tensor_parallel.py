@@ -22,14 +22,14 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
-import lightning.pytorch as pl  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
-from torch.distributed.fsdp import fully_shard  # noqa: E402
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module  # noqa: E402
+import lightning.pytorch as pl
+from safetensors.torch import load_file
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-from lightning_fsdp_export import InMemoryTarget, LazyExportFSDP2, VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.testing import qwen2_config, tiny_qwen2  # noqa: E402
-from tests.scripts.common import end_script, name_diff, token_loader  # noqa: E402
+from lightning_fsdp_export import InMemoryTarget, LazyExportFSDP2, VLLMWeightSync
+from lightning_fsdp_export.testing import qwen2_config, tiny_qwen2
+from tests.scripts.common import end_script, name_diff, token_loader
 
 PLAN = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
         "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
@@ -89,7 +89,8 @@ def parallelize(model: torch.nn.Module, mesh: Any) -> torch.nn.Module:
     return model
 
 
-def fabric_run(ckpt: Path, checkpoint: dict[str, torch.Tensor], trainer_start: dict[str, torch.Tensor]) -> dict[str, Any]:
+def fabric_run(ckpt: Path, checkpoint: dict[str, torch.Tensor],
+               trainer_start: dict[str, torch.Tensor]) -> dict[str, Any]:
     """The same recipe in a Fabric loop: meta init, ``parallelize_fn``, ``pretrained=``; its export against the
     checkpoint and against the Trainer strategy's export of the same model on the same mesh; a push after a step."""
     from lightning.fabric import Fabric
