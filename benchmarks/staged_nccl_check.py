@@ -87,13 +87,13 @@ class Model(torch.nn.Module):
 
 
 def checksums(named: dict[str, torch.Tensor]) -> dict[str, int]:
-    from lightning_fsdp_export.targets.gloo_protocol import device_checksum
+    from lightning_fsdp_export.backend.protocol import device_checksum
 
     return {n: device_checksum(0, t) for n, t in named.items()}
 
 
 def worker(conn: Any, port: int, staging: str, shapes: dict[str, torch.Size], fault: str = "", mib: int = 0) -> None:
-    from lightning_fsdp_export.targets.staged_nccl import StagedNCCLInitInfo, StagedNCCLWeightTransferEngine
+    from lightning_fsdp_export.backend.staged_nccl import StagedNCCLInitInfo, StagedNCCLWeightTransferEngine
 
     model = Model(shapes)
     engine = StagedNCCLWeightTransferEngine.__new__(StagedNCCLWeightTransferEngine)  # no vLLM config: see docstring
@@ -195,13 +195,13 @@ def run(rank: int, conns: list[Any], port: int, staging: str, mib: int) -> None:
 
 
 def trainer(client: PipeClient, port: int, staging: str, mib: int) -> None:
-    from lightning_fsdp_export.export.source import ExportSource
-    from lightning_fsdp_export.export.vllm_source import FSDP2WeightSource
-    from lightning_fsdp_export.targets.gloo_trainer import GlooRound, swap_update_info
-    from lightning_fsdp_export.targets.staged_nccl import (
+    from lightning_fsdp_export.backend.staged_nccl import (
         StagedNCCLTrainerInitInfo,
         StagedNCCLTrainerWeightTransferEngine,
     )
+    from lightning_fsdp_export.backend.trainer import GlooRound, swap_update_info
+    from lightning_fsdp_export.export.source import ExportSource
+    from lightning_fsdp_export.export.vllm_source import FSDP2WeightSource
 
     current: dict[str, Any] = {"tensors": tensors(1, mib), "fail_at": None}
 
@@ -265,13 +265,13 @@ def fault_run(rank: int, conn: Any, port: int, fault: str, mib: int) -> None:
         faulthandler.dump_traceback_later(45, exit=False)  # where it waits, if it does
         worker(conn, port, "device", shapes, fault, mib)
         os._exit(0)  # a communicator whose peer died may block the interpreter's exit
-    from lightning_fsdp_export.export.source import ExportSource
-    from lightning_fsdp_export.export.vllm_source import FSDP2WeightSource
-    from lightning_fsdp_export.targets.gloo_trainer import GlooRound, swap_update_info
-    from lightning_fsdp_export.targets.staged_nccl import (
+    from lightning_fsdp_export.backend.staged_nccl import (
         StagedNCCLTrainerInitInfo,
         StagedNCCLTrainerWeightTransferEngine,
     )
+    from lightning_fsdp_export.backend.trainer import GlooRound, swap_update_info
+    from lightning_fsdp_export.export.source import ExportSource
+    from lightning_fsdp_export.export.vllm_source import FSDP2WeightSource
 
     client = PipeClient(conn)
     current = {"tensors": tensors(1, mib), "version": 1}

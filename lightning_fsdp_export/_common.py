@@ -17,7 +17,10 @@ import torch.distributed as dist
 
 from lightning_fsdp_export._compat import default_store
 
-__all__ = ["SyncGroup", "WeightSyncError", "compare_shapes"]
+__all__ = ["DEFAULT_SHARD_BYTES", "SyncGroup", "WeightSyncError", "compare_shapes"]
+
+DEFAULT_SHARD_BYTES = 2 * 2**30
+"""Largest safetensors file a directory version is split into (``DirectoryTarget`` and the ``Directory`` transport)."""
 
 
 class WeightSyncError(RuntimeError):

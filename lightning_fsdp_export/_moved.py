@@ -24,6 +24,13 @@ MOVED = {_P + old: _P + new for old, new in {
     "patches": "export.patches", "targets.vllm_source": "export.vllm_source",
     "callback": "sync.callback", "pushes": "sync.pushes", "agreement": "sync.agreement", "verify": "sync.verify",
     "exact": "sync.exact",
+    "targets.transports": "transfer.transports", "targets.transfer": "transfer.frame",
+    "targets.rounds": "transfer.rounds", "targets.background": "transfer.background",
+    "targets.preflight": "transfer.preflight", "targets.http": "transfer.http", "targets.clients": "transfer.clients",
+    "targets.adapters": "transfer.adapters", "targets.patch_lists": "transfer.patch_lists",
+    "targets.gloo": "backend.gloo", "targets.gloo_infos": "backend.infos",
+    "targets.gloo_protocol": "backend.protocol", "targets.gloo_worker": "backend.worker",
+    "targets.gloo_trainer": "backend.trainer", "targets.staged_nccl": "backend.staged_nccl",
 }.items()}
 """Old module path -> new one (``export`` and ``phases`` are packages now: their old names are forwarded by the
 packages' ``__getattr__``)."""

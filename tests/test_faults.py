@@ -15,7 +15,7 @@ import pytest
 
 from lightning_fsdp_export import RemoteVLLM
 from lightning_fsdp_export._common import compare_shapes
-from lightning_fsdp_export.targets.transports import Directory
+from lightning_fsdp_export.transfer.transports import Directory
 from tests.conftest import run_torchrun
 from tests.test_sync import ENGINE_ENV
 

@@ -18,10 +18,11 @@ import torch
 
 pytest.importorskip("vllm")
 
+from lightning_fsdp_export.backend import gloo
+from lightning_fsdp_export.backend import protocol as gloo_protocol
+from lightning_fsdp_export.backend.gloo import GlooRound
 from lightning_fsdp_export.export.source import ExportSource
 from lightning_fsdp_export.export.vllm_source import FSDP2WeightSource
-from lightning_fsdp_export.targets import gloo, gloo_protocol
-from lightning_fsdp_export.targets.gloo import GlooRound
 from tests.conftest import free_port
 
 
@@ -219,7 +220,7 @@ def test_a_staged_round_that_fails_mid_transfer_drops_the_staging_and_touches_no
 
 
 def test_a_staged_round_checks_each_trainer_ranks_bytes_and_crc_on_every_worker(monkeypatch: Any) -> None:
-    from lightning_fsdp_export.targets import gloo_trainer
+    from lightning_fsdp_export.backend import trainer as gloo_trainer
 
     tensors = weights()
     engine, models, client = connect(2, tensors, buffer_bytes=700)
@@ -501,7 +502,7 @@ def test_register_tolerates_repeats_and_the_plugin() -> None:
     gloo.register()
     assert WeightTransferTrainerFactory._registry["gloo"]() is gloo.GlooTrainerWeightTransferEngine
     assert WeightTransferEngineFactory._registry["gloo"]() is gloo.GlooWeightTransferEngine
-    from lightning_fsdp_export.targets import staged_nccl  # the same protocol over NCCL (GPU only to run)
+    from lightning_fsdp_export.backend import staged_nccl  # the same protocol over NCCL (GPU only to run)
 
     assert WeightTransferTrainerFactory._registry["staged_nccl"]() is staged_nccl.StagedNCCLTrainerWeightTransferEngine
     assert WeightTransferEngineFactory._registry["staged_nccl"]() is staged_nccl.StagedNCCLWeightTransferEngine
@@ -509,8 +510,8 @@ def test_register_tolerates_repeats_and_the_plugin() -> None:
 
 def test_staged_nccl_tells_the_workers_their_staging_and_chooses_it_by_free_memory() -> None:
     """The NCCL engines need CUDA to run (benchmarks/staged_nccl_check.py runs them on a GPU); here what they decide."""
-    from lightning_fsdp_export.targets import staged_nccl
-    from lightning_fsdp_export.targets.transports import StagedNCCL
+    from lightning_fsdp_export.backend import staged_nccl
+    from lightning_fsdp_export.transfer.transports import StagedNCCL
 
     info = StagedNCCL(staging="host", buffer_bytes=1 << 20).init_info(
         rank=0, address="10.0.0.1", port=29999, world_size=3, trainers=1, group="g", timeout=30.0)
@@ -557,8 +558,8 @@ def test_an_llm_in_this_process_through_the_adapter(tmp_path: Any) -> None:
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
-    from lightning_fsdp_export.targets.clients import LLMClient
     from lightning_fsdp_export.testing import tiny_qwen2
+    from lightning_fsdp_export.transfer.clients import LLMClient
 
     tiny_qwen2(seed=99).to(torch.bfloat16).save_pretrained(tmp_path)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

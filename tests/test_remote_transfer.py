@@ -196,9 +196,9 @@ _DYING_TRAINER = textwrap.dedent("""
     import sys, time, torch
     sys.path.insert(0, {root!r})
     from lightning_fsdp_export.export.source import ExportSource
-    from lightning_fsdp_export.targets.http import Server
-    from lightning_fsdp_export.targets.transfer import NativeTransfer
-    from lightning_fsdp_export.targets.transports import Gloo
+    from lightning_fsdp_export.transfer.http import Server
+    from lightning_fsdp_export.transfer.frame import NativeTransfer
+    from lightning_fsdp_export.transfer.transports import Gloo
     from lightning_fsdp_export.testing import tiny_qwen2
     from types import SimpleNamespace
 
@@ -220,9 +220,9 @@ _DYING_TRAINER = textwrap.dedent("""
 @pytest.mark.parametrize("background", [False, True], ids=["paused_round", "background_round"])
 def test_a_trainer_killed_mid_round_frees_the_server_after_the_timeout(servers: Any, background: bool) -> None:
     from lightning_fsdp_export.export.source import ExportSource
-    from lightning_fsdp_export.targets.http import Server
-    from lightning_fsdp_export.targets.transfer import NativeTransfer
-    from lightning_fsdp_export.targets.transports import Gloo
+    from lightning_fsdp_export.transfer.frame import NativeTransfer
+    from lightning_fsdp_export.transfer.http import Server
+    from lightning_fsdp_export.transfer.transports import Gloo
 
     _, urls = servers
     server = Server(urls[0], api_key=None, timeout=60)
@@ -262,9 +262,9 @@ def test_a_server_killed_mid_background_transfer_is_named_and_the_other_keeps_se
     # both; the round fails naming it within the timeout, and the session's server was never paused: it serves the
     # version it had and answers. The trainer side is one rank in this process (as the killed-trainer test above).
     from lightning_fsdp_export.export.source import ExportSource
-    from lightning_fsdp_export.targets.http import Server
-    from lightning_fsdp_export.targets.transfer import NativeTransfer
-    from lightning_fsdp_export.targets.transports import Gloo
+    from lightning_fsdp_export.transfer.frame import NativeTransfer
+    from lightning_fsdp_export.transfer.http import Server
+    from lightning_fsdp_export.transfer.transports import Gloo
 
     model_dir, urls = servers
     port = free_port()

@@ -23,8 +23,8 @@ pytest.importorskip("vllm")
 from lightning_fsdp_export import RemoteVLLM
 from lightning_fsdp_export._compat import iter_full, source_metadata, weight_source_contract
 from lightning_fsdp_export.export.source import ExportSource, layerwise_entries, layerwise_groups
-from lightning_fsdp_export.targets.http import ServerError
-from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL, StagedNCCL
+from lightning_fsdp_export.transfer.http import ServerError
+from lightning_fsdp_export.transfer.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL, StagedNCCL
 from tests.conftest import free_port
 
 VLLM_VERSION = __import__("vllm").__version__
@@ -278,7 +278,7 @@ class StagedRecordingEngine(RecordingEngine):
     def __init__(self, init_info: Any, client: Any, source: Any) -> None:
         from dataclasses import asdict
 
-        from lightning_fsdp_export.targets.staged_nccl import StagedNCCLTrainerWeightTransferEngine
+        from lightning_fsdp_export.backend.staged_nccl import StagedNCCLTrainerWeightTransferEngine
 
         self.init_info, self.client, self.source, self.payloads = init_info, client, source, []
         if init_info.rank == 0:
@@ -551,7 +551,7 @@ def shard_source() -> Any:
 
 def test_after_a_failed_round_rank_0_names_the_servers_that_stopped_answering() -> None:
     # gloo's "Connection closed by peer [address]" names no server: rank 0 asks each one's /health
-    from lightning_fsdp_export.targets.http import Server, not_answering
+    from lightning_fsdp_export.transfer.http import Server, not_answering
 
     alive = Stub()
     gone = Server(f"http://127.0.0.1:{free_port()}", api_key=None, timeout=5)  # nothing listens there
@@ -661,7 +661,7 @@ def test_every_problem_of_every_server_is_named_with_its_fix(recording_engine: A
 
 
 def test_a_quantized_checkpoint_is_refused_but_online_quantization_of_bf16_files_is_not(tmp_path: Any) -> None:
-    from lightning_fsdp_export.targets.preflight import quantization_problem
+    from lightning_fsdp_export.transfer.preflight import quantization_problem
 
     stored, plain = tmp_path / "fp8", tmp_path / "bf16"
     stored.mkdir()
@@ -675,8 +675,8 @@ def test_a_quantized_checkpoint_is_refused_but_online_quantization_of_bf16_files
 
 
 def test_a_server_without_dev_mode_is_named_with_the_variable() -> None:
-    from lightning_fsdp_export.targets.http import Server
-    from lightning_fsdp_export.targets.preflight import server_info
+    from lightning_fsdp_export.transfer.http import Server
+    from lightning_fsdp_export.transfer.preflight import server_info
 
     stub = Stub()
     stub.fail["/server_info"] = (404, {"detail": "Not Found"})
@@ -694,7 +694,7 @@ def test_a_server_without_dev_mode_is_named_with_the_variable() -> None:
 def test_a_colocated_quantized_engine_is_refused() -> None:
     from types import SimpleNamespace
 
-    from lightning_fsdp_export.targets.preflight import engine_quantization_problem
+    from lightning_fsdp_export.transfer.preflight import engine_quantization_problem
 
     def llm(quantization: str | None, stored: Any) -> Any:
         config = SimpleNamespace(quantization=quantization, model="/ckpt",
@@ -737,7 +737,7 @@ def test_an_adapter_sync_holds_the_servers_paused_between_base_and_adapter_and_a
 
 
 def test_an_adapter_round_tells_the_gloo_workers_where_to_write_it() -> None:
-    from lightning_fsdp_export.targets.gloo import GlooWeightTransferUpdateInfo, write_adapter_dir
+    from lightning_fsdp_export.backend.gloo import GlooWeightTransferUpdateInfo, write_adapter_dir
 
     with pytest.raises(ValueError, match="absolute adapter_dir"):
         GlooWeightTransferUpdateInfo(names=[], dtype_names=[], shapes=[], adapter_dir="relative/v1",
@@ -769,8 +769,8 @@ def test_gloo_workers_write_adapters_in_a_private_directory_no_import_can_mistak
     import time
     from pathlib import Path
 
-    from lightning_fsdp_export.targets.adapters import SERVER_ADAPTER_ROOT, server_layout
-    from lightning_fsdp_export.targets.gloo import write_adapter_dir
+    from lightning_fsdp_export.backend.adapter_dirs import SERVER_ADAPTER_ROOT, server_layout
+    from lightning_fsdp_export.backend.gloo import write_adapter_dir
 
     top = Path(SERVER_ADAPTER_ROOT).parent  # what lands in /tmp, a directory on many processes' paths
     assert top.parent == Path("/tmp") and not top.name.isidentifier(), SERVER_ADAPTER_ROOT
@@ -933,7 +933,7 @@ def test_sparse_nccl_needs_vllm_with_the_engine(monkeypatch: pytest.MonkeyPatch)
 
 
 def test_each_gloo_option_runs_its_kind_of_round_and_a_staged_one_pauses_only_for_the_swap() -> None:
-    from lightning_fsdp_export.targets.rounds import ROUNDS, RoundKind, round_for
+    from lightning_fsdp_export.transfer.rounds import ROUNDS, RoundKind, round_for
 
     kinds = {(sd, sp, bg): Gloo(shard_direct=sd, sparse=sp, background=bg).weights_round
              for sd in (False, True) for sp in (False, True) for bg in (False, True) if sd or not sp}

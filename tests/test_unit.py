@@ -180,7 +180,7 @@ def test_the_package_has_no_import_cycle() -> None:
         visit(module, [])
 
 
-ROOMS = ("prepare", "phases", "export", "sync", "targets", "rollouts", "fabric")
+ROOMS = ("prepare", "phases", "export", "sync", "targets", "transfer", "backend", "rollouts", "fabric")
 BOTTOM = ("_common", "_compat", "_fsdp", "_moved")
 GLUE = ("strategy", "strategy_core")  # the Trainer strategy and the core both strategies share
 
@@ -260,9 +260,7 @@ def test_the_rooms_import_each_other_without_a_cycle_as_architecture_md_says() -
 # vLLM plugin module, which imports this package), peft (only peft models need it; it costs seconds to import), and
 # APIs of a version newer than the
 # package's minimum (transformers 5's conversion rules, torch's HuggingFaceStorageReader).
-LAZY_IMPORTS = ("vllm", "lightning_fsdp_export.export.vllm_source", "lightning_fsdp_export.targets.gloo",
-                "lightning_fsdp_export.targets.gloo_infos", "lightning_fsdp_export.targets.gloo_trainer",
-                "lightning_fsdp_export.targets.gloo_worker", "lightning_fsdp_export.targets.staged_nccl",
+LAZY_IMPORTS = ("vllm", "lightning_fsdp_export.export.vllm_source", "lightning_fsdp_export.backend",
                 "lightning_fsdp_export_plugin", "peft", "transformers.core_model_loading",
                 "transformers.conversion_mapping", "torch.distributed.checkpoint")
 

@@ -24,8 +24,8 @@ from lightning_fsdp_export.rollouts.samples import RolloutBatch, RolloutError, S
 from lightning_fsdp_export.rollouts.state import RolloutState
 from lightning_fsdp_export.sync.callback import VLLMWeightSync
 from lightning_fsdp_export.sync.engine import SyncEngine
-from lightning_fsdp_export.targets.http import Server, ServerError
 from lightning_fsdp_export.targets.remote import RemoteVLLM
+from lightning_fsdp_export.transfer.http import Server, ServerError
 
 __all__ = ["AsyncRollouts"]
 

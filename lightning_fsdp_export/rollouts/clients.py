@@ -13,7 +13,7 @@ from lightning_fsdp_export.rollouts.pacing import Pacing
 from lightning_fsdp_export.rollouts.samples import GENERATE_ROUTE, UNKNOWN_VERSION, RolloutError, Sample, SampleGroup
 from lightning_fsdp_export.rollouts.state import RolloutState
 from lightning_fsdp_export.sync.callback import VLLMWeightSync
-from lightning_fsdp_export.targets.http import Server, ServerError, interrupt
+from lightning_fsdp_export.transfer.http import Server, ServerError, interrupt
 
 __all__ = ["RolloutClients"]
 

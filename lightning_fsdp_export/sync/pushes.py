@@ -18,8 +18,8 @@ import torch
 from lightning_fsdp_export.export.lora import write_adapter
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
 from lightning_fsdp_export.sync.options import SyncLora
-from lightning_fsdp_export.targets.adapters import prune_versions
 from lightning_fsdp_export.targets.base import ExactCheckable, LoadsAdapters, WeightTarget
+from lightning_fsdp_export.transfer.adapters import prune_versions
 
 if TYPE_CHECKING:
     from lightning_fsdp_export.strategy import LazyExportFSDP2

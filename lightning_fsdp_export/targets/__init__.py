@@ -1,9 +1,9 @@
-"""Where a weight sync sends the exported weights.
+"""Where a weight sync sends the exported weights: a colocated engine, servers, a directory, memory.
 
 A target subclasses :class:`WeightTarget` (and the capabilities it has: :class:`ScoresLogprobs`,
 :class:`ExactCheckable`, :class:`LoadsAdapters`, :class:`SleepsDuringCompute`, :class:`SendsPatches`; see
-:mod:`.base`).
-``RemoteVLLM``'s transports are options objects (:mod:`.transports`): ``Gloo(shard_direct=True)``, ``Directory(path)``.
+:mod:`.base`). How a push reaches servers is the next room, :mod:`lightning_fsdp_export.transfer`; ``RemoteVLLM``'s
+transports are its options objects (``Gloo(shard_direct=True)``, ``Directory(path)``), re-exported here.
 """
 
 from typing import Any
@@ -17,12 +17,12 @@ from lightning_fsdp_export.targets.base import (
     SleepsDuringCompute,
     WeightTarget,
 )
-from lightning_fsdp_export.targets.clients import LLMClient
 from lightning_fsdp_export.targets.colocated import ColocatedVLLM
 from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.targets.memory import InMemoryTarget
 from lightning_fsdp_export.targets.remote import RemoteVLLM
-from lightning_fsdp_export.targets.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL, StagedNCCL
+from lightning_fsdp_export.transfer.clients import LLMClient
+from lightning_fsdp_export.transfer.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL, StagedNCCL
 
 __all__ = ["IPC", "NCCL", "NCCLM2N", "ColocatedVLLM", "Directory", "DirectoryTarget", "ExactCheckable", "Gloo",
            "InMemoryTarget", "LLMClient", "LoadsAdapters", "RemoteVLLM", "ScoresLogprobs", "SendsPatches",

@@ -33,7 +33,7 @@ from lightning_fsdp_export.targets.base import (
     WeightTarget,
 )
 from lightning_fsdp_export.targets.directory import CheckpointCheck
-from lightning_fsdp_export.targets.preflight import engine_quantization_problem
+from lightning_fsdp_export.transfer.preflight import engine_quantization_problem
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl

@@ -15,14 +15,13 @@ from safetensors.torch import save_file
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_fsdp_export._common import compare_shapes
+from lightning_fsdp_export._common import DEFAULT_SHARD_BYTES, compare_shapes
 from lightning_fsdp_export.prepare.pretrained import checkpoint_shapes
 from lightning_fsdp_export.targets.base import WeightTarget
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-DEFAULT_SHARD_BYTES = 2 * 2**30
 
 
 def write_safetensors(weights: Iterator[tuple[str, Tensor]], directory: Path, *, shard_bytes: int,

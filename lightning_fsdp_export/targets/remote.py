@@ -21,7 +21,6 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
-from lightning_fsdp_export.targets.adapters import AdapterFiles, adapter_problems, adapter_rank
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,
     LoadsAdapters,
@@ -30,10 +29,12 @@ from lightning_fsdp_export.targets.base import (
     WeightTarget,
 )
 from lightning_fsdp_export.targets.directory import CheckpointCheck
-from lightning_fsdp_export.targets.http import Server, on_all
-from lightning_fsdp_export.targets.rounds import ROUNDS
-from lightning_fsdp_export.targets.transfer import DirectoryReload, NativeTransfer, PauseMode, pause_route
-from lightning_fsdp_export.targets.transports import Directory, Transport, parse_transport
+from lightning_fsdp_export.targets.remote_directory import DirectoryReload
+from lightning_fsdp_export.transfer.adapters import AdapterFiles, adapter_problems, adapter_rank
+from lightning_fsdp_export.transfer.frame import NativeTransfer, PauseMode, pause_route
+from lightning_fsdp_export.transfer.http import Server, on_all
+from lightning_fsdp_export.transfer.rounds import ROUNDS
+from lightning_fsdp_export.transfer.transports import Directory, Transport, parse_transport
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -51,7 +52,7 @@ _MOVED = {"directory": ("Directory", "path"), "shard_bytes": ("Directory", "shar
 class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
     """Push each version to one or several running vLLM servers (replicas), all in the same sync.
 
-    Transports (``transport=``, an options object from :mod:`~lightning_fsdp_export.targets.transports`, or
+    Transports (``transport=``, an options object from :mod:`~lightning_fsdp_export.transfer.transports`, or
     its name for its defaults):
 
     * ``NCCL()`` / ``"nccl"``: vLLM's NCCL engine; the servers on other GPUs or nodes, started with
@@ -63,7 +64,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
       ``Gloo(shard_direct=True)`` every trainer rank sends its own rows of each FSDP2 shard (no all-gather on
       the trainer; the workers assemble the full tensors); the servers need no other setting. With
       ``Gloo(shard_direct=True, sparse=True)`` every sync after a dense one sends each rank's changed elements only
-      (see :class:`~lightning_fsdp_export.targets.transports.Gloo`; ``last_patch`` reports each round).
+      (see :class:`~lightning_fsdp_export.transfer.transports.Gloo`; ``last_patch`` reports each round).
     * ``NCCLM2N()`` / ``"nccl_m2n"``: vLLM's M2N engine (``'{"backend": "nccl_m2n"}'``; needs NVIDIA's
       ``nccl-extensions`` on both sides): every trainer rank sends its local shards over NCCL and the
       workers reshard them (``strategy.weight_source(layout="m2n")``). GPU only.
@@ -128,7 +129,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
             classes, field = _MOVED[name]
             raise TypeError(f"RemoteVLLM({name}=...) is an option of the transport: pass it there, e.g."
                             f" RemoteVLLM(url, transport={classes.split(' / ')[0]}({field}=...)) ({classes} take it;"
-                            " lightning_fsdp_export.targets.transports).")
+                            " lightning_fsdp_export.transfer.transports).")
         urls = [base_url] if isinstance(base_url, str) else list(base_url)
         if not urls:
             raise ValueError("RemoteVLLM(base_url=[]) needs at least one server address.")

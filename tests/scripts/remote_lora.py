@@ -33,8 +33,8 @@ from lightning.pytorch import Trainer, seed_everything
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync, WeightSyncError
 from lightning_fsdp_export.targets import Directory, Gloo
-from lightning_fsdp_export.targets.adapters import SERVER_ADAPTER_ROOT
 from lightning_fsdp_export.testing import VOCAB, tiny_lora_qwen2, tiny_qwen2
+from lightning_fsdp_export.transfer.adapters import SERVER_ADAPTER_ROOT
 from tests.scripts.common import CausalLM, end_script, run_scenarios, start_script, token_loader
 
 PROMPT = [(5 * j + 2) % VOCAB for j in range(32)]

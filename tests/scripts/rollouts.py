@@ -106,7 +106,7 @@ def trainer_for(callbacks: list[pl.Callback], steps: int, root: Path) -> Trainer
 
 
 def server_states(urls: list[str]) -> list[dict[str, Any]]:
-    from lightning_fsdp_export.targets.http import Server
+    from lightning_fsdp_export.transfer.http import Server
 
     out = []
     for url in urls:
@@ -217,8 +217,8 @@ def a_request_frozen_by_a_push(trainer: Trainer, sync: VLLMWeightSync, rollouts:
     the send instead: a third of the last request's duration after a late pause, twice the last delay after an
     early one. Each attempt is a push."""
     from lightning_fsdp_export.rollouts import GENERATE_ROUTE
-    from lightning_fsdp_export.targets.http import Server
-    from lightning_fsdp_export.targets.transfer import pause_route
+    from lightning_fsdp_export.transfer.frame import pause_route
+    from lightning_fsdp_export.transfer.http import Server
 
     rank0 = trainer.global_rank == 0
     server, prompt = Server(url, api_key=None, timeout=TIMEOUT), PROMPTS[0]
@@ -460,7 +460,7 @@ def scenario_replica_dies(root: Path, urls: list[str]) -> dict[str, Any]:
     dist.all_gather_object(errors, rollouts.errors[-3:])
     events["request_errors"] = [e for rank in errors for e in rank]
     if dist.get_rank() == 0:  # the first server, left paused by the failed sync, serves again for what follows
-        from lightning_fsdp_export.targets.http import Server
+        from lightning_fsdp_export.transfer.http import Server
 
         events["first_server_after"] = server_states(urls[:1])[0]
         Server(urls[0], api_key=None, timeout=10).request("POST", "/resume")

@@ -231,7 +231,7 @@ def scenario_patch_lists() -> dict[str, Any]:
 
     from lightning_fsdp_export._common import SyncGroup
     from lightning_fsdp_export.export.patches import PatchBase
-    from lightning_fsdp_export.targets.patch_lists import send_patch_lists
+    from lightning_fsdp_export.transfer.patch_lists import send_patch_lists
 
     name = "vllm.distributed.weight_transfer.sparse_nccl_engine"
     if importlib.util.find_spec(name) is None:  # vLLM 0.32: the patch's dataclass, as 0.33 defines it

@@ -5,11 +5,11 @@ built by ``WeightTransferTrainerFactory.trainer_init`` over a ``WeightSource`` a
 is one ``send_weights()`` on every rank (rank 0 sends, the others iterate the source so the FSDP
 gathers line up). This module adds what a deployment needs around it:
 
-* :class:`~lightning_fsdp_export.targets.clients.FanOutClient` (``targets/clients.py``), vLLM's four-method
+* :class:`~lightning_fsdp_export.transfer.clients.FanOutClient` (:mod:`.clients`), vLLM's four-method
   ``VLLMWeightSyncClient`` over several servers at once: each server gets its own ``rank_offset`` (a running sum
   of ``/get_world_size``), and ``finish_weight_update`` carries the sync's version (vLLM's engines send none);
 * :class:`NativeTransfer`, the frame of every round: ``/pause``, the round (one class per kind,
-  :mod:`~lightning_fsdp_export.targets.rounds`: what is sent, what the servers are told after it), ``/resume``
+  :mod:`~lightning_fsdp_export.transfer.rounds`: what is sent, what the servers are told after it), ``/resume``
   (a staged round, ``Gloo(background=True)``, pauses only after its data arrived, for the swap);
   and after a failure: close the round on every reachable server that may hold half-loaded weights and leave it
   paused (it answers no request then), resume every server that holds one whole version (a pause or a group that
@@ -30,36 +30,32 @@ import os
 import shutil
 import socket
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
-from torch import Tensor
 
 from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export._compat import source_metadata
 from lightning_fsdp_export.export.patches import PatchBase
 from lightning_fsdp_export.export.shards import ShardSource
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
-from lightning_fsdp_export.targets.adapters import (
+from lightning_fsdp_export.transfer.adapters import (
     SERVER_ADAPTER_ROOT,
     AdapterFiles,
     AdapterTensors,
-    prune_versions,
 )
-from lightning_fsdp_export.targets.background import BackgroundPushes
-from lightning_fsdp_export.targets.clients import FanOutClient
-from lightning_fsdp_export.targets.directory import DirectoryTarget
-from lightning_fsdp_export.targets.http import Server, ServerError, not_answering, on_all
-from lightning_fsdp_export.targets.pauses import PartlyFailed, Pauses, close_rounds, pause_route
-from lightning_fsdp_export.targets.preflight import check_servers
-from lightning_fsdp_export.targets.rounds import ROUNDS, PauseMode, Round, reset_prefix_caches, round_for, set_versions
-from lightning_fsdp_export.targets.transports import Directory, NetworkTransport, RendezvousTransport
+from lightning_fsdp_export.transfer.background import BackgroundPushes
+from lightning_fsdp_export.transfer.clients import FanOutClient
+from lightning_fsdp_export.transfer.http import Server, ServerError, not_answering, on_all
+from lightning_fsdp_export.transfer.pauses import PartlyFailed, Pauses, close_rounds, pause_route
+from lightning_fsdp_export.transfer.preflight import check_servers
+from lightning_fsdp_export.transfer.rounds import ROUNDS, PauseMode, Round, reset_prefix_caches, round_for
+from lightning_fsdp_export.transfer.transports import NetworkTransport, RendezvousTransport
 
-__all__ = ["DirectoryReload", "NativeTransfer", "PartlyFailed", "PauseMode", "pause_route", "reset_prefix_caches"]
+__all__ = ["NativeTransfer", "PartlyFailed", "PauseMode", "pause_route", "reset_prefix_caches"]
 
 
 class NativeTransfer(Pauses, BackgroundPushes):
@@ -77,7 +73,7 @@ class NativeTransfer(Pauses, BackgroundPushes):
 
     Args:
         servers: the servers (replicas) updated by every sync.
-        transport: a network transport's options (:mod:`~lightning_fsdp_export.targets.transports`).
+        transport: a network transport's options (:mod:`~lightning_fsdp_export.transfer.transports`).
         timeout: seconds for the rendezvous and every collective of the transfer (``Gloo``), and per request.
         pause_mode: ``"wait"`` lets running requests finish before the update; ``"keep"`` freezes them
             and preempts them after it (async RL); ``"keep_old_kv"`` freezes them and keeps their KV.
@@ -360,70 +356,6 @@ class NativeTransfer(Pauses, BackgroundPushes):
     def _digest(self) -> str:
         """``nccl_m2n`` builds its engine for one source plan: a new plan (another model, dtype) needs a new group."""
         return repr(source_metadata(self.source)) if self.options.layout is SourceLayout.M2N else ""
-
-class DirectoryReload(Pauses):
-    """``Directory``'s round: rank 0 writes the version as safetensors, then on every server ``/pause``,
-    ``reload_weights`` from it, reset the prefix cache, set the version, ``/resume``. A server whose reload failed
-    stays paused (as after a failed network round), never serving a half-reloaded model, until the next sync's full
-    reload resumes it; the servers whose reload succeeded serve the new version, resumed.
-
-    Args:
-        servers: the servers (replicas) updated by every sync.
-        options: the ``Directory`` transport's options.
-        dtype: the dtype written.
-        pause_mode: as :class:`NativeTransfer`'s.
-    """
-
-    def __init__(self, servers: Sequence[Server], options: Directory, *, dtype: torch.dtype | None,
-                 pause_mode: PauseMode) -> None:
-        self._init_pauses(servers, pause_mode)
-        self._checked = False
-        self.writer = DirectoryTarget(options.path, dtype=dtype, shard_bytes=options.shard_bytes,
-                                      keep_last=options.keep_last)
-
-    def setup(self, trainer: Any) -> None:
-        self.rank = trainer.global_rank
-        self.writer.setup(trainer)
-
-    def push(self, weights: Iterable[tuple[str, Tensor]], *, version: int, resume: bool = True) -> None:
-        """Every rank: write (rank 0; the others take part in the gathers), then rank 0 reloads every server
-        (``resume=False``: they stay paused for the adapter that follows)."""
-        self.writer.push(iter(weights), version=version)
-        if self.rank != 0:
-            return
-        path = os.fspath(Path(self.writer.version_dir(version)).resolve())
-        reload = {"method": "reload_weights", "kwargs": {"weights_path": path}}
-        if not self._checked:
-            check_servers(self.servers, backend=None)  # dev mode and quantization, before the first reload
-            self._checked = True
-        paused_at = self._pause()
-
-        def reload_one(server: Server) -> None:
-            server.request("POST", "/collective_rpc", reload)
-            reset_prefix_caches([server], self.pause_mode)
-            set_versions([server], version)
-
-        self._on_each_server(reload_one, version=version, resume=resume)
-        self._finish(paused_at, resume)
-
-    def push_adapter(self, files: AdapterFiles, *, version: int, name: str) -> None:
-        """Rank 0: copy the adapter under the shared directory (``<path>/adapters/<name>/v<version>``) and load it
-        on every server as ``name``."""
-        if self.rank != 0:
-            return
-        target = self.writer.directory / "adapters" / name / f"v{version:06d}"
-        if target.exists():
-            shutil.rmtree(target)
-        shutil.copytree(files.path, target)
-        prune_versions(target.parent)
-        self._load_adapter_from(os.fspath(target.resolve()), name=name, version=version)
-
-    def disconnect(self) -> None:
-        """Nothing to shut down: a directory holds no group."""
-
-    def remove_adapter_files(self) -> None:
-        """Nothing: the shared directory keeps the two newest adapter versions per name (the servers read them)."""
-
 
 def _vllm_version() -> str:
     import vllm

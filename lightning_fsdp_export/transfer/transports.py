@@ -4,11 +4,11 @@ A transport is a frozen options dataclass: its fields are the only options it ta
 not exist cannot be built), ``name`` is the backend the servers run (``--weight-transfer-config
 '{"backend": NAME}'``), ``layout`` what the sync asks the strategy for, ``every_rank`` whether every trainer
 rank joins the transfer group (shard-direct) or rank 0 alone sends, ``weights_round`` / ``adapter_round`` the
-kinds of round it runs (:mod:`~lightning_fsdp_export.targets.rounds`), and ``init_info()`` the trainer engine's
+kinds of round it runs (:mod:`~lightning_fsdp_export.transfer.rounds`), and ``init_info()`` the trainer engine's
 init info. :data:`TRANSPORTS` maps each name to its class; ``transport="gloo"`` means ``Gloo()``.
 
 Adding a network transport is one class here (with its ``init_info``) and one entry in :data:`TRANSPORTS`;
-the frame of every round (:class:`~lightning_fsdp_export.targets.transfer.NativeTransfer`) is the same for all.
+the frame of every round (:class:`~lightning_fsdp_export.transfer.frame.NativeTransfer`) is the same for all.
 """
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any, ClassVar
 
 import torch
 
+from lightning_fsdp_export._common import DEFAULT_SHARD_BYTES
 from lightning_fsdp_export.export.source import SourceLayout
-from lightning_fsdp_export.targets.directory import DEFAULT_SHARD_BYTES
-from lightning_fsdp_export.targets.rounds import RoundKind
+from lightning_fsdp_export.transfer.rounds import RoundKind
 
 __all__ = ["IPC", "NCCL", "TRANSPORTS", "Directory", "Gloo", "NCCLM2N", "NetworkTransport", "RendezvousTransport",
            "SparseNCCL", "StagedNCCL", "Transport", "parse_transport"]
@@ -193,7 +193,7 @@ class _OwnBackend(RendezvousTransport):
 
     def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
                   timeout: float) -> Any:
-        from lightning_fsdp_export.targets.gloo_trainer import register
+        from lightning_fsdp_export.backend.trainer import register
 
         register()
         info_class, extra = self._trainer_info()
@@ -243,7 +243,7 @@ class Gloo(_OwnBackend):
         return RoundKind.PATCHES if self.sparse else RoundKind.DENSE
 
     def _trainer_info(self) -> tuple[type, dict[str, Any]]:
-        from lightning_fsdp_export.targets.gloo_infos import GlooTrainerInitInfo
+        from lightning_fsdp_export.backend.infos import GlooTrainerInitInfo
 
         return GlooTrainerInitInfo, {}
 
@@ -285,7 +285,7 @@ class StagedNCCL(_OwnBackend):
         return RoundKind.STAGED_PATCHES if self.sparse else RoundKind.STAGED
 
     def _trainer_info(self) -> tuple[type, dict[str, Any]]:
-        from lightning_fsdp_export.targets.staged_nccl import StagedNCCLTrainerInitInfo
+        from lightning_fsdp_export.backend.staged_nccl import StagedNCCLTrainerInitInfo
 
         return StagedNCCLTrainerInitInfo, {"staging": self.staging}
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_fsdp_export.targets.http import Server, ServerError, on_all
+from lightning_fsdp_export.transfer.http import Server, ServerError, on_all
 
 __all__ = ["ServerInfo", "check_servers", "checkpoint_quantization", "server_info"]
 

@@ -17,15 +17,14 @@ import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
 from lightning_fsdp_export._compat import iter_full, source_metadata
-from lightning_fsdp_export.export.patches import PatchBase
-from lightning_fsdp_export.targets.gloo_infos import (
+from lightning_fsdp_export.backend.infos import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_TIMEOUT_S,
     GlooTrainerInitInfo,
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
 )
-from lightning_fsdp_export.targets.gloo_protocol import (
+from lightning_fsdp_export.backend.protocol import (
     ABORT,
     CPU,
     END,
@@ -42,6 +41,7 @@ from lightning_fsdp_export.targets.gloo_protocol import (
     patch_code,
     sparse_segment,
 )
+from lightning_fsdp_export.export.patches import PatchBase
 
 __all__ = ["DENSE", "GlooRound", "GlooTrainerWeightTransferEngine", "register", "swap_update_info"]
 

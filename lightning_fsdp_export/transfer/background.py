@@ -19,7 +19,7 @@ from lightning_fsdp_export.export.shards import ShardSnapshot, ShardSource
 if TYPE_CHECKING:
     from lightning_fsdp_export._common import SyncGroup
     from lightning_fsdp_export.export.source import ExportSource
-    from lightning_fsdp_export.targets.adapters import AdapterTensors
+    from lightning_fsdp_export.transfer.adapters import AdapterTensors
 
 __all__ = ["BackgroundPushes"]
 

@@ -3,13 +3,13 @@
 vLLM's own backends (``nccl``, ``ipc``) need CUDA. This one runs wherever torch's gloo does, so a
 CPU trainer (or a GPU trainer whose inference servers have no NCCL path to it) streams weights into
 ``vllm serve`` with no shared filesystem. Its two halves live in their own modules (as vLLM keeps each engine in
-its own), both re-exported here; what they agree on is in :mod:`.gloo_infos` and :mod:`.gloo_protocol`:
+its own), both re-exported here; what they agree on is in :mod:`.infos` and :mod:`.protocol`:
 
-* worker side, :class:`GlooWeightTransferEngine` (:mod:`.gloo_worker`), registered in vLLM's
+* worker side, :class:`GlooWeightTransferEngine` (:mod:`.worker`), registered in vLLM's
   ``WeightTransferEngineFactory`` as ``"gloo"`` by the vLLM plugin ``lightning_fsdp_export_plugin``
   (an entry point in group ``vllm.general_plugins``, loaded in every vLLM process of the same
   environment); start the server with ``--weight-transfer-config '{"backend": "gloo"}'``;
-* trainer side, :class:`GlooTrainerWeightTransferEngine` (:mod:`.gloo_trainer`), registered in
+* trainer side, :class:`GlooTrainerWeightTransferEngine` (:mod:`.trainer`), registered in
   ``WeightTransferTrainerFactory`` by :func:`register` (``RemoteVLLM(transport="gloo")`` does it).
 
 The protocol follows vLLM's NCCL one: trainer rank 0 hosts a ``TCPStore`` and is rank 0 of the
@@ -47,7 +47,7 @@ worker that fails finalizes the layerwise reload before it re-raises, so the nex
 """
 
 
-from lightning_fsdp_export.targets.gloo_infos import (
+from lightning_fsdp_export.backend.infos import (
     BACKEND,
     DEFAULT_BUFFER_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -55,14 +55,14 @@ from lightning_fsdp_export.targets.gloo_infos import (
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
 )
-from lightning_fsdp_export.targets.gloo_trainer import (
+from lightning_fsdp_export.backend.trainer import (
     DENSE,
     GlooRound,
     GlooTrainerWeightTransferEngine,
     register,
     swap_update_info,
 )
-from lightning_fsdp_export.targets.gloo_worker import GlooWeightTransferEngine, write_adapter_dir
+from lightning_fsdp_export.backend.worker import GlooWeightTransferEngine, write_adapter_dir
 
 __all__ = ["BACKEND", "DEFAULT_BUFFER_BYTES", "DEFAULT_TIMEOUT_S", "DENSE", "GlooRound", "GlooTrainerInitInfo",
            "GlooTrainerWeightTransferEngine", "GlooWeightTransferEngine", "GlooWeightTransferInitInfo",

@@ -1,4 +1,4 @@
-"""The kinds of round a :class:`~lightning_fsdp_export.targets.transfer.NativeTransfer` runs: one small class each.
+"""The kinds of round a :class:`~lightning_fsdp_export.transfer.frame.NativeTransfer` runs: one small class each.
 
 Every round has the same frame (``NativeTransfer.push``): rank 0 rebuilds the group if it broke or the plan changed,
 pauses the servers, every rank of the group sends, rank 0 tells the servers what follows (reset the prefix caches;
@@ -18,7 +18,7 @@ sent and what the servers are told after it, which is all a round class says:
 A transport names the kinds it runs (``NetworkTransport.weights_round`` / ``adapter_round``, :class:`RoundKind`);
 :func:`round_for` builds the round of a push. A new kind of round is one class here and its entry in ``ROUNDS``; a
 round's inputs are arguments to :meth:`Round.run`, and what it hands our gloo engine is a
-``targets.gloo_trainer.GlooRound`` argument to ``send_weights``, never state set on the engine.
+``backend.trainer.GlooRound`` argument to ``send_weights``, never state set on the engine.
 """
 
 from __future__ import annotations
@@ -35,12 +35,12 @@ from typing_extensions import override
 
 from lightning_fsdp_export._compat import source_metadata
 from lightning_fsdp_export.export.shards import ShardSource
-from lightning_fsdp_export.targets.adapters import load_adapter
-from lightning_fsdp_export.targets.http import Server, ServerError, on_all
-from lightning_fsdp_export.targets.patch_lists import DEFAULT_CHUNK_BYTES, send_patch_lists
+from lightning_fsdp_export.transfer.adapters import load_adapter
+from lightning_fsdp_export.transfer.http import Server, ServerError, on_all
+from lightning_fsdp_export.transfer.patch_lists import DEFAULT_CHUNK_BYTES, send_patch_lists
 
 if TYPE_CHECKING:
-    from lightning_fsdp_export.targets.transfer import NativeTransfer
+    from lightning_fsdp_export.transfer.frame import NativeTransfer
 
 __all__ = ["ROUNDS", "AdapterRound", "DenseRound", "PatchListRound", "PatchRound", "Round", "RoundKind",
            "StagedPatchRound", "StagedRound", "reset_prefix_caches", "round_for", "set_versions", "swap_staged"]
@@ -113,7 +113,7 @@ class AdapterRound(Round):
 
     @override
     def run(self, transfer: NativeTransfer, *, version: int, sparse: bool) -> None:
-        from lightning_fsdp_export.targets.gloo_trainer import GlooRound
+        from lightning_fsdp_export.backend.trainer import GlooRound
 
         transfer.engine.send_weights(GlooRound(adapter=(self.server_dir, self.config)))
 
@@ -169,7 +169,7 @@ class PatchRound(_CopyRound):
 
     @override
     def send(self, transfer: NativeTransfer, patch_of: str | None) -> int:
-        from lightning_fsdp_export.targets.gloo_trainer import GlooRound
+        from lightning_fsdp_export.backend.trainer import GlooRound
 
         return int(transfer.engine.send_weights(GlooRound(patches=transfer.patches, patch_of=patch_of,
                                                           keep_as=self._keep)))
@@ -216,7 +216,7 @@ class StagedRound(_Staged, DenseRound):
 
     @override
     def run(self, transfer: NativeTransfer, *, version: int, sparse: bool) -> None:
-        from lightning_fsdp_export.targets.gloo_trainer import GlooRound
+        from lightning_fsdp_export.backend.trainer import GlooRound
 
         transfer.engine.send_weights(GlooRound(stage_as=self.stage_id))
 
@@ -229,7 +229,7 @@ class StagedPatchRound(_Staged, PatchRound):
 
     @override
     def send(self, transfer: NativeTransfer, patch_of: str | None) -> int:
-        from lightning_fsdp_export.targets.gloo_trainer import GlooRound
+        from lightning_fsdp_export.backend.trainer import GlooRound
 
         return int(transfer.engine.send_weights(GlooRound(patches=transfer.patches, patch_of=patch_of,
                                                           keep_as=self._keep, stage_as=self.stage_id)))
@@ -249,7 +249,7 @@ def round_for(kind: RoundKind, **arguments: Any) -> Round:
 def swap_staged(server: Server, stage_id: str, version: int, mode: PauseMode) -> None:
     """Rank 0, the server paused: it loads the round its workers staged as ``stage_id`` and reports ``version``, then
     drops its prefix cache. A failed load is closed on the server (its model may be half-loaded: it stays paused)."""
-    from lightning_fsdp_export.targets.gloo_trainer import swap_update_info
+    from lightning_fsdp_export.backend.trainer import swap_update_info
 
     server.request("POST", "/start_weight_update")
     try:

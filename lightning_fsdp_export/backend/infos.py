@@ -1,5 +1,5 @@
 """The ``gloo`` backend's init and update infos and defaults: what the trainer and worker halves
-(:mod:`.gloo_trainer`, :mod:`.gloo_worker`) agree on through vLLM's routes (see :mod:`.gloo` for the protocol)."""
+(:mod:`.trainer`, :mod:`.worker`) agree on through vLLM's routes (see :mod:`.gloo` for the protocol)."""
 
 from __future__ import annotations
 

@@ -13,9 +13,9 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
-from lightning_fsdp_export.targets.adapters import load_adapter
-from lightning_fsdp_export.targets.http import Server, ServerError, on_all, on_each
-from lightning_fsdp_export.targets.rounds import PauseMode, reset_prefix_caches, set_versions
+from lightning_fsdp_export.transfer.adapters import load_adapter
+from lightning_fsdp_export.transfer.http import Server, ServerError, on_all, on_each
+from lightning_fsdp_export.transfer.rounds import PauseMode, reset_prefix_caches, set_versions
 
 __all__ = ["PartlyFailed", "Pauses", "close_rounds", "pause_route"]
 

@@ -22,14 +22,14 @@ from safetensors.torch import save_file
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from lightning_fsdp_export._compat import load_naming_refusals
-from lightning_fsdp_export.targets.adapters import make_private_dirs, prune_runs, prune_versions, server_layout
-from lightning_fsdp_export.targets.gloo_infos import (
+from lightning_fsdp_export.backend.adapter_dirs import make_private_dirs, prune_runs, prune_versions, server_layout
+from lightning_fsdp_export.backend.infos import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_TIMEOUT_S,
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
 )
-from lightning_fsdp_export.targets.gloo_protocol import (
+from lightning_fsdp_export.backend.protocol import (
     ABORT,
     CPU,
     END,
@@ -423,7 +423,7 @@ def write_adapter_dir(path: str, tensors: dict[str, torch.Tensor], config: str) 
     """Write a peft adapter directory at ``path`` (``<root>/<run>/<name>/v<version>``: ``adapter_model.safetensors``,
     ``adapter_config.json``), each file replaced atomically (workers of one server on one host write the same files);
     version directories beside it older than the one before are removed (vLLM keeps a loaded adapter in memory), and
-    so are other runs' directories untouched for :data:`~lightning_fsdp_export.targets.adapters.STALE_RUN_SECONDS`.
+    so are other runs' directories untouched for :data:`~lightning_fsdp_export.transfer.adapters.STALE_RUN_SECONDS`.
     Directories it creates are private (0700)."""
     target = Path(path)
     layout = server_layout(target)

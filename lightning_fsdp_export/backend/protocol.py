@@ -1,4 +1,4 @@
-"""The wire protocol of the ``gloo`` weight-transfer backend (:mod:`lightning_fsdp_export.targets.gloo`): the
+"""The wire protocol of the ``gloo`` weight-transfer backend (:mod:`lightning_fsdp_export.backend.gloo`): the
 round's plan, shared by the trainer ranks and the workers, and the group's control messages; torch only.
 
 A round is the tensors of one update info, cut into chunks (consecutive tensors until their full size

@@ -30,14 +30,14 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
-from lightning_fsdp_export.targets.gloo_infos import (
+from lightning_fsdp_export.backend.infos import (
     GlooTrainerInitInfo,
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
 )
-from lightning_fsdp_export.targets.gloo_protocol import Plan
-from lightning_fsdp_export.targets.gloo_trainer import GlooTrainerWeightTransferEngine
-from lightning_fsdp_export.targets.gloo_worker import GlooWeightTransferEngine, _logger
+from lightning_fsdp_export.backend.protocol import Plan
+from lightning_fsdp_export.backend.trainer import GlooTrainerWeightTransferEngine
+from lightning_fsdp_export.backend.worker import GlooWeightTransferEngine, _logger
 
 __all__ = ["BACKEND", "STAGINGS", "StagedNCCLInitInfo", "StagedNCCLTrainerInitInfo",
            "StagedNCCLTrainerWeightTransferEngine", "StagedNCCLWeightTransferEngine", "staging_on_device"]
