@@ -17,10 +17,19 @@ import torch.distributed as dist
 
 from lightning_fsdp_export._compat import default_store
 
-__all__ = ["DEFAULT_SHARD_BYTES", "SyncGroup", "WeightSyncError", "compare_shapes"]
+__all__ = ["DEFAULT_SHARD_BYTES", "STAGINGS", "SyncGroup", "WeightSyncError", "check_staging", "compare_shapes"]
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
 """Largest safetensors file a directory version is split into (``DirectoryTarget`` and the ``Directory`` transport)."""
+
+STAGINGS = ("auto", "device", "host")
+"""Where a ``staged_nccl`` worker keeps a staged round (``StagedNCCL(staging=...)``)."""
+
+
+def check_staging(staging: object, owner: str) -> None:
+    """The one check of a ``staging`` value: the transport's option on the trainer, its init info on a worker."""
+    if staging not in STAGINGS:
+        raise ValueError(f"{owner}(staging={staging!r}) must be one of {', '.join(map(repr, STAGINGS))}.")
 
 
 class WeightSyncError(RuntimeError):

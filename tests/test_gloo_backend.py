@@ -524,7 +524,7 @@ def test_staged_nccl_tells_the_workers_their_staging_and_chooses_it_by_free_memo
     assert staged_nccl.staging_on_device("auto", 10 * gib, 11 * gib)  # the copy and 1 GiB to spare fit
     assert not staged_nccl.staging_on_device("auto", 10 * gib, 11 * gib - 1)
     assert staged_nccl.staging_on_device("device", 10 * gib, 0) and not staged_nccl.staging_on_device("host", 1, gib)
-    with pytest.raises(ValueError, match="staging='gpu' must be one of 'auto', 'device', 'host'"):
+    with pytest.raises(ValueError, match=r"staged_nccl\(staging='gpu'\) must be one of 'auto', 'device', 'host'"):
         staged_nccl.staging_on_device("gpu", 1, 1)
 
 

@@ -442,7 +442,8 @@ def test_the_precheck_is_skipped_when_the_checkpoint_is_not_readable_here(record
     # StagedNCCL: staged rounds always (no background flag to forget), a staging place it knows
     (lambda: StagedNCCL(background=False), TypeError, "background"),  # type: ignore[call-arg]
     (lambda: StagedNCCL(sparse=True), ValueError, r"StagedNCCL\(sparse=True\) .* needs shard_direct=True"),
-    (lambda: StagedNCCL(staging="gpu"), ValueError, r"StagedNCCL\(staging='gpu'\) must be 'auto', 'device' or 'host'"),
+    (lambda: StagedNCCL(staging="gpu"), ValueError,
+     r"StagedNCCL\(staging='gpu'\) must be one of 'auto', 'device', 'host'"),
     (lambda: StagedNCCL(shard_direct=1), ValueError, r"StagedNCCL\(shard_direct=1\) must be True or False"),
     (lambda: StagedNCCL(buffer_bytes=True), ValueError, r"StagedNCCL\(buffer_bytes=True\) must be a positive"),
     (lambda: RemoteVLLM(URL, transport="directory"), ValueError, r"needs the directory: transport=Directory\(PATH\)"),

@@ -30,6 +30,7 @@ from typing import Any, ClassVar
 import torch
 import torch.distributed as dist
 
+from lightning_fsdp_export._common import STAGINGS, check_staging
 from lightning_fsdp_export.backend.infos import (
     GlooTrainerInitInfo,
     GlooWeightTransferInitInfo,
@@ -43,14 +44,12 @@ __all__ = ["BACKEND", "STAGINGS", "StagedNCCLInitInfo", "StagedNCCLTrainerInitIn
            "StagedNCCLTrainerWeightTransferEngine", "StagedNCCLWeightTransferEngine", "staging_on_device"]
 
 BACKEND = "staged_nccl"
-STAGINGS = ("auto", "device", "host")
 SPARE_BYTES = 1 << 30  # what "auto" leaves free on the GPU beside the staging
 
 
 def staging_on_device(staging: str, nbytes: int, free_bytes: int) -> bool:
     """Whether a staged round of ``nbytes`` is kept on the GPU (else in pinned host memory) under ``staging``."""
-    if staging not in STAGINGS:
-        raise ValueError(f"staging={staging!r} must be one of {', '.join(map(repr, STAGINGS))}.")
+    check_staging(staging, "staged_nccl")
     return staging == "device" or (staging == "auto" and free_bytes >= nbytes + SPARE_BYTES)
 
 

@@ -52,7 +52,7 @@ from lightning_fsdp_export.transfer.clients import FanOutClient
 from lightning_fsdp_export.transfer.http import Server, ServerError, not_answering, on_all
 from lightning_fsdp_export.transfer.pauses import PartlyFailed, Pauses, close_rounds, pause_route
 from lightning_fsdp_export.transfer.preflight import check_servers
-from lightning_fsdp_export.transfer.rounds import ROUNDS, PauseMode, Round, reset_prefix_caches, round_for
+from lightning_fsdp_export.transfer.rounds import ROUNDS, PauseMode, Round, RoundInputs, reset_prefix_caches, round_for
 from lightning_fsdp_export.transfer.transports import NetworkTransport, RendezvousTransport
 
 __all__ = ["NativeTransfer", "PartlyFailed", "PauseMode", "pause_route", "reset_prefix_caches"]
@@ -61,15 +61,14 @@ __all__ = ["NativeTransfer", "PartlyFailed", "PauseMode", "pause_route", "reset_
 class NativeTransfer(Pauses, BackgroundPushes):
     """One transfer group from the trainer to every worker of ``servers``, and the one round every sync runs.
 
-    The round, whichever the transport: (rank 0) rebuild the group if it is broken or the source's plan
-    changed, then ``/pause`` every server; send (every rank in the group sends its part; others iterate the
-    source so the gathers line up); (rank 0) reset the prefix caches, ``/resume``. A failed round is closed
-    on every server that may hold half-loaded weights, which stays paused; a server holding one whole version
-    (nothing sent yet, or its part of the round after the data succeeded) is resumed; the next round rebuilds the
-    group. Where every trainer
-    rank joins the group (``transport.every_rank``: shard-direct), rank 0's decisions (rebuild with what
-    plan, or that it failed) reach the others through a small gloo control group before the send; else rank
-    0 alone knows, and the other ranks' iteration is drained by the sync if rank 0 fails.
+    The round, whichever the transport: (rank 0) rebuild the group if it is broken or the source's plan changed, then
+    ``/pause`` every server; send (every rank in the group sends its part; others iterate the source so the gathers
+    line up); (rank 0) reset the prefix caches, ``/resume``. A failed round is closed on every server that may hold
+    half-loaded weights, which stays paused; a server holding one whole version (nothing sent yet, or its part of the
+    round after the data succeeded) is resumed; the next round rebuilds the group. Where every trainer rank joins the
+    group (``transport.every_rank``: shard-direct), rank 0's decisions (rebuild with what plan, or that it failed)
+    reach the others through a small gloo control group before the send; else rank 0 alone knows, and the other
+    ranks' iteration is drained by the sync if rank 0 fails.
 
     Args:
         servers: the servers (replicas) updated by every sync.
@@ -236,9 +235,9 @@ class NativeTransfer(Pauses, BackgroundPushes):
         if not self.every_rank and self.rank != 0 and not self.options.sends_patch_lists:
             self.engine.send_weights()  # iterates the source: this rank's part of the gathers
             return
-        this = self._round_of(version, adapter)
+        this = _round_of(self.options, version, adapter, run=self._run)
         own_pause = self._held_since is None  # else a base round paused them for this adapter round
-        plan, paused, paused_at, sparse = self._start_round(this.plan_key(self), pause=this.pauses_for_data)
+        plan, paused, paused_at, sparse = self._start_round(this.plan_key(self._inputs()), pause=this.pauses_for_data)
         sent = False  # from the send on, a failure may leave a server's model half-loaded
         resumed: list[Server] = []  # rank 0: servers that hold a whole version after a failure, serving again
         try:
@@ -249,13 +248,17 @@ class NativeTransfer(Pauses, BackgroundPushes):
                 assert self.client is not None
                 self.client.version = this.client_version(version)
             sent = True
-            this.run(self, version=version, sparse=sparse)
+            inputs = self._inputs()  # (after _connect: the engine of this round)
+            try:
+                this.run(inputs, version=version, sparse=sparse)
+            finally:
+                self.last_patch = this.result.patch or self.last_patch
             outcome: str | None = None
             if self.rank == 0:
                 try:
                     if not paused:  # a staged round: the servers generated while the data travelled
                         paused_at, paused = self._pause(), True
-                    self._on_each_server(lambda s: this.on_server(s, version=version, mode=self.pause_mode),
+                    self._on_each_server(lambda s: this.on_server(s, inputs, version=version, mode=self.pause_mode),
                                          version=version, resume=resume)
                 except Exception as err:
                     resumed = err.resumed if isinstance(err, PartlyFailed) else []
@@ -283,18 +286,14 @@ class NativeTransfer(Pauses, BackgroundPushes):
                 raise ServerError(f"{type(err).__name__}: {err}; server(s) not answering now: {', '.join(silent)}",
                                   silent[0]) from err
             raise
-        this.succeeded(self)
+        self.kept = this.succeeded(inputs)
         self.broken = False  # also on a rank outside the group (sparse_nccl's others), which never connects again
         self._finish(paused_at, resume)
 
-    def _round_of(self, version: int, adapter: tuple[str, str] | None) -> Round:
-        """This push's round: the transport's ``adapter_round`` for an adapter, else its ``weights_round``."""
-        if adapter is None:
-            return round_for(self.options.weights_round)
-        assert self.options.adapter_round is not None, "push_adapter reads the adapter from a directory instead"
-        name, config = adapter
-        return round_for(self.options.adapter_round, name=name, config=config,
-                         server_dir=f"{SERVER_ADAPTER_ROOT}/{self._run}/{name}/v{version:06d}")
+    def _inputs(self) -> RoundInputs:
+        """What a round reads of this transfer now."""
+        return RoundInputs(transport=self.options, engine=self.engine, source=self.source, rank=self.rank,
+                           patches=self.patches, kept=self.kept, client=self.client, control=self.control)
 
     def forget(self) -> None:
         """The servers' weights are no longer what this rank last sent (a failed round, zeroed weights, a new group):
@@ -356,6 +355,17 @@ class NativeTransfer(Pauses, BackgroundPushes):
     def _digest(self) -> str:
         """``nccl_m2n`` builds its engine for one source plan: a new plan (another model, dtype) needs a new group."""
         return repr(source_metadata(self.source)) if self.options.layout is SourceLayout.M2N else ""
+
+def _round_of(transport: NetworkTransport, version: int, adapter: tuple[str, str] | None, *, run: str) -> Round:
+    """A push's round: the transport's ``adapter_round`` for an adapter (written under this fit's ``run`` directory on
+    the servers' hosts), else its ``weights_round``."""
+    if adapter is None:
+        return round_for(transport.weights_round)
+    assert transport.adapter_round is not None, "push_adapter reads the adapter from a directory instead"
+    name, config = adapter
+    return round_for(transport.adapter_round, name=name, config=config,
+                     server_dir=f"{SERVER_ADAPTER_ROOT}/{run}/{name}/v{version:06d}")
+
 
 def _vllm_version() -> str:
     import vllm

@@ -15,10 +15,12 @@ sent and what the servers are told after it, which is all a round class says:
   the workers into a staging area while the servers go on generating; only the swap (load from the staging, set the
   version) runs under the pause, and a failed transfer leaves every server serving the previous version, unpaused.
 
-A transport names the kinds it runs (``NetworkTransport.weights_round`` / ``adapter_round``, :class:`RoundKind`);
-:func:`round_for` builds the round of a push. A new kind of round is one class here and its entry in ``ROUNDS``; a
-round's inputs are arguments to :meth:`Round.run`, and what it hands our gloo engine is a
-``backend.trainer.GlooRound`` argument to ``send_weights``, never state set on the engine.
+A transport names the kinds it runs (``NetworkTransport.weights_round`` / ``adapter_round``, a ``RoundKind``);
+:func:`round_for` builds the round of a push. A new kind of round is one class here and its entry in ``ROUNDS``. A
+round gets what it reads as a :class:`RoundInputs` (engine, source, rank, copies, client, control group, the
+transport) and returns a :class:`RoundResult`; what it hands our gloo engine is the transport's ``payload(...)`` (a
+``backend.trainer.GlooRound``) argument to ``send_weights``, never state set on the engine, and it imports nothing
+of the backend.
 """
 
 from __future__ import annotations
@@ -27,47 +29,78 @@ import contextlib
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from enum import Enum
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 from typing_extensions import override
 
+from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export._compat import source_metadata
+from lightning_fsdp_export.export.patches import PatchBase
 from lightning_fsdp_export.export.shards import ShardSource
 from lightning_fsdp_export.transfer.adapters import load_adapter
 from lightning_fsdp_export.transfer.http import Server, ServerError, on_all
 from lightning_fsdp_export.transfer.patch_lists import DEFAULT_CHUNK_BYTES, send_patch_lists
+from lightning_fsdp_export.transfer.transports import NetworkTransport, PauseMode, RoundKind, SparseNCCL
 
-if TYPE_CHECKING:
-    from lightning_fsdp_export.transfer.frame import NativeTransfer
-
-__all__ = ["ROUNDS", "AdapterRound", "DenseRound", "PatchListRound", "PatchRound", "Round", "RoundKind",
-           "StagedPatchRound", "StagedRound", "reset_prefix_caches", "round_for", "set_versions", "swap_staged"]
-
-PauseMode = Literal["wait", "keep", "keep_old_kv"]
+__all__ = ["ROUNDS", "AdapterRound", "DenseRound", "PatchListRound", "PatchRound", "PauseMode", "Round", "RoundInputs",
+           "RoundKind", "RoundResult", "StagedPatchRound", "StagedRound", "reset_prefix_caches", "round_for",
+           "set_versions", "swap_staged"]
 
 
-class RoundKind(str, Enum):
-    """The kinds of round a transport may run (its ``weights_round``, its ``adapter_round``)."""
+@dataclass(frozen=True)
+class RoundInputs:
+    """What a round reads, handed to it by the frame (:class:`~lightning_fsdp_export.transfer.frame.NativeTransfer`)
+    for one push; a round never reaches into the frame.
 
-    DENSE = "dense"
-    PATCHES = "patches"
-    PATCH_LISTS = "patch_lists"
-    ADAPTER = "adapter"
-    STAGED = "staged"
-    STAGED_PATCHES = "staged_patches"
+    Attributes:
+        transport: the transport's options; it builds our backend's per-round payload (``transport.payload``) and
+            a swap's update info (``transport.swap_info``).
+        engine: this rank's trainer engine (vLLM's, or our backend's), built over ``source``.
+        source: the vLLM ``WeightSource`` the engine iterates; ``source.export`` is this push's source.
+        rank: this trainer rank.
+        patches: this rank's copy of what it last sent (sparse rounds), else ``None``.
+        kept: the id of the copy the workers keep (``None``: none; only rank 0's is sent).
+        client: rank 0's client of the servers (vLLM's four routes).
+        control: the trainer ranks' gloo group (every rank joining, or patch lists), else ``None``.
+    """
+
+    transport: NetworkTransport
+    engine: Any
+    source: Any
+    rank: int
+    patches: PatchBase | None = None
+    kept: str | None = None
+    client: Any = None
+    control: SyncGroup | None = None
+
+
+@dataclass(frozen=True)
+class RoundResult:
+    """What a round produced on this rank.
+
+    Attributes:
+        patch: with sparse rounds on: ``sparse`` (patched or dense), what it sent and would have sent dense of its
+            parts, elements and changed elements, its copy's host bytes (set even when the round failed).
+    """
+
+    patch: dict[str, Any] | None = None
 
 
 class Round(ABC):
-    """One push's round through a ``NativeTransfer``: what is sent, and what rank 0 tells the servers after it."""
+    """One push's round through a ``NativeTransfer``: what is sent, and what rank 0 tells each server after it."""
 
     kind: ClassVar[RoundKind]
     pauses_for_data: ClassVar[bool] = True
     """The servers pause before the data travels (the model is loaded as it arrives); ``False``: they pause only for
     :meth:`on_server` (a staged round: the data goes to a staging area while they generate)."""
 
-    def plan_key(self, transfer: NativeTransfer) -> str | None:
+    def __init__(self) -> None:
+        self.result = RoundResult()
+        """What :meth:`run` produced on this rank, also after it raised."""
+
+    def plan_key(self, inputs: RoundInputs) -> str | None:
         """What a sparse round's copies must have been made for (the source's metadata); ``None``: no copies."""
         return None
 
@@ -76,16 +109,18 @@ class Round(ABC):
         return str(version)
 
     @abstractmethod
-    def run(self, transfer: NativeTransfer, *, version: int, sparse: bool) -> None:
-        """Every rank of the group: send this round's data (the source is ``transfer.source``'s export)."""
+    def run(self, inputs: RoundInputs, *, version: int, sparse: bool) -> RoundResult:
+        """Every rank of the group: send this round's data (``inputs.source.export``); what it produced."""
 
-    def on_server(self, server: Server, *, version: int, mode: PauseMode) -> None:
+    def on_server(self, server: Server, inputs: RoundInputs, *, version: int, mode: PauseMode) -> None:
         """Rank 0, after the data went through, on each server (concurrently; the frame resumes the servers this
         succeeded on and names the others): the server drops its prefix cache (old weights' KV)."""
         reset_prefix_caches([server], mode)
 
-    def succeeded(self, transfer: NativeTransfer) -> None:  # noqa: B027 - a default that does nothing
-        """Every rank, after a round that succeeded everywhere: keep what it made (a sparse round's copy)."""
+    def succeeded(self, inputs: RoundInputs) -> str | None:
+        """Every rank, after a round that succeeded everywhere: keep what it made (a sparse round's copy); the id of
+        the copy the workers keep now."""
+        return inputs.kept
 
 
 class DenseRound(Round):
@@ -94,8 +129,9 @@ class DenseRound(Round):
     kind = RoundKind.DENSE
 
     @override
-    def run(self, transfer: NativeTransfer, *, version: int, sparse: bool) -> None:
-        transfer.engine.send_weights()
+    def run(self, inputs: RoundInputs, *, version: int, sparse: bool) -> RoundResult:
+        inputs.engine.send_weights()
+        return self.result
 
 
 class AdapterRound(Round):
@@ -105,6 +141,7 @@ class AdapterRound(Round):
     kind = RoundKind.ADAPTER
 
     def __init__(self, *, name: str, config: str, server_dir: str) -> None:
+        super().__init__()
         self.name, self.config, self.server_dir = name, config, server_dir
 
     @override
@@ -112,54 +149,54 @@ class AdapterRound(Round):
         return None  # the base round set the servers' version; this round's is set once the adapter is loaded
 
     @override
-    def run(self, transfer: NativeTransfer, *, version: int, sparse: bool) -> None:
-        from lightning_fsdp_export.backend.trainer import GlooRound
-
-        transfer.engine.send_weights(GlooRound(adapter=(self.server_dir, self.config)))
+    def run(self, inputs: RoundInputs, *, version: int, sparse: bool) -> RoundResult:
+        inputs.engine.send_weights(inputs.transport.payload(adapter=(self.server_dir, self.config)))
+        return self.result
 
     @override
-    def on_server(self, server: Server, *, version: int, mode: PauseMode) -> None:
+    def on_server(self, server: Server, inputs: RoundInputs, *, version: int, mode: PauseMode) -> None:
         load_adapter([server], self.name, self.server_dir)
-        super().on_server(server, version=version, mode=mode)
+        super().on_server(server, inputs, version=version, mode=mode)
         set_versions([server], version)
 
 
 class _CopyRound(Round):
-    """A round that goes through this rank's copy (``transfer.patches``): patches against it where every rank holds the
+    """A round that goes through this rank's copy (``inputs.patches``): patches against it where every rank holds the
     version the servers serve (``sparse``), else whole parts and a new copy; the copy is kept only if the round
     succeeds everywhere, under an id the workers keep theirs by."""
 
     def __init__(self) -> None:
+        super().__init__()
         self._keep = uuid.uuid4().hex
         self._key: str | None = None
 
     @override
-    def plan_key(self, transfer: NativeTransfer) -> str | None:
-        self._key = repr(source_metadata(transfer.source))
+    def plan_key(self, inputs: RoundInputs) -> str | None:
+        self._key = repr(source_metadata(inputs.source))
         return self._key
 
     @override
-    def run(self, transfer: NativeTransfer, *, version: int, sparse: bool) -> None:
-        patches = transfer.patches
+    def run(self, inputs: RoundInputs, *, version: int, sparse: bool) -> RoundResult:
+        patches = inputs.patches
         assert patches is not None
         patches.start(version, self._key, sparse=sparse)
-        patch_of, transfer.kept = (transfer.kept if sparse else None), None
         sent = 0
         try:
-            sent = self.send(transfer, patch_of)
+            sent = self.send(inputs, inputs.kept if sparse else None)
         finally:
-            transfer.last_patch = {"sparse": sparse, "sent_bytes": sent, "copy_bytes": patches.nbytes,
-                                   **patches.stats.as_dict()}
+            self.result = RoundResult(patch={"sparse": sparse, "sent_bytes": sent, "copy_bytes": patches.nbytes,
+                                             **patches.stats.as_dict()})
+        return self.result
 
     @abstractmethod
-    def send(self, transfer: NativeTransfer, patch_of: str | None) -> int:
+    def send(self, inputs: RoundInputs, patch_of: str | None) -> int:
         """Send every part through the copy (patching ``patch_of``, the workers' copy; ``None``: dense); bytes sent."""
 
     @override
-    def succeeded(self, transfer: NativeTransfer) -> None:
-        assert transfer.patches is not None
-        transfer.patches.succeeded()
-        transfer.kept = self._keep
+    def succeeded(self, inputs: RoundInputs) -> str | None:
+        assert inputs.patches is not None
+        inputs.patches.succeeded()
+        return self._keep
 
 
 class PatchRound(_CopyRound):
@@ -168,11 +205,9 @@ class PatchRound(_CopyRound):
     kind = RoundKind.PATCHES
 
     @override
-    def send(self, transfer: NativeTransfer, patch_of: str | None) -> int:
-        from lightning_fsdp_export.backend.trainer import GlooRound
-
-        return int(transfer.engine.send_weights(GlooRound(patches=transfer.patches, patch_of=patch_of,
-                                                          keep_as=self._keep)))
+    def send(self, inputs: RoundInputs, patch_of: str | None) -> int:
+        payload = inputs.transport.payload(patches=inputs.patches, patch_of=patch_of, keep_as=self._keep)
+        return int(inputs.engine.send_weights(payload))
 
 
 class PatchListRound(_CopyRound):
@@ -182,12 +217,13 @@ class PatchListRound(_CopyRound):
     kind = RoundKind.PATCH_LISTS
 
     @override
-    def send(self, transfer: NativeTransfer, patch_of: str | None) -> int:
-        source = transfer.source.export
-        assert isinstance(source, ShardSource) and transfer.patches is not None
-        chunk_bytes = getattr(transfer.options, "chunk_bytes", None) or DEFAULT_CHUNK_BYTES
-        return send_patch_lists(transfer.engine, transfer.client, source, transfer.patches, transfer.control,
-                                rank=transfer.rank, chunk_bytes=chunk_bytes, device=_sender_device())
+    def send(self, inputs: RoundInputs, patch_of: str | None) -> int:
+        source, transport = inputs.source.export, inputs.transport
+        assert isinstance(source, ShardSource) and isinstance(transport, SparseNCCL)
+        assert inputs.patches is not None and inputs.control is not None
+        return send_patch_lists(inputs.engine, inputs.client, source, inputs.patches, inputs.control,
+                                rank=inputs.rank, chunk_bytes=transport.chunk_bytes or DEFAULT_CHUNK_BYTES,
+                                device=_sender_device())
 
 
 class _Staged(Round):
@@ -205,8 +241,8 @@ class _Staged(Round):
         return None  # the staging sets nothing; each server's swap sets the version
 
     @override
-    def on_server(self, server: Server, *, version: int, mode: PauseMode) -> None:
-        swap_staged(server, self.stage_id, version, mode)
+    def on_server(self, server: Server, inputs: RoundInputs, *, version: int, mode: PauseMode) -> None:
+        swap_staged(server, inputs.transport.swap_info(self.stage_id), version, mode)
 
 
 class StagedRound(_Staged, DenseRound):
@@ -215,10 +251,9 @@ class StagedRound(_Staged, DenseRound):
     kind = RoundKind.STAGED
 
     @override
-    def run(self, transfer: NativeTransfer, *, version: int, sparse: bool) -> None:
-        from lightning_fsdp_export.backend.trainer import GlooRound
-
-        transfer.engine.send_weights(GlooRound(stage_as=self.stage_id))
+    def run(self, inputs: RoundInputs, *, version: int, sparse: bool) -> RoundResult:
+        inputs.engine.send_weights(inputs.transport.payload(stage_as=self.stage_id))
+        return self.result
 
 
 class StagedPatchRound(_Staged, PatchRound):
@@ -228,11 +263,10 @@ class StagedPatchRound(_Staged, PatchRound):
     kind = RoundKind.STAGED_PATCHES
 
     @override
-    def send(self, transfer: NativeTransfer, patch_of: str | None) -> int:
-        from lightning_fsdp_export.backend.trainer import GlooRound
-
-        return int(transfer.engine.send_weights(GlooRound(patches=transfer.patches, patch_of=patch_of,
-                                                          keep_as=self._keep, stage_as=self.stage_id)))
+    def send(self, inputs: RoundInputs, patch_of: str | None) -> int:
+        payload = inputs.transport.payload(patches=inputs.patches, patch_of=patch_of, keep_as=self._keep,
+                                           stage_as=self.stage_id)
+        return int(inputs.engine.send_weights(payload))
 
 
 ROUNDS: dict[RoundKind, type[Round]] = {RoundKind.DENSE: DenseRound, RoundKind.PATCHES: PatchRound,
@@ -246,14 +280,13 @@ def round_for(kind: RoundKind, **arguments: Any) -> Round:
     return ROUNDS[kind](**arguments)
 
 
-def swap_staged(server: Server, stage_id: str, version: int, mode: PauseMode) -> None:
-    """Rank 0, the server paused: it loads the round its workers staged as ``stage_id`` and reports ``version``, then
-    drops its prefix cache. A failed load is closed on the server (its model may be half-loaded: it stays paused)."""
-    from lightning_fsdp_export.backend.trainer import swap_update_info
-
+def swap_staged(server: Server, update_info: dict[str, Any], version: int, mode: PauseMode) -> None:
+    """Rank 0, the server paused: it loads the round its workers staged (``update_info``: the transport's
+    ``swap_info``) and reports ``version``, then drops its prefix cache. A failed load is closed on the server (its
+    model may be half-loaded: it stays paused)."""
     server.request("POST", "/start_weight_update")
     try:
-        server.request("POST", "/update_weights", {"update_info": swap_update_info(stage_id)})
+        server.request("POST", "/update_weights", {"update_info": update_info})
     except ServerError:
         with contextlib.suppress(ServerError):  # a worker that failed closed its reload already
             server.request("POST", "/finish_weight_update")

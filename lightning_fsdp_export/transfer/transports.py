@@ -15,16 +15,31 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass, fields
-from typing import Any, ClassVar
+from enum import Enum
+from typing import Any, ClassVar, Literal
 
 import torch
 
-from lightning_fsdp_export._common import DEFAULT_SHARD_BYTES
+from lightning_fsdp_export._common import DEFAULT_SHARD_BYTES, check_staging
 from lightning_fsdp_export.export.source import SourceLayout
-from lightning_fsdp_export.transfer.rounds import RoundKind
 
-__all__ = ["IPC", "NCCL", "TRANSPORTS", "Directory", "Gloo", "NCCLM2N", "NetworkTransport", "RendezvousTransport",
-           "SparseNCCL", "StagedNCCL", "Transport", "parse_transport"]
+__all__ = ["IPC", "NCCL", "TRANSPORTS", "Directory", "Gloo", "NCCLM2N", "NetworkTransport", "PauseMode",
+           "RendezvousTransport", "RoundKind", "SparseNCCL", "StagedNCCL", "Transport", "parse_transport"]
+
+PauseMode = Literal["wait", "keep", "keep_old_kv"]
+"""How a round pauses the servers (``RemoteVLLM(pause_mode=...)``)."""
+
+
+class RoundKind(str, Enum):
+    """The kinds of round a transport may run (its ``weights_round``, its ``adapter_round``; each kind's class is in
+    :mod:`~lightning_fsdp_export.transfer.rounds`)."""
+
+    DENSE = "dense"
+    PATCHES = "patches"
+    PATCH_LISTS = "patch_lists"
+    ADAPTER = "adapter"
+    STAGED = "staged"
+    STAGED_PATCHES = "staged_patches"
 
 
 def _is_bytes(value: object) -> bool:
@@ -92,6 +107,15 @@ class NetworkTransport:
                   timeout: float) -> Any:
         """The trainer engine's init info for ``WeightTransferTrainerFactory.trainer_init`` (imports vLLM)."""
         raise NotImplementedError
+
+    def payload(self, **fields: Any) -> Any:
+        """Our backend's per-round argument of ``send_weights`` (``backend.trainer.GlooRound``): only a transport of
+        this package's backends has one (its rounds are the ones that carry more than a source)."""
+        raise TypeError(f"{type(self).__name__} runs vLLM's {self.name!r} engine, which takes no per-round payload.")
+
+    def swap_info(self, stage_id: str) -> dict[str, Any]:
+        """The update info of a staged round's swap (our backends only)."""
+        raise TypeError(f"{type(self).__name__} runs no staged rounds.")
 
 
 @dataclass(frozen=True)
@@ -205,6 +229,16 @@ class _OwnBackend(RendezvousTransport):
         """The trainer init info's class, and its fields beyond the shared ones."""
         raise NotImplementedError
 
+    def payload(self, **fields: Any) -> Any:
+        from lightning_fsdp_export.backend.trainer import GlooRound
+
+        return GlooRound(**fields)
+
+    def swap_info(self, stage_id: str) -> dict[str, Any]:
+        from lightning_fsdp_export.backend.trainer import swap_update_info
+
+        return swap_update_info(stage_id)
+
 
 @dataclass(frozen=True)
 class Gloo(_OwnBackend):
@@ -277,8 +311,7 @@ class StagedNCCL(_OwnBackend):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.staging not in ("auto", "device", "host"):
-            raise ValueError(f"StagedNCCL(staging={self.staging!r}) must be 'auto', 'device' or 'host'.")
+        check_staging(self.staging, "StagedNCCL")
 
     @property
     def weights_round(self) -> RoundKind:
