@@ -31,9 +31,9 @@ from lightning_fsdp_export.targets.base import (
 from lightning_fsdp_export.targets.directory import CheckpointCheck
 from lightning_fsdp_export.targets.remote_directory import DirectoryReload
 from lightning_fsdp_export.transfer.adapters import AdapterFiles, adapter_problems, adapter_rank
+from lightning_fsdp_export.transfer.base import Transfer
 from lightning_fsdp_export.transfer.frame import NativeTransfer, PauseMode, pause_route
 from lightning_fsdp_export.transfer.http import Server, on_all
-from lightning_fsdp_export.transfer.rounds import ROUNDS
 from lightning_fsdp_export.transfer.transports import Directory, Transport, parse_transport
 
 if TYPE_CHECKING:
@@ -153,11 +153,10 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
         self._is_rank_zero = True
         self._checks: list[CheckpointCheck] | None = None
         self.precheck_skipped: list[str] = []
-        self._round: NativeTransfer | DirectoryReload
-        if isinstance(self.options, Directory):
-            self._round = DirectoryReload(self.servers, self.options, dtype=dtype, pause_mode=pause_mode)
-        else:
-            self._round = NativeTransfer(self.servers, self.options, timeout=timeout, pause_mode=pause_mode)
+        self._round: Transfer = (
+            DirectoryReload(self.servers, self.options, dtype=dtype, pause_mode=pause_mode)
+            if isinstance(self.options, Directory) else
+            NativeTransfer(self.servers, self.options, timeout=timeout, pause_mode=pause_mode))
 
     @property
     def base_url(self) -> str:
@@ -178,40 +177,39 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
     @override
     def serves_during_push(self) -> bool:
         """A transport whose rounds stage the data while the servers generate (``Gloo(background=True)``)."""
-        return not isinstance(self.options, Directory) and not ROUNDS[self.options.weights_round].pauses_for_data
+        return self.options.stages
 
     @property
     @override
     def pushes_in_background(self) -> bool:
         """``Gloo(shard_direct=True, background=True)``: each rank's push takes its snapshot and returns; a thread sends
         it while training goes on."""
-        return isinstance(self._round, NativeTransfer) and self._round.sends_in_background
+        return self._round.background.enabled
 
     @override
     def push_arrived(self) -> bool:
-        return not isinstance(self._round, NativeTransfer) or self._round.arrived()
+        return self._round.background.arrived()
 
     @override
     def wait(self) -> None:
-        if isinstance(self._round, NativeTransfer):
-            self._round.wait()
+        self._round.background.wait()
 
     @property
     def pause_mode(self) -> PauseMode:
         """How a sync pauses the servers; ``"keep_old_kv"``: clients salt their prefix caches per version."""
-        return self._round.pause_mode
+        return self._round.pauses.mode
 
     @property
     def last_paused_seconds(self) -> float | None:
         """Rank 0: how long the last completed sync kept the servers paused (``/pause`` to ``/resume``); with
         ``pause_mode="keep"`` the only time generation stops for a sync. None elsewhere and before one."""
-        pause = self._round.last_pause
+        pause = self._round.pauses.last_pause
         return None if pause is None else pause[1] - pause[0]
 
     @property
     def last_pause(self) -> tuple[float, float] | None:
         """Rank 0: wall-clock times (``time.time()``) of the last completed sync's ``/pause`` and ``/resume``."""
-        return self._round.last_pause
+        return self._round.pauses.last_pause
 
     @property  # type: ignore[override]
     @override
@@ -306,16 +304,15 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
         """This rank's last round with ``Gloo(sparse=True)``: ``sparse`` (patches, or dense), ``sent_bytes``,
         ``dense_bytes`` (its parts, one copy), ``wire_bytes``, ``elements``, ``changed``, ``copy_bytes`` (its host
         copy); ``None`` otherwise."""
-        return self._round.last_patch if isinstance(self._round, NativeTransfer) else None
+        return self._round.last_patch
 
     @override
     def reset_weights(self) -> None:
         """Pause every server and zero its weights (``/weight_checker`` reset) before an exact check's push; rank 0
         only. The push resumes them; a push that fails leaves them paused, never serving the zeroed weights."""
-        if isinstance(self._round, NativeTransfer):
-            self._round.forget()  # every rank: the next push is dense
+        self._round.forget()  # every rank: the next push is dense
         if self._is_rank_zero:
-            on_all(self.servers, lambda s: s.request("POST", pause_route(self._round.pause_mode)))
+            on_all(self.servers, lambda s: s.request("POST", pause_route(self._round.pauses.mode)))
             on_all(self.servers, lambda s: s.request("POST", "/weight_checker", {"action": "reset"}))
 
     @override
@@ -328,10 +325,10 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
     def push(self, weights: Iterator[tuple[str, Tensor]], *, version: int) -> None:
         """A plain stream of ``(name, tensor)``: only ``Directory`` can take one (network transports need the
         source's metadata first: :meth:`push_source`, which ``VLLMWeightSync`` calls)."""
-        if not isinstance(self._round, DirectoryReload):
-            raise TypeError(f"RemoteVLLM(transport={self.transport!r}) sends from a source: call push_source(), as"
-                            " VLLMWeightSync does.")
-        self._round.push(weights, version=version)
+        try:
+            self._round.push_stream(weights, version=version)
+        except TypeError as err:
+            raise TypeError(f"RemoteVLLM(transport={self.transport!r}): {err}") from None
 
     def request(self, method: str, route: str, body: dict[str, Any] | None = None) -> Any:
         """One HTTP request to the first server; raises ``ConnectionError`` naming the URL on any failure."""
@@ -360,14 +357,13 @@ class PatchingRemoteVLLM(RemoteVLLM, SendsPatches):
     def confirm(self, version: int | None) -> None:
         """Every rank, before each sync: the version the servers hold as every rank agreed (``None``: unknown); with
         ``Gloo(sparse=True)`` the push patches only that version, else it is dense."""
-        if isinstance(self._round, NativeTransfer):
-            self._round.confirmed = version
+        self._round.confirm(version)
 
 
 def _sends_patches(transport: Any) -> bool:
     """Whether ``transport`` (as ``RemoteVLLM`` takes it) sends patches; a wrong one is refused by ``__init__``."""
     try:
-        return bool(getattr(parse_transport(transport), "sends_patches", False)) if transport is not None else False
+        return transport is not None and parse_transport(transport).sends_patches
     except (TypeError, ValueError):
         return False
 

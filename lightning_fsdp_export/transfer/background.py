@@ -51,24 +51,28 @@ class _Background:
 
 
 class BackgroundPushes:
-    """What a transfer needs to push in the background: the push in flight, its snapshot, waiting for it."""
+    """What a transfer holds to push in the background: the push in flight, its snapshot, waiting for it.
 
-    control: SyncGroup | None
+    Args:
+        enabled: a push takes this rank's snapshot and returns; a thread runs the round while training goes on.
+    """
 
-    def _init_background(self, enabled: bool) -> None:
-        self.sends_in_background = enabled
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
         """A push takes this rank's snapshot and returns; a thread runs the round while training goes on."""
         self._pending: _Background | None = None
         self.last_snapshot_bytes = 0
         """This rank's host bytes of its last background push's snapshot."""
 
-    def _start_background(self, run: Callable[[], None], *, name: str) -> None:
+    def start(self, run: Callable[[], None], *, name: str) -> None:
+        """Run ``run`` (one round) in a thread of its own named ``name``; the next :meth:`wait` ends it."""
         self._pending = _Background(run, name=name)
 
-    def _snapshot(self, source: ExportSource | AdapterTensors, version: int) -> ShardSnapshot:
+    def snapshot(self, source: ExportSource | AdapterTensors, version: int, control: SyncGroup | None) -> ShardSnapshot:
         """Every rank: its snapshot of ``source`` (the pass, a collective), once every rank has one: a rank whose pass
-        failed drains it (so no rank waits in a gather) and the ranks learn of it before any thread starts."""
-        assert isinstance(source, ShardSource) and self.control is not None  # every_rank: shards, a control group
+        failed drains it (so no rank waits in a gather) and the ranks learn of it (over ``control``, the trainer ranks'
+        group) before any thread starts."""
+        assert isinstance(source, ShardSource) and control is not None  # every_rank: shards, a control group
         error: BaseException | None = None
         snapshot = None
         try:
@@ -76,7 +80,7 @@ class BackgroundPushes:
         except Exception as err:  # noqa: BLE001 - every rank learns of it just below
             error = err
             source.drain()
-        failed = [rank for rank, ok in enumerate(self.control.gather(error is None)) if not ok]
+        failed = [rank for rank, ok in enumerate(control.gather(error is None)) if not ok]
         if error is not None:
             raise error
         if failed:

@@ -47,18 +47,18 @@ from lightning_fsdp_export.transfer.adapters import (
     AdapterFiles,
     AdapterTensors,
 )
-from lightning_fsdp_export.transfer.background import BackgroundPushes
+from lightning_fsdp_export.transfer.base import Transfer
 from lightning_fsdp_export.transfer.clients import FanOutClient
 from lightning_fsdp_export.transfer.http import Server, ServerError, not_answering, on_all
-from lightning_fsdp_export.transfer.pauses import PartlyFailed, Pauses, close_rounds, pause_route
+from lightning_fsdp_export.transfer.pauses import PartlyFailed, close_rounds, pause_route
 from lightning_fsdp_export.transfer.preflight import check_servers
-from lightning_fsdp_export.transfer.rounds import ROUNDS, PauseMode, Round, RoundInputs, reset_prefix_caches, round_for
+from lightning_fsdp_export.transfer.rounds import PauseMode, Round, RoundInputs, reset_prefix_caches, round_for
 from lightning_fsdp_export.transfer.transports import NetworkTransport, RendezvousTransport
 
 __all__ = ["NativeTransfer", "PartlyFailed", "PauseMode", "pause_route", "reset_prefix_caches"]
 
 
-class NativeTransfer(Pauses, BackgroundPushes):
+class NativeTransfer(Transfer):
     """One transfer group from the trainer to every worker of ``servers``, and the one round every sync runs.
 
     The round, whichever the transport: (rank 0) rebuild the group if it is broken or the source's plan changed, then
@@ -80,7 +80,8 @@ class NativeTransfer(Pauses, BackgroundPushes):
 
     def __init__(self, servers: Sequence[Server], transport: NetworkTransport, *, timeout: float,
                  pause_mode: PauseMode) -> None:
-        self._init_pauses(servers, pause_mode)
+        super().__init__(servers, pause_mode=pause_mode,
+                         background=transport.every_rank and transport.stages)
         self.options = transport
         self.transport = transport.name
         self.timeout = timeout
@@ -95,11 +96,7 @@ class NativeTransfer(Pauses, BackgroundPushes):
         self.source: Any = None  # one vLLM WeightSource for the engine's lifetime, repointed each sync
         self.broken = True  # no group yet: setup (rank 0 alone) or the first push (every rank) builds it
         self._run = uuid.uuid4().hex[:12]  # names this fit's adapter directories on the servers' hosts
-        if transport.sends_patch_lists and importlib.util.find_spec(
-                "vllm.distributed.weight_transfer.sparse_nccl_engine") is None:
-            raise ValueError(f"RemoteVLLM(transport=SparseNCCL()) needs vLLM's sparse_nccl weight-transfer engine (vLLM"
-                             f" 0.33 or newer; this is vLLM {_vllm_version()}); on vLLM 0.32 use"
-                             " Gloo(shard_direct=True, sparse=True).")
+        _require_engine(transport)
         # our gloo wire also takes patches by bitmap; vLLM's SparseWeightPatch lists only int32 indices
         self.patches = PatchBase(bitmaps=not transport.sends_patch_lists) if transport.sends_patches else None
         """Sparse rounds: this rank's copy of what it last sent (``None`` unless the transport sends patches)."""
@@ -108,10 +105,22 @@ class NativeTransfer(Pauses, BackgroundPushes):
         against it."""
         self.kept: str | None = None
         """Rank 0, sparse rounds: the id of the copy the workers keep (set by a round that succeeded)."""
-        self.last_patch: dict[str, Any] | None = None
+        self._last_patch: dict[str, Any] | None = None
+        self.rank = 0
+
+    @property
+    def servers(self) -> list[Server]:
+        """The servers every round updates."""
+        return self.pauses.servers
+
+    @property
+    def last_patch(self) -> dict[str, Any] | None:
         """This rank's last round with sparse rounds on: ``sparse`` (patched or dense), what it sent and would have
         sent dense of its parts, elements and changed elements, its copy's host bytes."""
-        self._init_background(transport.every_rank and not ROUNDS[transport.weights_round].pauses_for_data)
+        return self._last_patch
+
+    def confirm(self, version: int | None) -> None:
+        self.confirmed = version
 
     # -- setup and teardown ------------------------------------------------------------------------
 
@@ -121,7 +130,7 @@ class NativeTransfer(Pauses, BackgroundPushes):
         group (collective), the rendezvous is at the first push."""
         from lightning_fsdp_export.export.vllm_source import FSDP2M2NSource, FSDP2WeightSource
 
-        self.rank = trainer.global_rank
+        self.rank = self.pauses.rank = trainer.global_rank
         self.source = FSDP2M2NSource(None) if self.options.layout is SourceLayout.M2N else FSDP2WeightSource(None)
         if self.every_rank or self.options.sends_patch_lists:  # (collective: every rank builds it)
             self.control = SyncGroup(timedelta(seconds=self.timeout))
@@ -143,7 +152,7 @@ class NativeTransfer(Pauses, BackgroundPushes):
         self.disconnect()
         check_servers(self.servers, backend=self.transport)  # dev mode, backend, quantization, vLLM minor
         sizes = on_all(self.servers, lambda s: int(s.request("GET", "/get_world_size")["world_size"]))
-        address, port = self._store_address()
+        address, port = _store_address(self.options, self.servers)
         if isinstance(self.options, RendezvousTransport):
             port = port or _free_port(address)
         return {"sizes": sizes, "address": address, "port": port,
@@ -159,7 +168,7 @@ class NativeTransfer(Pauses, BackgroundPushes):
             self.engine.shutdown()
         if plan is None:
             self.client = FanOutClient([], [])
-            address, port = self._store_address()
+            address, port = _store_address(self.options, self.servers)
             plan = {"address": address, "port": port, "group": ""}
         else:
             sizes = plan["sizes"]
@@ -172,12 +181,6 @@ class NativeTransfer(Pauses, BackgroundPushes):
         source = None if self.options.sends_patch_lists else self.source  # vLLM's sparse engine takes lists, no source
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=source)
         self.broken = False
-
-    def _store_address(self) -> tuple[str, int]:
-        """Where the servers reach trainer rank 0's store: the transport's ``master_address`` (default: loopback
-        for local servers, else this host's name's address) and ``master_port`` (0: picked by rank 0)."""
-        given = self.options if isinstance(self.options, RendezvousTransport) else RendezvousTransport()
-        return given.master_address or _default_address(self.servers), given.master_port
 
     def remove_adapter_files(self) -> None:
         """At the fit's end, rank 0: this fit's adapter directories, where the servers share this host (the workers
@@ -220,10 +223,10 @@ class NativeTransfer(Pauses, BackgroundPushes):
             raise TypeError(f"RemoteVLLM(transport={self.transport!r}) sends every rank's own shards: give it a"
                             f" ShardSource (strategy.export_source(layout={self.options.layout.value!r})), as"
                             " VLLMWeightSync does.")
-        self.wait()  # at most one push in flight: the previous one ends (or raises) first
-        if self.sends_in_background and adapter is None:
-            snapshot = self._snapshot(source, version)
-            self._start_background(lambda: self._round_now(snapshot, version=version, resume=resume, adapter=None),
+        self.background.wait()  # at most one push in flight: the previous one ends (or raises) first
+        if self.background.enabled and adapter is None:
+            snapshot = self.background.snapshot(source, version, self.control)
+            self.background.start(lambda: self._round_now(snapshot, version=version, resume=resume, adapter=None),
                                    name=f"lfe-sync-v{version}")
             return
         self._round_now(source, version=version, resume=resume, adapter=adapter)
@@ -236,14 +239,14 @@ class NativeTransfer(Pauses, BackgroundPushes):
             self.engine.send_weights()  # iterates the source: this rank's part of the gathers
             return
         this = _round_of(self.options, version, adapter, run=self._run)
-        own_pause = self._held_since is None  # else a base round paused them for this adapter round
+        own_pause = self.pauses.held_since is None  # else a base round paused them for this adapter round
         plan, paused, paused_at, sparse = self._start_round(this.plan_key(self._inputs()), pause=this.pauses_for_data)
         sent = False  # from the send on, a failure may leave a server's model half-loaded
         resumed: list[Server] = []  # rank 0: servers that hold a whole version after a failure, serving again
         try:
             if plan is not None:
                 self._connect(plan)
-                self._plan_digest = self._digest()
+                self._plan_digest = _digest(self.options, self.source)
             if self.rank == 0:
                 assert self.client is not None
                 self.client.version = this.client_version(version)
@@ -252,20 +255,21 @@ class NativeTransfer(Pauses, BackgroundPushes):
             try:
                 this.run(inputs, version=version, sparse=sparse)
             finally:
-                self.last_patch = this.result.patch or self.last_patch
+                self._last_patch = this.result.patch or self._last_patch
             outcome: str | None = None
             if self.rank == 0:
                 try:
                     if not paused:  # a staged round: the servers generated while the data travelled
-                        paused_at, paused = self._pause(), True
-                    self._on_each_server(lambda s: this.on_server(s, inputs, version=version, mode=self.pause_mode),
-                                         version=version, resume=resume)
+                        paused_at, paused = self.pauses.pause(), True
+                    mode = self.pauses.mode
+                    self.pauses.on_each_server(lambda s: this.on_server(s, inputs, version=version, mode=mode),
+                                               version=version, resume=resume)
                 except Exception as err:
                     resumed = err.resumed if isinstance(err, PartlyFailed) else []
                     outcome = f"{type(err).__name__}: {err}"
-                    if not self.sends_in_background:
+                    if not self.background.enabled:
                         raise
-            if self.sends_in_background:  # every rank's thread ends knowing whether the version serves
+            if self.background.enabled:  # every rank's thread ends knowing whether the version serves
                 assert self.control is not None
                 outcome = self.control.broadcast(outcome)
                 if outcome is not None:
@@ -273,11 +277,11 @@ class NativeTransfer(Pauses, BackgroundPushes):
                                        f" swap it in: {outcome}")
         except BaseException as err:
             self.broken = True
-            self._held_since = None
+            self.pauses.held_since = None
             self.forget()
             if self.rank == 0 and paused:
                 if not sent and own_pause:  # nothing of this round reached them: they serve what they served
-                    self._resume_after(err)  # raises, saying so
+                    self.pauses.resume_after(err)  # raises, saying so
                 else:
                     close_rounds([s for s in self.servers if s not in resumed], timeout=self.timeout,
                                  empty_round=not self.options.closes_failed_rounds)
@@ -288,7 +292,7 @@ class NativeTransfer(Pauses, BackgroundPushes):
             raise
         self.kept = this.succeeded(inputs)
         self.broken = False  # also on a rank outside the group (sparse_nccl's others), which never connects again
-        self._finish(paused_at, resume)
+        self.pauses.finish(paused_at, resume)
 
     def _inputs(self) -> RoundInputs:
         """What a round reads of this transfer now."""
@@ -310,7 +314,7 @@ class NativeTransfer(Pauses, BackgroundPushes):
             self.push(AdapterTensors(files.tensors()), version=version, adapter=(name, files.config))
             return
         if self.rank == 0:
-            self._load_adapter_from(os.fspath(files.path.resolve()), name=name, version=version)
+            self.pauses.load_adapter_from(os.fspath(files.path.resolve()), name=name, version=version)
 
     def _start_round(self, plan_key: str | None, *, pause: bool = True) -> tuple[dict[str, Any] | None, bool, float,
                                                                                   bool]:
@@ -321,7 +325,7 @@ class NativeTransfer(Pauses, BackgroundPushes):
         from its broadcast. Returns ``(plan to connect with or None, whether this rank paused the servers, when the
         pause began, whether the round sends patches)``: only where every rank of the group holds a copy of the
         confirmed version of this ``plan_key`` (rank 0 also the workers' copy's id) and the group stays."""
-        rebuild = self.broken or self._digest() != self._plan_digest
+        rebuild = self.broken or _digest(self.options, self.source) != self._plan_digest
         can_patch = (plan_key is not None and self.patches is not None
                      and self.patches.can_patch(self.confirmed, plan_key)
                      and (self.rank != 0 or self.kept is not None))
@@ -340,7 +344,7 @@ class NativeTransfer(Pauses, BackgroundPushes):
                     if not self.every_rank:  # rank 0 alone in the group: rendezvous while the servers still serve
                         self._connect(plan)
                     decision["plan"] = plan if self.every_rank else None
-                paused_at = self._pause() if pause else 0.0
+                paused_at = self.pauses.pause() if pause else 0.0
             except Exception as err:  # noqa: BLE001 - every rank of the group learns of it just below
                 decision, failure = {"error": f"{type(err).__name__}: {err}", "plan": None}, err
         if self.control is not None:
@@ -352,9 +356,18 @@ class NativeTransfer(Pauses, BackgroundPushes):
             raise ServerError(f"trainer rank 0 could not start the round: {decision['error']}", self.servers[0].url)
         return decision["plan"], self.rank == 0 and pause, paused_at, sparse
 
-    def _digest(self) -> str:
-        """``nccl_m2n`` builds its engine for one source plan: a new plan (another model, dtype) needs a new group."""
-        return repr(source_metadata(self.source)) if self.options.layout is SourceLayout.M2N else ""
+
+def _store_address(transport: NetworkTransport, servers: Sequence[Server]) -> tuple[str, int]:
+    """Where the servers reach trainer rank 0's store: the transport's ``master_address`` (default: loopback for local
+    servers, else this host's name's address) and ``master_port`` (0: picked by rank 0)."""
+    given = transport if isinstance(transport, RendezvousTransport) else RendezvousTransport()
+    return given.master_address or _default_address(servers), given.master_port
+
+
+def _digest(transport: NetworkTransport, source: Any) -> str:
+    """``nccl_m2n`` builds its engine for one source plan: a new plan (another model, dtype) needs a new group."""
+    return repr(source_metadata(source)) if transport.layout is SourceLayout.M2N else ""
+
 
 def _round_of(transport: NetworkTransport, version: int, adapter: tuple[str, str] | None, *, run: str) -> Round:
     """A push's round: the transport's ``adapter_round`` for an adapter (written under this fit's ``run`` directory on
@@ -365,6 +378,15 @@ def _round_of(transport: NetworkTransport, version: int, adapter: tuple[str, str
     name, config = adapter
     return round_for(transport.adapter_round, name=name, config=config,
                      server_dir=f"{SERVER_ADAPTER_ROOT}/{run}/{name}/v{version:06d}")
+
+
+def _require_engine(transport: NetworkTransport) -> None:
+    """Refuse a transport whose trainer engine this vLLM lacks (``sparse_nccl`` came with vLLM 0.33)."""
+    if transport.sends_patch_lists and importlib.util.find_spec(
+            "vllm.distributed.weight_transfer.sparse_nccl_engine") is None:
+        raise ValueError(f"RemoteVLLM(transport=SparseNCCL()) needs vLLM's sparse_nccl weight-transfer engine (vLLM"
+                         f" 0.33 or newer; this is vLLM {_vllm_version()}); on vLLM 0.32 use"
+                         " Gloo(shard_direct=True, sparse=True).")
 
 
 def _vllm_version() -> str:

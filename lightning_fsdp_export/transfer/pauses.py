@@ -2,7 +2,7 @@
 version stays paused, and that a server which may hold half-loaded weights never serves.
 
 Rank 0 pauses every server before a round's data travels (or, for a staged round, before the swap), tells each server
-what follows the data (:meth:`Pauses._on_each_server`: swap, adapter, prefix-cache reset, label) and resumes them. Where
+what follows the data (:meth:`Pauses.on_each_server`: swap, adapter, prefix-cache reset, label) and resumes them. Where
 a step fails on some servers only, the others are resumed at once (:class:`PartlyFailed` names both); a round that
 failed mid-transfer is closed on the servers that may hold half-loaded weights (:func:`close_rounds`), which stay
 paused until the next full push.
@@ -37,32 +37,36 @@ def pause_route(mode: PauseMode) -> str:
 
 
 class Pauses:
-    """What both rounds share: the servers' pause, held across a base round into its adapter round, and its timing."""
+    """The servers' pause, which every transfer holds (a network group's and a directory's rounds alike): held across a
+    base round into its adapter round, its timing, and what a failed round leaves behind.
 
-    servers: list[Server]
-    pause_mode: PauseMode
-    rank: int
+    Args:
+        servers: the servers (replicas) every round pauses.
+        mode: how they pause (``RemoteVLLM(pause_mode=...)``).
+    """
 
-    def _init_pauses(self, servers: Sequence[Server], pause_mode: PauseMode) -> None:
+    def __init__(self, servers: Sequence[Server], mode: PauseMode) -> None:
         self.servers = list(servers)
-        self.pause_mode = pause_mode
+        self.mode = mode
         self.rank = 0
+        """This trainer rank (its transfer's ``setup`` sets it): only rank 0 talks to the servers."""
         self.last_pause: tuple[float, float] | None = None
         """Rank 0: wall-clock times (``time.time()``) of the last completed sync's ``/pause`` and ``/resume``."""
-        self._held_since: float | None = None  # rank 0: a base round left the servers paused for its adapter
+        self.held_since: float | None = None
+        """Rank 0: a base round left the servers paused for its adapter round, since then."""
 
-    def _pause(self) -> float:
+    def pause(self) -> float:
         """Rank 0: pause every server unless a base round holds them paused; when the pause began. Servers that cannot
         be paused fail the round before anything is sent: the others are resumed at once (they serve the version they
         served, its label true) and the error names the ones that failed."""
-        if self._held_since is not None:
-            return self._held_since
-        failed = on_each(self.servers, lambda s: s.request("POST", pause_route(self.pause_mode)))
+        if self.held_since is not None:
+            return self.held_since
+        failed = on_each(self.servers, lambda s: s.request("POST", pause_route(self.mode)))
         if failed:
             self._resume_all_but(failed, failed_to="be paused", serving="the version they served")
         return time.time()
 
-    def _on_each_server(self, step: Callable[[Server], None], *, version: int, resume: bool) -> None:
+    def on_each_server(self, step: Callable[[Server], None], *, version: int, resume: bool) -> None:
         """Rank 0, the servers paused after the round's data reached them: ``step`` on every server (what it is told
         then: swap, load an adapter, reset its prefix cache, set its label). Where ``step`` fails on some servers
         only, the others hold ``version`` whole, labelled: with ``resume`` they are resumed at once (without it an
@@ -80,7 +84,7 @@ class Pauses:
         whole = [s for s in self.servers if s not in failed]
         stuck = on_each(whole, lambda s: s.request("POST", "/resume"))
         resumed = [s for s in whole if s not in stuck]
-        self._held_since = None
+        self.held_since = None
         lines = "; ".join(f"{s.url}: {err}" for s, err in {**failed, **stuck}.items())
         first = next(iter(failed))
         others = (f"{len(resumed)} other(s) resumed, serving {serving}" + (f", {len(stuck)} not" if stuck else "")
@@ -88,18 +92,18 @@ class Pauses:
         raise PartlyFailed(f"{len(failed)} of {len(self.servers)} server(s) failed to {failed_to}; {others} ({lines})."
                            " The next sync pushes every tensor whole.", first.url, resumed=resumed) from failed[first]
 
-    def _finish(self, paused_at: float, resume: bool) -> None:
+    def finish(self, paused_at: float, resume: bool) -> None:
         """Rank 0 after a round that succeeded: resume the servers (and time the pause), or hold them paused."""
         if self.rank != 0:
             return
         if not resume:
-            self._held_since = paused_at
+            self.held_since = paused_at
             return
         on_all(self.servers, lambda s: s.request("POST", "/resume"))
-        self._held_since = None
+        self.held_since = None
         self.last_pause = (paused_at, time.time())
 
-    def _resume_after(self, err: BaseException) -> None:
+    def resume_after(self, err: BaseException) -> None:
         """Rank 0, a round that failed after the pause but before any data was sent (building the group): resume every
         server that answers, then raise ``err`` saying so."""
         stuck = on_each(self.servers, lambda s: s.request("POST", "/resume"))
@@ -108,22 +112,22 @@ class Pauses:
                           f" {len(self.servers)} server(s) resumed, serving the version they served{lines}.",
                           next(iter(stuck)).url if stuck else self.servers[0].url) from err
 
-    def _load_adapter_from(self, path: str, *, name: str, version: int) -> None:
+    def load_adapter_from(self, path: str, *, name: str, version: int) -> None:
         """Rank 0: every server reads the adapter at ``path`` (on its host) and serves it as ``name``: pause (unless
         held), load, reset the prefix caches, set the version, resume. A server that fails stays paused until the next
         full push; the others serve ``version`` (its adapter and base), resumed."""
-        paused_at = self._pause()
+        paused_at = self.pause()
 
         def load(server: Server) -> None:
             load_adapter([server], name, path)
-            reset_prefix_caches([server], self.pause_mode)
+            reset_prefix_caches([server], self.mode)
             set_versions([server], version)
 
         try:
-            self._on_each_server(load, version=version, resume=True)
+            self.on_each_server(load, version=version, resume=True)
         finally:
-            self._held_since = None
-        self._finish(paused_at, resume=True)
+            self.held_since = None
+        self.finish(paused_at, resume=True)
 
 
 def close_rounds(servers: Sequence[Server], *, timeout: float, empty_round: bool) -> None:

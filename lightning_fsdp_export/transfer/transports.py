@@ -103,6 +103,11 @@ class NetworkTransport:
         """After the first round, every rank sends only the elements of its parts that changed (sparse rounds)."""
         return self.weights_round in (RoundKind.PATCHES, RoundKind.STAGED_PATCHES, RoundKind.PATCH_LISTS)
 
+    @property
+    def stages(self) -> bool:
+        """The workers stage each version while the servers generate; the servers pause only for the swap."""
+        return self.weights_round in (RoundKind.STAGED, RoundKind.STAGED_PATCHES)
+
     def init_info(self, *, rank: int, address: str, port: int, world_size: int, trainers: int, group: str,
                   timeout: float) -> Any:
         """The trainer engine's init info for ``WeightTransferTrainerFactory.trainer_init`` (imports vLLM)."""
@@ -416,6 +421,11 @@ class Directory:
     @property
     def layout(self) -> SourceLayout:
         return SourceLayout.FULL
+
+    sends_patches: ClassVar[bool] = False
+    """Every sync is a whole reload."""
+    stages: ClassVar[bool] = False
+    """The servers pause for the whole reload."""
 
 
 Transport = NetworkTransport | Directory

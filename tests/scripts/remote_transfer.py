@@ -332,9 +332,9 @@ def scenario_background(urls: list[str], *, sparse: bool = False) -> dict[str, A
     out: dict[str, Any] = {"pushes": []}
     before_pause: list[Any] = []  # rank 0: both servers' state when a round pauses them (a staged one: data arrived)
     if rank == 0:
-        transfer = target._round  # type: ignore[attr-defined]
-        pause = transfer._pause
-        transfer._pause = lambda: (before_pause.append(state(target)), pause())[1]
+        pauses = target._round.pauses  # type: ignore[attr-defined]
+        pause = pauses.pause
+        pauses.pause = lambda: (before_pause.append(state(target)), pause())[1]
 
     def push(weights: dict[str, torch.Tensor], version: int, **faults: Any) -> None:
         before_pause.clear()
