@@ -133,14 +133,14 @@ def test_the_callback_confirms_only_a_version_every_rank_agreed_on(monkeypatch: 
             raise outcome
         return []
 
-    monkeypatch.setattr(sync, "_ensure_target", lambda *a: None)
-    monkeypatch.setattr(sync, "_sync", fake_sync)
+    monkeypatch.setattr(sync.engine, "_ensure_target", lambda *a: None)
+    monkeypatch.setattr(sync.engine, "_sync", fake_sync)
     trainer = SimpleNamespace(strategy=LazyExportFSDP2(), global_step=0, is_global_zero=True, loggers=[])
     with pytest.warns(UserWarning, match="lost"):
         for _ in range(4):
             sync.sync(trainer)  # type: ignore[arg-type]
     assert target.confirmed == [None, 1, 2, None]  # first, then the served one; after a failure: none
     sync.load_state_dict(sync.state_dict())  # a resume: the engine holds what it was built from
-    monkeypatch.setattr(sync, "_sync", lambda *a: [])
+    monkeypatch.setattr(sync.engine, "_sync", lambda *a: [])
     sync.sync(trainer)  # type: ignore[arg-type]
     assert target.confirmed[-1] is None

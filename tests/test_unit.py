@@ -312,7 +312,7 @@ def test_the_syncs_modes_are_parsed_once_into_enums() -> None:
 
     sync = VLLMWeightSync(InMemoryTarget(), on_error="warn")
     assert sync.lora is SyncLora.MERGED and sync.lora == "merged" and str(sync.lora) == "merged"
-    assert sync._on_error is OnError.WARN and sync._verify is None
+    assert sync.engine._on_error is OnError.WARN and sync.engine._verify is None
     assert sync.checkpoint_key == "VLLMWeightSync{'lora': 'merged', 'target': 'InMemoryTarget'}"  # the plain string
     assert parse_option(Verify, "logprobs", "verify") is Verify.LOGPROBS
     with pytest.raises(ValueError, match=r"VLLMWeightSync\(on_error='ignore'\) must be one of 'raise', 'warn'\."):
@@ -331,7 +331,7 @@ def test_when_busy_skip_is_offered_only_where_pushes_travel_in_the_background() 
     background = RemoteVLLM(["http://127.0.0.1:9"], transport=Gloo(shard_direct=True, background=True),
                             pause_mode="keep")
     sync = VLLMWeightSync(background, when_busy="skip")
-    assert sync._when_busy is WhenBusy.SKIP and sync.skipped == 0
+    assert sync.engine._when_busy is WhenBusy.SKIP and sync.skipped == 0
     assert WeightSync(background, when_busy="skip")._when_busy is WhenBusy.SKIP
     with pytest.raises(ValueError, match=r"VLLMWeightSync\(when_busy='skip'\) skips a push .* RemoteVLLM never does"):
         VLLMWeightSync(RemoteVLLM(["http://127.0.0.1:9"], transport=Gloo()), when_busy="skip")

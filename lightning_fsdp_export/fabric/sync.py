@@ -53,11 +53,6 @@ class WeightSync(SyncEngine):
         super().__init__(*args, **kwargs)
         self._run: FabricRun | None = None
 
-    @property
-    def resumed(self) -> bool:
-        """Whether the state came from a checkpoint (``fabric.load``): the next push is full."""
-        return self._resumed
-
     def setup(self, fabric: Fabric) -> None:
         """Every rank, after ``fabric.setup_module(model)``: set the target up (build an engine, reach the servers),
         check the exact check's precondition, sleep a colocated engine during the steps' compute phases."""

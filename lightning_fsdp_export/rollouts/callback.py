@@ -63,16 +63,17 @@ class AsyncRollouts(Callback, FabricLoop):
         request_timeout: seconds for one request (a group).
     """
 
-    def __init__(self, sync: SyncEngine, prompts: Sequence[list[int]] | Callable[[int], list[int]],
+    def __init__(self, sync: SyncEngine | VLLMWeightSync, prompts: Sequence[list[int]] | Callable[[int], list[int]],
                  reward: Callable[[Sample], float], *, batch_size: int, group_size: int = 1,
                  max_staleness: int = 1, sampling: dict[str, Any] | None = None, max_in_flight: int | None = None,
                  versions_every: int | None = None, batch_timeout: float = 300.0,
                  request_timeout: float = 300.0) -> None:
-        if not isinstance(sync, SyncEngine) or not isinstance(sync.target, RemoteVLLM):
+        syncs = (SyncEngine, VLLMWeightSync)
+        if not isinstance(sync, syncs) or not isinstance(sync.target, RemoteVLLM):
             raise TypeError("AsyncRollouts(sync=...) needs the VLLMWeightSync(RemoteVLLM(...)) (or Fabric's"
                             " WeightSync(RemoteVLLM(...))) that updates the servers it generates on; got"
                             f" {type(sync).__name__}"
-                            f"{'' if not isinstance(sync, SyncEngine) else f'({type(sync.target).__name__})'}.")
+                            f"{'' if not isinstance(sync, syncs) else f'({type(sync.target).__name__})'}.")
         if isinstance(sync, VLLMWeightSync) and not sync.syncs_on_train_start:
             raise ValueError("AsyncRollouts needs VLLMWeightSync(sync_on_train_start=True): the first rollouts must"
                              " come from the trainer's weights.")

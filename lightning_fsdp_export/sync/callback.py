@@ -1,9 +1,9 @@
 """``VLLMWeightSync``: the Trainer's adapter of the sync engine: a callback that decides when to sync.
 
 A sync's path through the rooms is the engine's (:class:`~lightning_fsdp_export.sync.engine.SyncEngine`, shared with
-Fabric's :class:`~lightning_fsdp_export.fabric.WeightSync`); the hooks that call it are
-:class:`~lightning_fsdp_export.sync.triggers.SyncTriggers`. This module adds the triggers' options, the Trainer's
-loggers and the callback's checkpoint state.
+Fabric's :class:`~lightning_fsdp_export.fabric.WeightSync`), which the callback holds (``sync.engine``); the hooks that
+call it are :class:`~lightning_fsdp_export.sync.triggers.SyncTriggers`. This module adds the triggers' options, the
+Trainer's loggers, the engine's public state on the callback and the callback's checkpoint state.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from typing_extensions import override
 from lightning_fsdp_export._common import WeightSyncError
 from lightning_fsdp_export.strategy import LazyExportFSDP2
 from lightning_fsdp_export.sync.engine import SyncEngine
+from lightning_fsdp_export.sync.exact import ExactCheck
 from lightning_fsdp_export.sync.options import OnError, SyncLora, parse_option
 from lightning_fsdp_export.sync.triggers import SyncTriggers
 from lightning_fsdp_export.targets.base import SleepsDuringCompute, WeightTarget
@@ -26,7 +27,7 @@ from lightning_fsdp_export.targets.base import SleepsDuringCompute, WeightTarget
 __all__ = ["VLLMWeightSync", "WeightSyncError"]
 
 
-class VLLMWeightSync(SyncTriggers, SyncEngine):
+class VLLMWeightSync(SyncTriggers):
     """Push the trainer's weights into a vLLM target after optimizer steps or epochs.
 
     Example::
@@ -108,22 +109,18 @@ class VLLMWeightSync(SyncTriggers, SyncEngine):
         if exact_first_sync and not sync_on_train_start:
             raise ValueError("VLLMWeightSync(exact_first_sync=True) checks the sync at train start, where the trainer"
                              " still holds the engine's checkpoint: it needs sync_on_train_start=True.")
-        SyncEngine.__init__(self, target, dtype=dtype, verify=verify, verify_tolerance=verify_tolerance, lora=lora,
+        engine = SyncEngine(target, dtype=dtype, verify=verify, verify_tolerance=verify_tolerance, lora=lora,
                             adapter_dir=adapter_dir, on_error=on_error, check_finite=check_finite, timeout=timeout,
-                            exact_first_sync=exact_first_sync, name=name, when_busy=when_busy)
-        self._every_n_steps = every_n_train_steps if every_n_epochs is None else None
-        if self._every_n_steps is None and every_n_epochs is None:
-            self._every_n_steps = 1
-        self._every_n_epochs = every_n_epochs
-        self._sync_on_train_start = sync_on_train_start
-        self._fit_start_step: int | None = None  # the global step this fit started at: no optimizer step yet there
+                            exact_first_sync=exact_first_sync, name=name, when_busy=when_busy, owner="VLLMWeightSync")
+        super().__init__(engine, every_n_train_steps=every_n_train_steps, every_n_epochs=every_n_epochs,
+                         sync_on_train_start=sync_on_train_start)
         self._in_trainer = False  # set at setup(): from then on state_key is the checkpoint's key
 
     @property
     def checkpoint_key(self) -> str:
         """The key of this sync's state in a checkpoint's callback states: the mode and the kind of target (or
         ``name=``). Stable across a resume, even one that swaps the target for another of its kind (a new server)."""
-        return self._generate_state_key(lora=self._lora.value, target=self._name)
+        return self._generate_state_key(lora=self.engine.lora.value, target=self.engine.name)
 
     @property
     @override
@@ -144,14 +141,14 @@ class VLLMWeightSync(SyncTriggers, SyncEngine):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _require_strategy(trainer)
-        self._start(trainer)
+        self.engine._start(trainer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self._end(trainer.strategy)
+            self.engine._end(trainer.strategy)
         elif isinstance(trainer.strategy, LazyExportFSDP2):
-            trainer.strategy.remove_phase_listener(self)
+            trainer.strategy.remove_phase_listener(self.engine)
 
     def sync(self, trainer: pl.Trainer) -> None:
         """Push the current weights now; every rank must call it (the export is collective).
@@ -160,20 +157,86 @@ class VLLMWeightSync(SyncTriggers, SyncEngine):
         on (``"warn"``); either way the target is marked stale and the next sync pushes everything.
         """
         _require_strategy(trainer)
-        metrics = self._push(trainer)
+        metrics = self.engine._push(trainer)
         if metrics is not None and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
 
     # -- state ---------------------------------------------------------------------------------------------
 
+    def settle(self) -> bool:
+        """Every rank: end the push still in the background, if any, and agree on it (see ``SyncEngine.settle``)."""
+        return self.engine.settle()
+
+    # -- the engine's state ---------------------------------------------------------------------------------
+
+    @property
+    def target(self) -> WeightTarget:
+        """Where the weights go."""
+        return self.engine.target
+
+    @property
+    def version(self) -> int:
+        """The last version pushed (0: none yet)."""
+        return self.engine.version
+
+    @property
+    def served_version(self) -> int | None:
+        """The version the target serves as every rank agreed (see ``SyncEngine.served_version``)."""
+        return self.engine.served_version
+
+    @served_version.setter
+    def served_version(self, version: int | None) -> None:
+        self.engine.served_version = version
+
+    @property
+    def stale(self) -> bool:
+        """The target does not hold the trainer's last pushed weights (before the first sync, after a failure)."""
+        return self.engine.stale
+
+    @stale.setter
+    def stale(self, value: bool) -> None:
+        self.engine.stale = value
+
+    @property
+    def lora(self) -> SyncLora:
+        """The mode: ``"merged"`` or ``"adapter"``."""
+        return self.engine.lora
+
+    @property
+    def last_synced_step(self) -> int:
+        """The global step of the last sync that succeeded (-1: none)."""
+        return self.engine.last_synced_step
+
+    @property
+    def last_metrics(self) -> dict[str, float]:
+        """The last sync's metrics (``weight_sync/...``)."""
+        return self.engine.last_metrics
+
+    @property
+    def last_verify_diff(self) -> float | None:
+        """The last ``verify="logprobs"`` check's largest logprob difference."""
+        return self.engine.last_verify_diff
+
+    @property
+    def last_exact_check(self) -> ExactCheck | None:
+        """What the exact check compared on this rank (``exact_first_sync=True``), once it ran."""
+        return self.engine.last_exact_check
+
+    @property
+    def skipped(self) -> int:
+        """Pushes skipped because the previous version was still travelling (``when_busy="skip"``)."""
+        return self.engine.skipped
+
+    # -- state ---------------------------------------------------------------------------------------------
+
     @override
     def state_dict(self) -> dict[str, Any]:
-        return SyncEngine.state_dict(self)
+        return self.engine.state_dict()
 
     @override
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        SyncEngine.load_state_dict(self, state_dict)
+        self.engine.load_state_dict(state_dict)
 
 
 def _require_strategy(trainer: pl.Trainer) -> LazyExportFSDP2:
@@ -192,7 +255,7 @@ def _require_distinct_keys(trainer: pl.Trainer) -> None:
     keys = [sync.checkpoint_key for sync in syncs]
     twice = sorted({key for key in keys if keys.count(key) > 1})
     if twice:
-        names = ", ".join(repr(sync._name) for sync, key in zip(syncs, keys) if key in twice)
+        names = ", ".join(repr(sync.engine.name) for sync, key in zip(syncs, keys) if key in twice)
         raise ValueError(f"The Trainer holds {len(syncs)} VLLMWeightSync callbacks, and some would keep their state"
                          f" under one checkpoint key ({', '.join(twice)}; target names {names}): give each a name of"
                          " its own, e.g. VLLMWeightSync(target, name='rollouts') and VLLMWeightSync(eval_target,"

@@ -65,8 +65,11 @@ class SyncEngine:
                  lora: Literal["merged", "adapter"] = "merged", adapter_dir: str | os.PathLike[str] | None = None,
                  on_error: Literal["raise", "warn"] = "raise", check_finite: bool = True,
                  timeout: timedelta | float | None = None, exact_first_sync: bool = False,
-                 name: str | None = None, when_busy: Literal["wait", "skip"] = "wait") -> None:
-        owner = type(self).__name__
+                 name: str | None = None, when_busy: Literal["wait", "skip"] = "wait",
+                 owner: str | None = None) -> None:
+        owner = owner or type(self).__name__
+        self._owner = owner
+        """The class a user built, named in messages (``VLLMWeightSync`` holds an engine; ``WeightSync`` is one)."""
         _validate_target(target, dtype, owner)
         mode, errors = parse_option(SyncLora, lora, "lora", owner), parse_option(OnError, on_error, "on_error", owner)
         check = None if verify is None else parse_option(Verify, verify, "verify", owner)
@@ -124,6 +127,21 @@ class SyncEngine:
         self._served = version
 
     @property
+    def name(self) -> str:
+        """The sync's name in checkpoints (``name=``, else the target's ``state_name``)."""
+        return self._name
+
+    @property
+    def resumed(self) -> bool:
+        """Whether the state came from a checkpoint: the next push is full."""
+        return self._resumed
+
+    @property
+    def target_ready(self) -> bool:
+        """Whether the target is set up for this run (the first push or the run's start did it)."""
+        return self._target_ready
+
+    @property
     def lora(self) -> SyncLora:
         """The mode: ``"merged"``, or ``"adapter"`` (the target serves the trained adapter, e.g. under
         ``RemoteVLLM.adapter_name``)."""
@@ -133,7 +151,7 @@ class SyncEngine:
 
     def _start(self, run: SyncRun) -> None:
         """Every rank, before the first push: the target set up, the exact check's precondition, the phase listener."""
-        strategy = _require_strategy(run.strategy, type(self).__name__)
+        strategy = _require_strategy(run.strategy, self._owner)
         strategy.export_module  # noqa: B018 - no or several models to export: fail before the first step
         self._ensure_target(run, strategy)
         if self._exact_pending:
@@ -170,7 +188,7 @@ class SyncEngine:
         """Every rank: push the current weights as the next version; its metrics, or None when it failed and
         ``on_error="warn"`` (the target is then stale and the next sync pushes everything) or was skipped
         (``when_busy="skip"`` while the previous version still travels)."""
-        strategy = _require_strategy(run.strategy, type(self).__name__)
+        strategy = _require_strategy(run.strategy, self._owner)
         self._ensure_target(run, strategy)
         if self._when_busy is WhenBusy.SKIP and self._in_flight is not None \
                 and not all(self._ranks.gather(self.target.push_arrived())):  # every rank skips, or none
@@ -239,7 +257,7 @@ class SyncEngine:
             self.last_exact_check, mine = exact_verdict(self.target, baseline)
             agree_after(self._ranks, self.version, mine, EXACT_FAILED)
             check = self.last_exact_check
-            rank_zero_info(f"{type(self).__name__} exact check passed: {check.compared} engine parameter(s) restored"
+            rank_zero_info(f"{self._owner} exact check passed: {check.compared} engine parameter(s) restored"
                            f" bit for bit, {check.not_comparable} not comparable (repacked by the engine).")
         if self._verify:
             assert isinstance(self.target, ScoresLogprobs)
@@ -280,7 +298,7 @@ class SyncEngine:
         self._base_pushed = False
         if self._exact_pending:  # the trainer resumes from trained weights, not the engine's checkpoint
             self._exact_pending = False
-            rank_zero_info(f"{type(self).__name__}(exact_first_sync=True): skipped in a resumed run (the trainer's"
+            rank_zero_info(f"{self._owner}(exact_first_sync=True): skipped in a resumed run (the trainer's"
                            " weights are no longer the engine's checkpoint); syncs are checked by verify='logprobs'"
                            " only.")
 

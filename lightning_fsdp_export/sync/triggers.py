@@ -4,7 +4,7 @@ ends a fit's pushes (``settle()`` at train end)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from abc import ABC, abstractmethod
 from typing import Any
 
 import lightning.pytorch as pl
@@ -12,26 +12,36 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.trainer.states import TrainerFn
 from typing_extensions import override
 
-from lightning_fsdp_export.targets.base import SleepsDuringCompute, WeightTarget
+from lightning_fsdp_export.sync.engine import SyncEngine
+from lightning_fsdp_export.targets.base import SleepsDuringCompute
 
 __all__ = ["SyncTriggers"]
 
 
-class SyncTriggers(Callback):
-    """The hooks of a sync callback that decide when it pushes; the subclass has ``sync(trainer)`` and ``settle()``
-    (``VLLMWeightSync``: the engine's)."""
+class SyncTriggers(Callback, ABC):
+    """The hooks of a sync callback that decide when it pushes: its triggers' state here, the sync itself in the
+    ``engine`` it holds (``VLLMWeightSync``), and :meth:`sync` (the subclass's: the push and its logging).
 
-    sync: Callable[[pl.Trainer], None]
-    settle: Callable[[], bool]
+    Args:
+        engine: the sync engine every trigger pushes with.
+        every_n_train_steps: see ``VLLMWeightSync``.
+        every_n_epochs: see ``VLLMWeightSync``.
+        sync_on_train_start: see ``VLLMWeightSync``.
+    """
 
-    target: WeightTarget
-    last_synced_step: int
-    _every_n_steps: int | None
-    _every_n_epochs: int | None
-    _sync_on_train_start: bool
-    _resumed: bool
-    _fit_start_step: int | None
-    _target_ready: bool
+    def __init__(self, engine: SyncEngine, *, every_n_train_steps: int | None, every_n_epochs: int | None,
+                 sync_on_train_start: bool) -> None:
+        self.engine = engine
+        self._every_n_steps = every_n_train_steps if every_n_epochs is None else None
+        if self._every_n_steps is None and every_n_epochs is None:
+            self._every_n_steps = 1
+        self._every_n_epochs = every_n_epochs
+        self._sync_on_train_start = sync_on_train_start
+        self._fit_start_step: int | None = None  # the global step this fit started at: no optimizer step yet there
+
+    @abstractmethod
+    def sync(self, trainer: pl.Trainer) -> None:
+        """Push the current weights now (every rank)."""
 
     @property
     def every_n_train_steps(self) -> int | None:
@@ -41,20 +51,21 @@ class SyncTriggers(Callback):
     @property
     def syncs_on_train_start(self) -> bool:
         """Whether the fit's first push happens at train start (``sync_on_train_start``, or a resumed run)."""
-        return self._sync_on_train_start or self._resumed
+        return self._sync_on_train_start or self.engine.resumed
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         # sleep_level=2 dropped the engine's weights in a phase no trigger follows (validation): push now,
         # before this step's rollouts.
-        if isinstance(self.target, SleepsDuringCompute) and self.target.weights_discarded \
+        target = self.engine.target
+        if isinstance(target, SleepsDuringCompute) and target.weights_discarded \
                 and not trainer.sanity_checking:
             self.sync(trainer)
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._fit_start_step = trainer.global_step
-        if self._sync_on_train_start or self._resumed:
+        if self.syncs_on_train_start:
             self.sync(trainer)
 
     @override
@@ -71,11 +82,11 @@ class SyncTriggers(Callback):
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self._target_ready:
-            self.settle()  # the last push in the background arrived (or the fit ends with its failure)
+        if self.engine.target_ready:
+            self.engine.settle()  # the last push in the background arrived (or the fit ends with its failure)
 
     def _should_skip(self, trainer: pl.Trainer) -> bool:
         # global_step counts optimizer steps: while it equals the fit's first step (the micro-batches of an
         # accumulation before the first step) or the last synced one, the weights are what the target holds
         return (trainer.sanity_checking or trainer.state.fn != TrainerFn.FITTING
-                or trainer.global_step in (self.last_synced_step, self._fit_start_step))
+                or trainer.global_step in (self.engine.last_synced_step, self._fit_start_step))
