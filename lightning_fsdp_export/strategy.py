@@ -94,6 +94,11 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
     # -- the set-up order ----------------------------------------------------------------------------
 
     @override
+    def setup_environment(self) -> None:
+        self._resolve_data_parallel_size()
+        super().setup_environment()
+
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.model is not None and self.accelerator is not None and self.lightning_module is not None
         self.accelerator.setup(trainer)

@@ -70,12 +70,11 @@ class LazyExportCore:
             strategy_registry.register(cls.strategy_name, cls,
                                        description="FSDP2 with lazy per-DTensor weight export (lightning-fsdp-export)")
 
-    def setup_environment(self) -> None:
-        """``data_parallel_size="auto"`` is pure FSDP over the whole world (not Lightning's "nodes"), then Lightning's
-        own set-up (process group, device mesh)."""
+    def _resolve_data_parallel_size(self) -> None:
+        """Before Lightning's own set-up (process group, device mesh): ``data_parallel_size="auto"`` is pure FSDP over
+        the whole world (not Lightning's "nodes")."""
         if self._data_parallel_size == "auto":
             self._data_parallel_size = (self.num_nodes * self.num_processes) // self._tensor_parallel_size
-        super().setup_environment()  # type: ignore[misc] - the ModelParallelStrategy after this mixin
 
     def _build_parts(self, *, shard_modules: Sequence[type[nn.Module] | str] | None, export_module: str | None,
                      pretrained: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None,

@@ -86,6 +86,11 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
                           model=lambda: self._module, optimizers=lambda: self._optimizers)
 
     @override
+    def setup_environment(self) -> None:
+        self._resolve_data_parallel_size()
+        super().setup_environment()
+
+    @override
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Your ``parallelize_fn`` (if any), then the Trainer strategy's preparation: shard what is not sharded,
         allocate meta tensors, load ``pretrained=`` into the shards, init the rest, move plain tensors."""
