@@ -154,10 +154,12 @@ def test_async_a_dying_replica_is_named_by_the_next_sync_and_nothing_is_left_run
     # the next batch could not fill (no version served): every rank raised, naming each server's state
     error = got["rollout_error"]
     assert error is not None and "rank 0:" in error and "rank 1:" in error, got
-    assert "paused=True" in error and f"{got['proxy']}: unreachable" in error, error
+    # issue 46: the live server, paused by the round the dead one failed, was resumed at once on its version (no
+    # batch fills still: the sync is stale after the failure, so no version counts as served)
+    assert "paused=False" in error and "paused=True" not in error and f"{got['proxy']}: unreachable" in error, error
     assert got["error_after_death_seconds"] < 20 + 8 + 30, got  # RemoteVLLM(timeout=20), batch_timeout=8
     assert got["threads_after"] == [], got
     # requests on the dead replica (both ranks') failed, named, and were sent again to the other server
     assert got["request_errors"] and all(got["proxy"] in e for e in got["request_errors"]), got
     assert got["steps_done"] >= 2, got
-    assert got["first_server_after"]["paused"], got  # left paused by the failed sync (resumed by the script)
+    assert not got["first_server_after"]["paused"], got  # never left paused by the failed sync

@@ -459,7 +459,7 @@ def scenario_replica_dies(root: Path, urls: list[str]) -> dict[str, Any]:
     errors: list[Any] = [None] * dist.get_world_size()  # each rank's requests: the one the replica died with
     dist.all_gather_object(errors, rollouts.errors[-3:])
     events["request_errors"] = [e for rank in errors for e in rank]
-    if dist.get_rank() == 0:  # the first server, left paused by the failed sync, serves again for what follows
+    if dist.get_rank() == 0:  # the first server's state after the failed sync; resumed in any case for what follows
         from lightning_fsdp_export.transfer.http import Server
 
         events["first_server_after"] = server_states(urls[:1])[0]
