@@ -344,6 +344,25 @@ def test_a_replica_that_cannot_be_paused_fails_the_round_and_the_others_are_resu
     assert [s.paths()[-len(ROUND):] for s in stubs] == [ROUND, ROUND]
 
 
+def test_a_group_that_fails_to_build_after_the_pause_resumes_every_server(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Shard-direct: every rank connects after rank 0 paused the servers. A rendezvous that fails there sent nothing:
+    # both servers still hold their version whole and are resumed, and the error says so.
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    def refuse(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("rendezvous timed out (injected)")
+
+    monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", refuse)
+    stubs = [Stub(backend="gloo"), Stub(backend="gloo")]
+    target = RemoteVLLM([s.url for s in stubs], transport=Gloo(shard_direct=True))
+    target.setup(Rank(0))
+    with pytest.raises(ServerError, match=r"RuntimeError: rendezvous timed out \(injected\); nothing was sent: 2 of 2"
+                                          r" server\(s\) resumed, serving the version they served"):
+        target.push_source(row_source({"model.norm.weight": torch.ones(8)}), version=1)
+    for stub in stubs:
+        assert stub.paths()[-2:] == ["/pause?mode=wait", "/resume"]  # no round was started on them
+
+
 def test_a_replica_failing_after_the_data_stays_paused_and_the_others_serve_the_new_version(
         recording_engine: Any) -> None:
     # The data reached both; one server refuses the prefix-cache reset: it stays paused (its cache may hold the old
