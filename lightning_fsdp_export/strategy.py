@@ -22,7 +22,7 @@ from typing_extensions import override
 from lightning_fsdp_export.export.lazy import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH
 from lightning_fsdp_export.phases.compute import PhaseListener
 from lightning_fsdp_export.phases.offload import move_optimizer_state
-from lightning_fsdp_export.strategy_core import LazyExportCore
+from lightning_fsdp_export.strategy_core import LazyExportCore, LazyExportOptions
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -85,10 +85,7 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self._build_parts(shard_modules=shard_modules, export_module=export_module, pretrained=pretrained,
-                          mixed_precision=mixed_precision, reshard_after_forward=reshard_after_forward,
-                          offload=offload, offload_optimizer=offload_optimizer, export_bucket_bytes=export_bucket_bytes,
-                          export_prefetch=export_prefetch, tensor_parallel_size=tensor_parallel_size,
+        self._build_parts(LazyExportOptions.of(locals()), tensor_parallel_size=tensor_parallel_size,
                           model=lambda: self.model, optimizers=lambda: self.optimizers)
 
     # -- the set-up order ----------------------------------------------------------------------------

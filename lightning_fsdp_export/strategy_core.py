@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
+from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, Literal
@@ -25,7 +26,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
-from lightning_fsdp_export.export.lazy import ExportReport
+from lightning_fsdp_export.export.lazy import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, ExportReport
 from lightning_fsdp_export.export.lora import LoraMode
 from lightning_fsdp_export.export.model_export import ModelExport
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
@@ -38,14 +39,41 @@ from lightning_fsdp_export.prepare.preparation import (
     validate_pretrained,
 )
 
-__all__ = ["LazyExportCore"]
+__all__ = ["LazyExportCore", "LazyExportOptions"]
+
+
+@dataclass(frozen=True)
+class LazyExportOptions:
+    """The options both ``LazyExportFSDP2`` strategies (the Trainer's and Fabric's) take beyond Lightning's
+    ``ModelParallelStrategy``, declared here once with their defaults (each documented on the Trainer's
+    :class:`lightning_fsdp_export.LazyExportFSDP2`). Both strategies keep them as plain keyword arguments, as
+    Lightning's strategies do, and hand them to the core with :meth:`of`; ``tests/test_unit.py`` checks that both
+    signatures list exactly these names and defaults, so they cannot drift. Each is validated once, where the core
+    builds its parts.
+    """
+
+    shard_modules: Sequence[type[nn.Module] | str] | None = None
+    export_module: str | None = None
+    pretrained: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None
+    mixed_precision: MixedPrecisionPolicy | None = None
+    reshard_after_forward: bool = True
+    offload: Literal["params", "policy"] | None = None
+    offload_optimizer: bool = False
+    export_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    export_prefetch: int = DEFAULT_PREFETCH
+
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any]) -> LazyExportOptions:
+        """The options among a strategy's ``__init__`` arguments (its ``locals()``)."""
+        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
 
 
 class LazyExportCore:
     """The export, phase and offload API of ``LazyExportFSDP2``, for the Trainer's strategy and Fabric's alike.
 
-    A mixin placed before Lightning's ``ModelParallelStrategy`` (Trainer or Fabric): it reads ``root_device``,
-    ``device_mesh`` and ``_timeout`` from it. The subclass calls :meth:`_build_parts` in ``__init__``,
+    A base placed before Lightning's ``ModelParallelStrategy`` (Trainer or Fabric): it reads ``root_device``,
+    ``device_mesh`` and ``_timeout`` from it. The subclass calls :meth:`_build_parts` in ``__init__`` with its
+    :class:`LazyExportOptions`,
     :meth:`_prepare` where Lightning hands over the model, and the phases' ``enter()`` / ``leave()`` where a step
     starts and ends.
     """
@@ -76,23 +104,20 @@ class LazyExportCore:
         if self._data_parallel_size == "auto":
             self._data_parallel_size = (self.num_nodes * self.num_processes) // self._tensor_parallel_size
 
-    def _build_parts(self, *, shard_modules: Sequence[type[nn.Module] | str] | None, export_module: str | None,
-                     pretrained: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None,
-                     mixed_precision: MixedPrecisionPolicy | None, reshard_after_forward: bool,
-                     offload: Literal["params", "policy"] | None, offload_optimizer: bool, export_bucket_bytes: int,
-                     export_prefetch: int, tensor_parallel_size: int, model: Callable[[], nn.Module | None],
-                     optimizers: Callable[[], Sequence[Any]]) -> None:
+    def _build_parts(self, options: LazyExportOptions, *, tensor_parallel_size: int,
+                     model: Callable[[], nn.Module | None], optimizers: Callable[[], Sequence[Any]]) -> None:
         """Validate the options and build the parts; ``model`` and ``optimizers`` read what the strategy holds."""
         name = type(self).__name__
-        self._offload = OffloadMode.parse(offload)
-        validate_options(self, shard_modules, export_module, mixed_precision, offload_optimizer, tensor_parallel_size)
+        self._offload = OffloadMode.parse(options.offload)
+        validate_options(self, options.shard_modules, options.export_module, options.mixed_precision,
+                         options.offload_optimizer, tensor_parallel_size)
         self._preparation = ModelPreparation(
-            name, shard_modules=shard_modules, export_module=export_module,
-            pretrained=validate_pretrained(pretrained, name), mixed_precision=mixed_precision,
-            reshard_after_forward=reshard_after_forward, offload=self._offload)
-        self._phases = ComputePhases(self._offload, offload_optimizer=offload_optimizer, model=model,
+            name, shard_modules=options.shard_modules, export_module=options.export_module,
+            pretrained=validate_pretrained(options.pretrained, name), mixed_precision=options.mixed_precision,
+            reshard_after_forward=options.reshard_after_forward, offload=self._offload)
+        self._phases = ComputePhases(self._offload, offload_optimizer=options.offload_optimizer, model=model,
                                      device=lambda: self.root_device, optimizers=optimizers)
-        self._export = ModelExport(name, bucket_bytes=export_bucket_bytes, prefetch=export_prefetch,
+        self._export = ModelExport(name, bucket_bytes=options.export_bucket_bytes, prefetch=options.export_prefetch,
                                    device=lambda: self.root_device, stage=self._phases.stage,
                                    unstage=self._phases.offload)
 

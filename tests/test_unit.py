@@ -424,3 +424,24 @@ def test_fsdp_param_groups_of_torch_2_13_and_of_earlier_releases() -> None:
     assert _param_groups(SimpleNamespace(_fsdp_param_groups=[group, group])) == [group, group]
     assert _param_groups(SimpleNamespace(_fsdp_param_group=group)) == [group]
     assert _param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
+
+
+def test_both_strategies_take_exactly_the_shared_options_with_their_defaults() -> None:
+    # issue 45: the strategies' options are declared once (LazyExportOptions); the Trainer's and Fabric's keyword
+    # signatures (what users and IDEs see) must list those names with those defaults, beside Lightning's own
+    import dataclasses
+    import inspect
+
+    from lightning_fsdp_export import LazyExportFSDP2
+    from lightning_fsdp_export.fabric import LazyExportFSDP2 as FabricLazyExportFSDP2
+    from lightning_fsdp_export.strategy_core import LazyExportOptions
+
+    shared = {f.name: f.default for f in dataclasses.fields(LazyExportOptions)}
+    lightning = {"data_parallel_size", "tensor_parallel_size", "save_distributed_checkpoint", "process_group_backend",
+                 "timeout", "parallelize_fn"}
+    for strategy in (LazyExportFSDP2, FabricLazyExportFSDP2):
+        params = inspect.signature(strategy.__init__).parameters
+        ours = {name: p.default for name, p in params.items() if name != "self" and name not in lightning}
+        assert ours == shared, strategy
+        assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in shared)
+    assert LazyExportOptions.of({**shared, "self": None, "timeout": 1}) == LazyExportOptions()
