@@ -249,6 +249,12 @@ def test_nccl_replicas_get_their_own_rank_offsets_the_version_and_one_round_each
     assert all(s.paths()[-1] == "/shutdown_weight_transfer_engine" for s in stubs)
 
 
+def test_a_network_transport_refuses_a_plain_stream_naming_itself() -> None:
+    target = RemoteVLLM(URL, transport="gloo")
+    with pytest.raises(TypeError, match=r"RemoteVLLM\(transport='gloo'\) sends from a source: call push_source\(\)"):
+        target.push(iter([]), version=1)
+
+
 def test_other_ranks_only_iterate_the_source(recording_engine: Any) -> None:
     stub = Stub()
     target = RemoteVLLM(stub.url, transport="nccl")

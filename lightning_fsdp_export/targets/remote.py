@@ -325,10 +325,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
     def push(self, weights: Iterator[tuple[str, Tensor]], *, version: int) -> None:
         """A plain stream of ``(name, tensor)``: only ``Directory`` can take one (network transports need the
         source's metadata first: :meth:`push_source`, which ``VLLMWeightSync`` calls)."""
-        try:
-            self._round.push_stream(weights, version=version)
-        except TypeError as err:
-            raise TypeError(f"RemoteVLLM(transport={self.transport!r}): {err}") from None
+        self._round.push_stream(weights, version=version)
 
     def request(self, method: str, route: str, body: dict[str, Any] | None = None) -> Any:
         """One HTTP request to the first server; raises ``ConnectionError`` naming the URL on any failure."""

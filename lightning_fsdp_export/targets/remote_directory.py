@@ -67,7 +67,7 @@ class DirectoryReload(Transfer):
         path = os.fspath(Path(self.writer.version_dir(version)).resolve())
         reload = {"method": "reload_weights", "kwargs": {"weights_path": path}}
         if not self._checked:
-            check_servers(pauses.servers, backend=None)  # dev mode and quantization, before the first reload
+            check_servers(self.servers, backend=None)  # dev mode and quantization, before the first reload
             self._checked = True
         paused_at = pauses.pause()
 
@@ -83,7 +83,7 @@ class DirectoryReload(Transfer):
     def push_adapter(self, files: AdapterFiles, *, version: int, name: str) -> None:
         """Rank 0: copy the adapter under the shared directory (``<path>/adapters/<name>/v<version>``) and load it
         on every server as ``name``."""
-        if self.pauses.rank != 0:
+        if self.rank != 0:
             return
         target = self.writer.directory / "adapters" / name / f"v{version:06d}"
         if target.exists():

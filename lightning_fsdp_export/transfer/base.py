@@ -37,6 +37,16 @@ class Transfer(ABC):
         self.pauses = Pauses(servers, pause_mode)
         self.background = BackgroundPushes(background)
 
+    @property
+    def servers(self) -> list[Server]:
+        """The servers every round updates."""
+        return self.pauses.servers
+
+    @property
+    def rank(self) -> int:
+        """This trainer rank (set at :meth:`setup`, on the pause: only rank 0 talks to the servers)."""
+        return self.pauses.rank
+
     @abstractmethod
     def setup(self, trainer: Any) -> None:
         """Every rank, at fit start (``trainer``: its ``global_rank`` and ``world_size``)."""
@@ -50,9 +60,10 @@ class Transfer(ABC):
     def push_adapter(self, files: AdapterFiles, *, version: int, name: str) -> None:
         """Every rank: every server serves this adapter version as ``name``."""
 
+    @abstractmethod
     def push_stream(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> None:
-        """A plain stream of ``(name, tensor)``, without a source's metadata (only a directory takes one)."""
-        raise TypeError("this transport sends from a source: call push_source(), as VLLMWeightSync does.")
+        """A plain stream of ``(name, tensor)``, without a source's metadata (a directory takes one; a network group
+        refuses it, naming the transport)."""
 
     def confirm(self, version: int | None) -> None:  # noqa: B027 - a default that does nothing
         """Every rank, before a sync: the version every rank agreed the servers hold (sparse rounds patch it)."""

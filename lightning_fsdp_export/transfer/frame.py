@@ -30,12 +30,13 @@ import os
 import shutil
 import socket
 import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import Tensor
 
 from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export._compat import source_metadata
@@ -106,12 +107,6 @@ class NativeTransfer(Transfer):
         self.kept: str | None = None
         """Rank 0, sparse rounds: the id of the copy the workers keep (set by a round that succeeded)."""
         self._last_patch: dict[str, Any] | None = None
-        self.rank = 0
-
-    @property
-    def servers(self) -> list[Server]:
-        """The servers every round updates."""
-        return self.pauses.servers
 
     @property
     def last_patch(self) -> dict[str, Any] | None:
@@ -130,7 +125,7 @@ class NativeTransfer(Transfer):
         group (collective), the rendezvous is at the first push."""
         from lightning_fsdp_export.export.vllm_source import FSDP2M2NSource, FSDP2WeightSource
 
-        self.rank = self.pauses.rank = trainer.global_rank
+        self.pauses.rank = trainer.global_rank
         self.source = FSDP2M2NSource(None) if self.options.layout is SourceLayout.M2N else FSDP2WeightSource(None)
         if self.every_rank or self.options.sends_patch_lists:  # (collective: every rank builds it)
             self.control = SyncGroup(timedelta(seconds=self.timeout))
@@ -205,6 +200,10 @@ class NativeTransfer(Transfer):
         self.client = None
 
     # -- one sync ----------------------------------------------------------------------------------
+
+    def push_stream(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> None:
+        raise TypeError(f"RemoteVLLM(transport={self.transport!r}) sends from a source: call push_source(), as"
+                        " VLLMWeightSync does.")
 
     def push(self, source: ExportSource | AdapterTensors, *, version: int, resume: bool = True,
              adapter: tuple[str, str] | None = None) -> None:

@@ -119,8 +119,6 @@ def on_all(servers: Sequence[Server], call: Callable[[Server], T]) -> list[T]:
 
     The failure names every server that failed (``ServerError.url`` is the first one's).
     """
-    if len(servers) == 1:
-        return [call(servers[0])]
     outcomes = _outcomes(servers, call)
     errors = [(s, err) for s, (_, err) in zip(servers, outcomes) if err is not None]
     if errors:
@@ -133,7 +131,13 @@ def on_all(servers: Sequence[Server], call: Callable[[Server], T]) -> list[T]:
 
 
 def _outcomes(servers: Sequence[Server], call: Callable[[Server], T]) -> list[tuple[T | None, BaseException | None]]:
-    """``call`` on every server concurrently, each one's ``(result, None)`` or ``(None, error)``."""
+    """``call`` on every server concurrently (one server: in this thread), each one's ``(result, None)`` or
+    ``(None, error)``."""
+    if len(servers) == 1:
+        try:
+            return [(call(servers[0]), None)]
+        except Exception as err:  # noqa: BLE001 - the caller decides what a failure means
+            return [(None, err)]
     with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
         futures = [pool.submit(call, server) for server in servers]
     return [(None, f.exception()) if f.exception() is not None else (f.result(), None) for f in futures]
