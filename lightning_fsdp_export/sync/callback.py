@@ -251,7 +251,7 @@ def _require_strategy(trainer: pl.Trainer) -> LazyExportFSDP2:
 
 def _require_distinct_keys(trainer: pl.Trainer) -> None:
     """Two syncs in one Trainer must keep their states under different checkpoint keys: name the ones that would not."""
-    syncs = [cb for cb in trainer.callbacks if isinstance(cb, VLLMWeightSync)]  # type: ignore[attr-defined]
+    syncs = [cb for cb in trainer.callbacks if isinstance(cb, VLLMWeightSync)]
     keys = [sync.checkpoint_key for sync in syncs]
     twice = sorted({key for key in keys if keys.count(key) > 1})
     if twice:
