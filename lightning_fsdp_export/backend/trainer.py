@@ -330,9 +330,11 @@ def _bounds(meta: Any, trainers: int) -> list[int] | None:
 
 
 
-def swap_update_info(stage_id: str) -> dict[str, Any]:
-    """The update info of a swap round: every worker loads the round it staged as ``stage_id`` (no tensors travel)."""
-    return asdict(GlooWeightTransferUpdateInfo(names=[], dtype_names=[], shapes=[], swap_to=stage_id))
+def swap_update_info(stage_id: str, *, check_only: bool = False) -> dict[str, Any]:
+    """The update info of a swap round: every worker loads the round it staged as ``stage_id`` (no tensors travel);
+    ``check_only``: it only checks that round is complete, touching nothing."""
+    return asdict(GlooWeightTransferUpdateInfo(names=[], dtype_names=[], shapes=[], swap_to=stage_id,
+                                               check_only=check_only))
 
 
 def register() -> None:

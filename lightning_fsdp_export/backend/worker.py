@@ -180,6 +180,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                 self._stage(info)  # returns at once: the model is not touched
                 return
             staging = self._staged(info.swap_to) if info.swap_to is not None else None  # checked before the reload
+            if info.check_only:
+                return  # the staged round is complete: the swap that follows loads it
             if info.adapter_dir is None and not self._reloading:
                 self._start_reload()
             if staging is not None:

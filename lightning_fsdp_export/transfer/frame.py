@@ -53,7 +53,15 @@ from lightning_fsdp_export.transfer.clients import FanOutClient
 from lightning_fsdp_export.transfer.http import Server, ServerError, not_answering, on_all
 from lightning_fsdp_export.transfer.pauses import PartlyFailed, close_rounds, pause_route
 from lightning_fsdp_export.transfer.preflight import check_servers
-from lightning_fsdp_export.transfer.rounds import PauseMode, Round, RoundInputs, reset_prefix_caches, round_for
+from lightning_fsdp_export.transfer.rounds import (
+    PauseMode,
+    Round,
+    RoundInputs,
+    Staged,
+    reset_prefix_caches,
+    round_for,
+    swap_routes,
+)
 from lightning_fsdp_export.transfer.transports import NetworkTransport, RendezvousTransport
 
 __all__ = ["NativeTransfer", "PartlyFailed", "PauseMode", "pause_route", "reset_prefix_caches"]
@@ -107,6 +115,9 @@ class NativeTransfer(Transfer):
         self.kept: str | None = None
         """Rank 0, sparse rounds: the id of the copy the workers keep (set by a round that succeeded)."""
         self._last_patch: dict[str, Any] | None = None
+        self.own_swaps: set[Server] = set()
+        """Rank 0, staged rounds: the servers that swap on their own (``/lfe/swap``), found at each group build."""
+        self._warned_swaps: set[str] = set()
 
     @property
     def last_patch(self) -> dict[str, Any] | None:
@@ -147,11 +158,24 @@ class NativeTransfer(Transfer):
         self.disconnect()
         check_servers(self.servers, backend=self.transport)  # dev mode, backend, quantization, vLLM minor
         sizes = on_all(self.servers, lambda s: int(s.request("GET", "/get_world_size")["world_size"]))
+        if self.options.stages:
+            self._find_own_swaps()
         address, port = _store_address(self.options, self.servers)
         if isinstance(self.options, RendezvousTransport):
             port = port or _free_port(address)
         return {"sizes": sizes, "address": address, "port": port,
                 "group": uuid.uuid4().hex if self.every_rank else ""}
+
+    def _find_own_swaps(self) -> None:
+        """Rank 0, staged rounds: which servers swap on their own (``/lfe/swap``); the others are named once."""
+        self.own_swaps = {s for s, own in zip(self.servers, swap_routes(self.servers)) if own}
+        stepwise = [s.url for s in self.servers if s not in self.own_swaps and s.url not in self._warned_swaps]
+        if stepwise:
+            self._warned_swaps.update(stepwise)
+            rank_zero_warn(f"vLLM server(s) {stepwise} have no /lfe/swap route, so this trainer drives their swaps step"
+                           " by step: a trainer that dies mid-swap leaves such a server paused until the next trainer"
+                           " pushes. Start them with `--middleware lightning_fsdp_export_plugin.swap_route` to let"
+                           " each server carry out its swap on its own.")
 
     def _connect(self, plan: dict[str, Any] | None) -> None:
         """Build this rank's trainer engine from rank 0's ``plan`` (the one place server offsets are computed:
@@ -241,6 +265,7 @@ class NativeTransfer(Transfer):
         own_pause = self.pauses.held_since is None  # else a base round paused them for this adapter round
         plan, paused, paused_at, sparse = self._start_round(this.plan_key(self._inputs()), pause=this.pauses_for_data)
         sent = False  # from the send on, a failure may leave a server's model half-loaded
+        swapped = False  # a staged round whose servers swapped (and resumed) each on its own
         resumed: list[Server] = []  # rank 0: servers that hold a whole version after a failure, serving again
         try:
             if plan is not None:
@@ -258,11 +283,16 @@ class NativeTransfer(Transfer):
             outcome: str | None = None
             if self.rank == 0:
                 try:
-                    if not paused:  # a staged round: the servers generated while the data travelled
-                        paused_at, paused = self.pauses.pause(), True
                     mode = self.pauses.mode
-                    self.pauses.on_each_server(lambda s: this.on_server(s, inputs, version=version, mode=mode),
-                                               version=version, resume=resume)
+                    if isinstance(this, Staged) and resume:  # each server swaps on its own, nothing paused yet
+                        swapped = True
+                        self.pauses.swap_each(lambda s: this.swap(s, inputs, version=version, mode=mode,
+                                                                  own=s in self.own_swaps), version=version)
+                    else:
+                        if not paused:  # a staged round held for its adapter round: pause them all now
+                            paused_at, paused = self.pauses.pause(), True
+                        self.pauses.on_each_server(lambda s: this.on_server(s, inputs, version=version, mode=mode),
+                                                   version=version, resume=resume)
                 except Exception as err:
                     resumed = err.resumed if isinstance(err, PartlyFailed) else []
                     outcome = f"{type(err).__name__}: {err}"
@@ -291,7 +321,8 @@ class NativeTransfer(Transfer):
             raise
         self.kept = this.succeeded(inputs)
         self.broken = False  # also on a rank outside the group (sparse_nccl's others), which never connects again
-        self.pauses.finish(paused_at, resume)
+        if not swapped:
+            self.pauses.finish(paused_at, resume)
 
     def _inputs(self) -> RoundInputs:
         """What a round reads of this transfer now."""

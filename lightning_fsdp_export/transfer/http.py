@@ -66,17 +66,22 @@ class Server:
             return text
 
     def post_interruptible(self, route: str, body: dict[str, Any], *, timeout: float,
-                           opened: Callable[[http.client.HTTPConnection], None]) -> Any:
+                           opened: Callable[[http.client.HTTPConnection], None] | None = None,
+                           sent: Callable[[], None] | None = None) -> Any:
         """A POST whose wait for the answer another thread can end at once: ``opened(connection)`` is called
         before the wait; :func:`interrupt` on that connection makes this raise :class:`ServerError`. (urllib
-        gives no handle before the answer's headers arrive, and vLLM sends them only when a generation ends.)"""
+        gives no handle before the answer's headers arrive, and vLLM sends them only when a generation ends.)
+        ``sent()`` is called once the request is on the wire, before the wait."""
         parts = urlsplit(self.url)
         cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
         conn = cls(parts.hostname or "", parts.port, timeout=timeout)
         try:
             conn.connect()
-            opened(conn)
+            if opened is not None:
+                opened(conn)
             conn.request("POST", route, body=json.dumps(body).encode(), headers=self._headers())
+            if sent is not None:
+                sent()
             resp = conn.getresponse()
             text = resp.read().decode(errors="replace")
         except (OSError, http.client.HTTPException) as err:

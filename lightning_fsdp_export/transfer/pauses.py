@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from lightning_fsdp_export.transfer.adapters import load_adapter
 from lightning_fsdp_export.transfer.http import Server, ServerError, on_all, on_each
-from lightning_fsdp_export.transfer.rounds import PauseMode, reset_prefix_caches, set_versions
+from lightning_fsdp_export.transfer.rounds import PauseMode, pause_route, reset_prefix_caches, set_versions
 
 __all__ = ["PartlyFailed", "Pauses", "close_rounds", "pause_route"]
 
@@ -27,13 +27,6 @@ class PartlyFailed(ServerError):
     def __init__(self, message: str, url: str, *, resumed: list[Server]) -> None:
         super().__init__(message, url)
         self.resumed = resumed
-
-
-def pause_route(mode: PauseMode) -> str:
-    """The ``/pause`` request of every round: ``wait`` drains running requests; ``keep`` and ``keep_old_kv``
-    freeze them and keep their KV (``clear_cache=false``); with ``keep`` it is recomputed with the new weights
-    after the prefix cache reset, with ``keep_old_kv`` it stays (see :func:`reset_prefix_caches`)."""
-    return "/pause?mode=wait" if mode == "wait" else "/pause?mode=keep&clear_cache=false"
 
 
 class Pauses:
@@ -77,6 +70,28 @@ class Pauses:
         if not resume:
             raise next(iter(failed.values()))
         self._resume_all_but(failed, failed_to=f"take version {version} and stay paused", serving=f"version {version}")
+
+    def swap_each(self, swap: Callable[[Server], float], *, version: int) -> None:
+        """Rank 0, a staged round's data at every server, nothing paused: each server swaps it in on its own
+        (``swap(server)``: its paused seconds), concurrently. Where some fail, the others serve ``version``; each
+        failure says what its server serves (:class:`PartlyFailed` names them all)."""
+        paused: dict[Server, float] = {}
+
+        def one(server: Server) -> None:
+            paused[server] = swap(server)
+
+        failed = on_each(self.servers, one)
+        end = time.time()
+        if paused:
+            self.last_pause = (end - max(paused.values()), end)
+        if not failed:
+            return
+        resumed = [s for s in self.servers if s not in failed]
+        lines = "; ".join(f"{s.url}: {err}" for s, err in failed.items())
+        first = next(iter(failed))
+        raise PartlyFailed(f"{len(failed)} of {len(self.servers)} server(s) failed to swap in version {version};"
+                           f" {len(resumed)} other(s) serve it ({lines}). The next sync pushes every tensor whole.",
+                           first.url, resumed=resumed) from failed[first]
 
     def _resume_all_but(self, failed: dict[Server, BaseException], *, failed_to: str, serving: str) -> None:
         """Rank 0, a round that failed on ``failed`` only: resume every other server (each holds one whole version,

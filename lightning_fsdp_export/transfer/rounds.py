@@ -26,6 +26,7 @@ of the backend.
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
@@ -37,6 +38,7 @@ from typing_extensions import override
 
 from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export._compat import source_metadata
+from lightning_fsdp_export._faults import fault, hold_at
 from lightning_fsdp_export.export.patches import PatchBase
 from lightning_fsdp_export.export.shards import ShardSource
 from lightning_fsdp_export.transfer.adapters import load_adapter
@@ -44,9 +46,14 @@ from lightning_fsdp_export.transfer.http import Server, ServerError, on_all
 from lightning_fsdp_export.transfer.patch_lists import DEFAULT_CHUNK_BYTES, send_patch_lists
 from lightning_fsdp_export.transfer.transports import NetworkTransport, PauseMode, RoundKind, SparseNCCL
 
+SWAP_ROUTE = "/lfe/swap"
+"""The route a server started with our middleware swaps a staged round on (``backend.server_swap.SWAP_ROUTE``)."""
+SWAP_PROTOCOL = 1
+"""The body of ``/lfe/swap`` this trainer sends (``backend.server_swap.PROTOCOL``)."""
+
 __all__ = ["ROUNDS", "AdapterRound", "DenseRound", "PatchListRound", "PatchRound", "PauseMode", "Round", "RoundInputs",
-           "RoundKind", "RoundResult", "StagedPatchRound", "StagedRound", "reset_prefix_caches", "round_for",
-           "set_versions", "swap_staged"]
+           "RoundKind", "RoundResult", "SWAP_ROUTE", "Staged", "StagedPatchRound", "StagedRound", "pause_route",
+           "reset_prefix_caches", "round_for", "set_versions", "swap_on_server", "swap_routes", "swap_staged"]
 
 
 @dataclass(frozen=True)
@@ -226,9 +233,10 @@ class PatchListRound(_CopyRound):
                                 device=_sender_device())
 
 
-class _Staged(Round):
-    """A round whose data the workers stage while the servers generate (our gloo engine's ``stage_as``); rank 0 then
-    pauses them and every server swaps it in (:func:`swap_staged`)."""
+class Staged(Round):
+    """A round whose data the workers stage while the servers generate (our gloo engine's ``stage_as``); then every
+    server swaps it in: on its own where it has our swap route (:meth:`swap`), else under rank 0's pause
+    (:func:`swap_staged`)."""
 
     pauses_for_data = False
 
@@ -244,8 +252,21 @@ class _Staged(Round):
     def on_server(self, server: Server, inputs: RoundInputs, *, version: int, mode: PauseMode) -> None:
         swap_staged(server, inputs.transport.swap_info(self.stage_id), version, mode)
 
+    def swap(self, server: Server, inputs: RoundInputs, *, version: int, mode: PauseMode, own: bool) -> float:
+        """Rank 0, the data staged at every server, nothing paused: ``server`` swaps it in and serves again; its
+        paused seconds. ``own``: the server runs the whole swap itself (``POST /lfe/swap``: check, pause, load, label,
+        prefix-cache reset, resume; a trainer that dies meanwhile changes nothing); else rank 0 drives the steps."""
+        fault("staged")
+        if own:
+            return swap_on_server(server, inputs.transport, self.stage_id, version, mode)
+        start = time.monotonic()
+        server.request("POST", pause_route(mode))
+        swap_staged(server, inputs.transport.swap_info(self.stage_id), version, mode)
+        server.request("POST", "/resume")
+        return time.monotonic() - start
 
-class StagedRound(_Staged, DenseRound):
+
+class StagedRound(Staged, DenseRound):
     """The model's weights (whole from rank 0, or every rank's rows), staged by the workers, then swapped in."""
 
     kind = RoundKind.STAGED
@@ -256,7 +277,7 @@ class StagedRound(_Staged, DenseRound):
         return self.result
 
 
-class StagedPatchRound(_Staged, PatchRound):
+class StagedPatchRound(Staged, PatchRound):
     """A sparse round staged: the workers patch the host copy they keep (or take a new one) while the servers
     generate; the swap loads from that copy."""
 
@@ -293,6 +314,42 @@ def swap_staged(server: Server, update_info: dict[str, Any], version: int, mode:
         raise
     server.request("POST", "/finish_weight_update", {"weight_version": str(version)})
     reset_prefix_caches([server], mode)
+
+
+def swap_on_server(server: Server, transport: NetworkTransport, stage_id: str, version: int, mode: PauseMode) -> float:
+    """``server`` swaps in the round staged as ``stage_id`` on its own (``POST /lfe/swap``,
+    :mod:`lightning_fsdp_export.backend.server_swap`) and reports ``version``; its paused seconds. Raises a
+    :class:`ServerError` saying whether the server still serves the version it served or stays paused (a load that
+    failed inside the model)."""
+    body = {"update_info": transport.swap_info(stage_id), "check_info": transport.swap_info(stage_id, check_only=True),
+            "version": str(version), "pause_mode": mode, "hold_at": hold_at()}
+    answer = server.post_interruptible(SWAP_ROUTE, body, timeout=server.timeout, sent=lambda: fault("swap_sent"))
+    if not answer.get("ok"):
+        left = ("stays paused until the next full push (its model may be half-loaded)" if answer.get("paused")
+                else "never paused: it serves the version it served")
+        raise ServerError(f"vLLM server {server.url} could not swap in version {version}: {answer.get('error')};"
+                          f" it {left}.", server.url)
+    return float(answer.get("paused_s") or 0.0)
+
+
+def swap_routes(servers: Sequence[Server]) -> list[bool]:
+    """Whether each server swaps staged rounds on its own (started with ``--middleware
+    lightning_fsdp_export_plugin.swap_route``: ``GET /lfe/swap`` answers our protocol)."""
+
+    def has(server: Server) -> bool:
+        try:
+            return server.request("GET", SWAP_ROUTE).get("protocol") == SWAP_PROTOCOL
+        except (ServerError, AttributeError):
+            return False
+
+    return [has(s) for s in servers]
+
+
+def pause_route(mode: PauseMode) -> str:
+    """The ``/pause`` request of every round: ``wait`` drains running requests; ``keep`` and ``keep_old_kv``
+    freeze them and keep their KV (``clear_cache=false``); with ``keep`` it is recomputed with the new weights
+    after the prefix cache reset, with ``keep_old_kv`` it stays (see :func:`reset_prefix_caches`)."""
+    return "/pause?mode=wait" if mode == "wait" else "/pause?mode=keep&clear_cache=false"
 
 
 def set_versions(servers: Sequence[Server], version: int) -> None:

@@ -118,8 +118,8 @@ class NetworkTransport:
         this package's backends has one (its rounds are the ones that carry more than a source)."""
         raise TypeError(f"{type(self).__name__} runs vLLM's {self.name!r} engine, which takes no per-round payload.")
 
-    def swap_info(self, stage_id: str) -> dict[str, Any]:
-        """The update info of a staged round's swap (our backends only)."""
+    def swap_info(self, stage_id: str, *, check_only: bool = False) -> dict[str, Any]:
+        """The update info of a staged round's swap (our backends only); ``check_only``: the check before it."""
         raise TypeError(f"{type(self).__name__} runs no staged rounds.")
 
 
@@ -239,10 +239,10 @@ class _OwnBackend(RendezvousTransport):
 
         return GlooRound(**fields)
 
-    def swap_info(self, stage_id: str) -> dict[str, Any]:
+    def swap_info(self, stage_id: str, *, check_only: bool = False) -> dict[str, Any]:
         from lightning_fsdp_export.backend.trainer import swap_update_info
 
-        return swap_update_info(stage_id)
+        return swap_update_info(stage_id, check_only=check_only)
 
 
 @dataclass(frozen=True)

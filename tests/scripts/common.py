@@ -130,8 +130,9 @@ def start_server(model_dir: Path, port: int, *, backend: str | None = "gloo", en
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
            "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
            "--max-logprobs", "1", "--enable-scale-out"]
-    if backend:
-        cmd += ["--weight-transfer-config", json.dumps({"backend": backend})]
+    if backend:  # (and our swap route: a staged round's swap carried out by the server on its own)
+        cmd += ["--weight-transfer-config", json.dumps({"backend": backend}),
+                "--middleware", "lightning_fsdp_export_plugin.swap_route"]
     cmd += args or []
     log = open(model_dir / f"server{port}.log", "a")  # noqa: SIM115 - open for the server's lifetime
     proc = subprocess.Popen(cmd, env={**os.environ, **SERVER_ENV, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
