@@ -28,6 +28,8 @@ import asyncio
 import time
 from typing import Any
 
+from fastapi.responses import JSONResponse  # (this module runs in the vLLM API server, which serves with FastAPI)
+
 __all__ = ["SWAP_ROUTE", "STEPS", "handle"]
 
 SWAP_ROUTE = "/lfe/swap"
@@ -43,7 +45,6 @@ _lock: asyncio.Lock | None = None  # one swap at a time on a server
 
 async def handle(request: Any) -> Any:
     """Answer one ``/lfe/swap`` request (:mod:`vllm` API server, event loop)."""
-    from fastapi.responses import JSONResponse
     from vllm import envs
 
     if not envs.VLLM_SERVER_DEV_MODE:

@@ -42,7 +42,6 @@ class RolloutClients:
         self.state = state
         self.pacing = pacing
         self.sync = sync
-        self.servers: list[Server] = list(sync.target.servers)  # type: ignore[attr-defined]
         self.prompts = prompts
         self.reward = reward
         self.sampling = sampling
@@ -51,6 +50,12 @@ class RolloutClients:
         """The servers keep older weights' blocks across a swap: the prefix cache is salted per version."""
         self.rank, self.world = 0, 1
         self._threads: list[threading.Thread] = []
+
+    @property
+    def servers(self) -> list[Server]:
+        """The servers new requests go to: those the target says serve (``RemoteVLLM.serving``: with ``min_servers``,
+        none set aside, none still joining)."""
+        return list(self.sync.target.serving)  # type: ignore[attr-defined] - a RemoteVLLM
 
     def start(self, count: int, *, rank: int, world: int) -> None:
         """Start ``count`` threads for trainer rank ``rank`` of ``world`` (it takes prompts ``rank, rank + world,

@@ -214,6 +214,7 @@ class SyncEngine:
             self.served_version = self.version
         self.last_synced_step = run.global_step
         self.last_metrics = _metrics(time.perf_counter() - start, sources, self.version)
+        self.last_metrics.update(self.target.sync_metrics())
         if self._when_busy is WhenBusy.SKIP:
             self.last_metrics["weight_sync/skipped"] = float(self.skipped)
         return self.last_metrics
@@ -242,6 +243,7 @@ class SyncEngine:
         rank_zero_warn(f"{err} Training goes on (on_error='warn'); the next sync pushes every tensor again.")
 
     def _sync(self, run: SyncRun, strategy: LazyExportCore) -> list[ExportSource]:
+        self.target.agree(self._ranks)  # (RemoteVLLM's pool: which servers serve, on every rank)
         pushes = plan_pushes(strategy, self.target, lora=self._lora, base_pushed=self._base_pushed,
                              dtype=self._dtype or self.target.dtype, version=self.version, rank=run.global_rank,
                              adapter_dir=self._adapter_root, show_progress=run.is_global_zero)

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
 
 if TYPE_CHECKING:
@@ -88,6 +89,15 @@ class WeightTarget(ABC):
 
     def setup(self, trainer: pl.Trainer) -> None:  # noqa: B027 - a default that does nothing
         """Prepare before the first push (build an engine, reach a server); default: nothing."""
+
+    def agree(self, ranks: SyncGroup) -> None:  # noqa: B027 - a default that does nothing
+        """Every rank, before each push: learn what only rank 0 knows of the receiver (``RemoteVLLM``'s pool: which
+        servers serve, for ``AsyncRollouts`` on every rank); default: nothing."""
+
+    def sync_metrics(self) -> dict[str, float]:
+        """Rank 0, after a sync: what the target adds to its metrics (``RemoteVLLM(min_servers=...)``:
+        ``weight_sync/servers_out``); default: nothing."""
+        return {}
 
     @abstractmethod
     def push(self, weights: Iterator[tuple[str, Tensor]], *, version: int) -> None:

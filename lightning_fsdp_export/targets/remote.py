@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import uuid
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, get_args
 
@@ -20,6 +20,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,
@@ -34,6 +35,7 @@ from lightning_fsdp_export.transfer.adapters import AdapterFiles, adapter_proble
 from lightning_fsdp_export.transfer.base import Transfer
 from lightning_fsdp_export.transfer.frame import NativeTransfer, PauseMode, pause_route
 from lightning_fsdp_export.transfer.http import Server, on_all
+from lightning_fsdp_export.transfer.pool import ServerPool, Urls
 from lightning_fsdp_export.transfer.transports import Directory, Transport, parse_transport
 
 if TYPE_CHECKING:
@@ -52,44 +54,25 @@ _MOVED = {"directory": ("Directory", "path"), "shard_bytes": ("Directory", "shar
 class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
     """Push each version to one or several running vLLM servers (replicas), all in the same sync.
 
-    Transports (``transport=``, an options object from :mod:`~lightning_fsdp_export.transfer.transports`, or
-    its name for its defaults):
+    Transports (``transport=``: an options object of :mod:`~lightning_fsdp_export.transfer.transports`, whose
+    docstrings give each one's options and server setting, or a name for its defaults): ``NCCL()`` (vLLM's NCCL
+    engine, servers on other GPUs or nodes; the default with CUDA), ``IPC()`` (a server on the trainer's own GPU),
+    ``Gloo()`` (this package's backend over CPU sockets, the default without CUDA; ``shard_direct=True``: every rank
+    sends its own rows; ``sparse=True``: only changed elements; ``background=True``: staged while the servers
+    generate, then swapped by each server on its own), ``NCCLM2N()`` and ``SparseNCCL()`` (vLLM's shard-direct and
+    sparse engines; GPU), ``Directory(path)`` (safetensors in a shared directory, reloaded by each server).
 
-    * ``NCCL()`` / ``"nccl"``: vLLM's NCCL engine; the servers on other GPUs or nodes, started with
-      ``--weight-transfer-config '{"backend": "nccl"}'``. Trainer rank 0 joins the group on its GPU.
-    * ``IPC()`` / ``"ipc"``: vLLM's CUDA-IPC engine, for a server on the trainer's own GPU
-      (``'{"backend": "ipc"}'`` and ``VLLM_ALLOW_INSECURE_SERIALIZATION=1`` on the server).
-    * ``Gloo()`` / ``"gloo"``: this package's backend over CPU sockets (``'{"backend": "gloo"}'``; the server's
-      environment must have this package installed, which registers it as a vLLM plugin). With
-      ``Gloo(shard_direct=True)`` every trainer rank sends its own rows of each FSDP2 shard (no all-gather on
-      the trainer; the workers assemble the full tensors); the servers need no other setting. With
-      ``Gloo(shard_direct=True, sparse=True)`` every sync after a dense one sends each rank's changed elements only
-      (see :class:`~lightning_fsdp_export.transfer.transports.Gloo`; ``last_patch`` reports each round).
-    * ``NCCLM2N()`` / ``"nccl_m2n"``: vLLM's M2N engine (``'{"backend": "nccl_m2n"}'``; needs NVIDIA's
-      ``nccl-extensions`` on both sides): every trainer rank sends its local shards over NCCL and the
-      workers reshard them (``strategy.weight_source(layout="m2n")``). GPU only.
-    * ``SparseNCCL()`` / ``"sparse_nccl"``: vLLM 0.33's sparse engine (``'{"backend": "sparse_nccl"}'``; GPU): every
-      sync a list of patches of the elements that changed, made by every rank from its own rows, collected and
-      broadcast by rank 0, applied in place by the servers (the first sync patches every element).
-    * ``Directory(path)``: rank 0 writes safetensors to ``path`` (shared with the servers) and each
-      server reloads them (``/collective_rpc reload_weights``): for setups with no network path.
-
-    Default: ``NCCL()`` with CUDA, ``Gloo()`` without.
-    The network transports rendezvous at fit start (trainer rank 0 hosts a store at
-    ``master_address:master_port``; the servers' workers join at ranks after it, one server after the
-    other; shard-direct transports at the first sync, with every trainer rank). Each sync then: ``/pause``
-    every server, stream the export once (every trainer rank takes part in the gathers and rank 0 sends;
-    shard-direct: every rank sends its own shards, gloo also its own experts' checkpoint pieces; only plain
-    tensors and other layouts are gathered and sent whole by rank 0), set the version and reset the
-    prefix cache on every server, ``/resume``. All servers form one group: one replica that is down or refuses a
-    tensor fails the sync for all of them. Then every rank raises (``WeightSyncError`` from ``VLLMWeightSync``);
-    servers that may hold half-loaded weights stay paused (never serving them), those holding one whole version (a
-    replica down at the pause: nothing sent) are resumed; the next sync rebuilds the group and pushes every tensor.
+    Each sync: ``/pause`` every server, stream the export once (rank 0 sends, or every rank its own shards), set the
+    version and reset the prefix caches, ``/resume`` (a staged round pauses only for its swap). A failed round never
+    leaves a server serving half-loaded weights (it stays paused, named) and resumes every server that holds one whole
+    version; the next sync rebuilds the group and pushes every tensor. By default every server takes every version
+    and one that fails fails the sync; with ``min_servers=k`` the sync succeeds while ``k`` take it, and the others
+    are set aside and rejoin when they answer again (:mod:`~lightning_fsdp_export.transfer.pool`).
 
     Args:
-        base_url: a server's address (``"http://10.0.0.5:8000"``), or a list of them (replicas). A
-            data-parallel deployment behind one address is one entry (its ``/get_world_size`` counts
-            every rank).
+        base_url: a server's address (``"http://10.0.0.5:8000"``), a list of them (replicas), or, for servers that
+            join and leave a running fit, a callable returning the list or a file listing them (re-read before every
+            sync). A data-parallel deployment behind one address is one entry.
         transport: a transport's options object (``Gloo(shard_direct=True)``, ``Directory(path)``, ...) or a
             network transport's name; see above.
         api_key: sent as ``Authorization: Bearer ...`` (the servers' ``--api-key``).
@@ -102,6 +85,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
             then salt its prefix cache per version, as ``AsyncRollouts`` does).
         adapter_name: the name every server serves the adapter under with ``VLLMWeightSync(lora="adapter")``
             (clients ask for ``model=<adapter_name>``); each version replaces it in place.
+        min_servers: the fewest servers that must take each version (default: all of them). Network transports.
 
     LoRA adapters (``VLLMWeightSync(lora="adapter")``; the servers started with ``--enable-lora --max-lora-rank R``
     and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, checked before anything is sent): the first sync (and any after
@@ -119,44 +103,65 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
             cls = PatchingRemoteVLLM
         return super().__new__(cls)
 
-    def __init__(self, base_url: str | Sequence[str], *, transport: Transport | str | None = None,
+    def __init__(self, base_url: Urls, *, transport: Transport | str | None = None,
                  api_key: str | None = None, dtype: torch.dtype | None = torch.bfloat16, timeout: float = 300.0,
-                 pause_mode: PauseMode = "wait", adapter_name: str = "policy", **moved: Any) -> None:
-        if moved:
-            name = next(iter(moved))
-            if name not in _MOVED:
-                raise TypeError(f"RemoteVLLM() got an unexpected keyword argument {name!r}.")
-            classes, field = _MOVED[name]
-            raise TypeError(f"RemoteVLLM({name}=...) is an option of the transport: pass it there, e.g."
-                            f" RemoteVLLM(url, transport={classes.split(' / ')[0]}({field}=...)) ({classes} take it;"
-                            " lightning_fsdp_export.transfer.transports).")
-        urls = [base_url] if isinstance(base_url, str) else list(base_url)
-        if not urls:
-            raise ValueError("RemoteVLLM(base_url=[]) needs at least one server address.")
-        if len(set(urls)) != len(urls):
-            raise ValueError(f"RemoteVLLM(base_url={urls!r}) lists a server twice.")
-        if timeout <= 0:
-            raise ValueError(f"RemoteVLLM(timeout={timeout}) must be a positive number of seconds.")
-        if pause_mode not in get_args(PauseMode):
-            modes = ", ".join(map(repr, get_args(PauseMode)))
-            raise ValueError(f"RemoteVLLM(pause_mode={pause_mode!r}) must be one of {modes}.")
-        if not isinstance(adapter_name, str) or not adapter_name or "/" in adapter_name:
-            raise ValueError(f"RemoteVLLM(adapter_name={adapter_name!r}) must be a non-empty name without '/'"
-                             " (clients ask for model=<adapter_name>).")
+                 pause_mode: PauseMode = "wait", adapter_name: str = "policy", min_servers: int | None = None,
+                 **moved: Any) -> None:
+        _check_arguments(moved, timeout=timeout, pause_mode=pause_mode, adapter_name=adapter_name)
         self.adapter_name = adapter_name
         self.adapter_version: int | None = None
         """Rank 0: the adapter version the servers serve under ``adapter_name`` (None: none loaded by this target)."""
         self.options = parse_transport(transport)
         self.transport = self.options.name
-        self.servers = [Server(url, api_key=api_key, timeout=timeout) for url in urls]
+        self.pool = ServerPool(base_url, lambda url: Server(url, api_key=api_key, timeout=timeout),
+                               min_servers=min_servers)
+        """The servers (rank 0 keeps it current): ``pool.active`` take the next round, ``pool.out`` are set aside."""
+        _check_min_servers(min_servers, len(self.pool.listed), self.options)
         self._dtype = dtype
+        self._serving: list[str] | None = None  # AsyncRollouts' servers, as every rank agreed (``agree``)
         self._is_rank_zero = True
         self._checks: list[CheckpointCheck] | None = None
         self.precheck_skipped: list[str] = []
         self._round: Transfer = (
-            DirectoryReload(self.servers, self.options, dtype=dtype, pause_mode=pause_mode)
+            DirectoryReload(self.pool.active, self.options, dtype=dtype, pause_mode=pause_mode)
             if isinstance(self.options, Directory) else
-            NativeTransfer(self.servers, self.options, timeout=timeout, pause_mode=pause_mode))
+            NativeTransfer(self.pool.active, self.options, timeout=timeout, pause_mode=pause_mode, pool=self.pool))
+
+    @property
+    def servers(self) -> list[Server]:
+        """The servers the next sync updates (rank 0's view; with ``min_servers``, those not set aside)."""
+        return self._round.servers
+
+    @property
+    def serving(self) -> list[Server]:
+        """Every rank: the servers rollouts may send requests to (``AsyncRollouts``): with ``min_servers`` or URLs
+        re-read, those rank 0 found holding the served version before the last sync (not set aside, not joining in
+        it: a server that joins serves from the sync after the one that gave it every tensor); else every server."""
+        if self._serving is None:
+            return self.servers
+        return [self.pool.server(url) for url in self._serving]
+
+    @override
+    def agree(self, ranks: SyncGroup) -> None:
+        """Every rank, before each push, where the pool can change: rank 0 asks the servers (:meth:`ServerPool.refresh`)
+        and every rank learns which of them serve (:attr:`serving`)."""
+        if not self.pool.changes:
+            return
+        serving = None
+        if self._is_rank_zero:
+            active = self.pool.refresh()
+            serving = [s.url for s in active if s.url not in self.pool.joined]
+        self._serving = ranks.broadcast(serving)
+
+    @property
+    def servers_out(self) -> dict[str, str]:
+        """Rank 0: the servers set aside (``min_servers``), by URL: why. They rejoin once they answer again."""
+        return dict(self.pool.out)
+
+    @override
+    def sync_metrics(self) -> dict[str, float]:
+        """``weight_sync/servers_out``: how many servers are set aside (with ``min_servers``)."""
+        return {"weight_sync/servers_out": float(len(self.pool.out))} if self.pool.heals else {}
 
     @property
     def base_url(self) -> str:
@@ -355,6 +360,39 @@ class PatchingRemoteVLLM(RemoteVLLM, SendsPatches):
         """Every rank, before each sync: the version the servers hold as every rank agreed (``None``: unknown); with
         ``Gloo(sparse=True)`` the push patches only that version, else it is dense."""
         self._round.confirm(version)
+
+
+def _check_arguments(moved: dict[str, Any], *, timeout: float, pause_mode: Any, adapter_name: Any) -> None:
+    """Refuse ``RemoteVLLM``'s bad arguments, naming the value and the fix (``moved``: flat keywords it no longer
+    takes, now options of a transport)."""
+    if moved:
+        name = next(iter(moved))
+        if name not in _MOVED:
+            raise TypeError(f"RemoteVLLM() got an unexpected keyword argument {name!r}.")
+        classes, field = _MOVED[name]
+        raise TypeError(f"RemoteVLLM({name}=...) is an option of the transport: pass it there, e.g."
+                        f" RemoteVLLM(url, transport={classes.split(' / ')[0]}({field}=...)) ({classes} take it;"
+                        " lightning_fsdp_export.transfer.transports).")
+    if timeout <= 0:
+        raise ValueError(f"RemoteVLLM(timeout={timeout}) must be a positive number of seconds.")
+    if pause_mode not in get_args(PauseMode):
+        modes = ", ".join(map(repr, get_args(PauseMode)))
+        raise ValueError(f"RemoteVLLM(pause_mode={pause_mode!r}) must be one of {modes}.")
+    if not isinstance(adapter_name, str) or not adapter_name or "/" in adapter_name:
+        raise ValueError(f"RemoteVLLM(adapter_name={adapter_name!r}) must be a non-empty name without '/'"
+                         " (clients ask for model=<adapter_name>).")
+
+
+def _check_min_servers(min_servers: Any, given: int, options: Transport) -> None:
+    """Refuse a ``min_servers`` that is not a count from 1 to the ``given`` servers, or one with ``Directory``."""
+    if min_servers is None:
+        return
+    if isinstance(min_servers, bool) or not isinstance(min_servers, int) or not 1 <= min_servers <= given:
+        raise ValueError(f"RemoteVLLM(min_servers={min_servers!r}) must be a whole number from 1 to the {given}"
+                         " server(s) given: the fewest that must take each version.")
+    if isinstance(options, Directory):
+        raise ValueError("RemoteVLLM(min_servers=...) needs a network transport (Gloo(), NCCL(), ...): a Directory"
+                         " reload sets no server aside.")
 
 
 def _sends_patches(transport: Any) -> bool:

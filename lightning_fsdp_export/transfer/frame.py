@@ -50,8 +50,9 @@ from lightning_fsdp_export.transfer.adapters import (
 )
 from lightning_fsdp_export.transfer.base import Transfer
 from lightning_fsdp_export.transfer.clients import FanOutClient
-from lightning_fsdp_export.transfer.http import Server, ServerError, not_answering, on_all
+from lightning_fsdp_export.transfer.http import Server, ServerError, not_answering, on_all, on_each
 from lightning_fsdp_export.transfer.pauses import PartlyFailed, close_rounds, pause_route
+from lightning_fsdp_export.transfer.pool import ServerPool
 from lightning_fsdp_export.transfer.preflight import check_servers
 from lightning_fsdp_export.transfer.rounds import (
     PauseMode,
@@ -60,7 +61,6 @@ from lightning_fsdp_export.transfer.rounds import (
     Staged,
     reset_prefix_caches,
     round_for,
-    swap_routes,
 )
 from lightning_fsdp_export.transfer.transports import NetworkTransport, RendezvousTransport
 
@@ -85,10 +85,11 @@ class NativeTransfer(Transfer):
         timeout: seconds for the rendezvous and every collective of the transfer (``Gloo``), and per request.
         pause_mode: ``"wait"`` lets running requests finish before the update; ``"keep"`` freezes them
             and preempts them after it (async RL); ``"keep_old_kv"`` freezes them and keeps their KV.
+        pool: the servers' pool (``RemoteVLLM``'s, whose ``active`` servers are ``servers``); default: ``servers``.
     """
 
     def __init__(self, servers: Sequence[Server], transport: NetworkTransport, *, timeout: float,
-                 pause_mode: PauseMode) -> None:
+                 pause_mode: PauseMode, pool: ServerPool | None = None) -> None:
         super().__init__(servers, pause_mode=pause_mode,
                          background=transport.every_rank and transport.stages)
         self.options = transport
@@ -110,19 +111,16 @@ class NativeTransfer(Transfer):
         self.patches = PatchBase(bitmaps=not transport.sends_patch_lists) if transport.sends_patches else None
         """Sparse rounds: this rank's copy of what it last sent (``None`` unless the transport sends patches)."""
         self.confirmed: int | None = None
-        """The version every rank agreed the servers hold (the sync's, before each push); patches are made only
-        against it."""
+        """The version every rank agreed the servers hold (before each push); patches are made only against it."""
         self.kept: str | None = None
         """Rank 0, sparse rounds: the id of the copy the workers keep (set by a round that succeeded)."""
         self._last_patch: dict[str, Any] | None = None
-        self.own_swaps: set[Server] = set()
-        """Rank 0, staged rounds: the servers that swap on their own (``/lfe/swap``), found at each group build."""
-        self._warned_swaps: set[str] = set()
+        self.pool = pool or ServerPool.of(servers)
+        """Rank 0: who takes each round, who is set aside (``RemoteVLLM(min_servers=...)``), who swaps on its own."""
 
     @property
     def last_patch(self) -> dict[str, Any] | None:
-        """This rank's last round with sparse rounds on: ``sparse`` (patched or dense), what it sent and would have
-        sent dense of its parts, elements and changed elements, its copy's host bytes."""
+        """This rank's last sparse round: patched or dense, bytes sent and dense, elements, changed, copy bytes."""
         return self._last_patch
 
     def confirm(self, version: int | None) -> None:
@@ -131,9 +129,8 @@ class NativeTransfer(Transfer):
     # -- setup and teardown ------------------------------------------------------------------------
 
     def setup(self, trainer: Any) -> None:
-        """Every rank: rank 0 alone sending: rendezvous here (a server that does not answer: a warning, and the
-        first sync retries inside the ranks' agreement); every rank sending: build the trainer ranks' control
-        group (collective), the rendezvous is at the first push."""
+        """Every rank: rank 0 alone sending: rendezvous here (a server down: a warning; the first sync retries); every
+        rank sending: build the trainer ranks' control group (collective), the rendezvous is at the first push."""
         from lightning_fsdp_export.export.vllm_source import FSDP2M2NSource, FSDP2WeightSource
 
         self.pauses.rank = trainer.global_rank
@@ -153,34 +150,23 @@ class NativeTransfer(Transfer):
             rank_zero_warn(f"RemoteVLLM could not reach every server at setup ({err}); the first sync retries.")
 
     def _plan(self) -> dict[str, Any]:
-        """Rank 0, before (re)building the group: shut the old engines down, check the servers, ask each one's
-        world size, pick the store's port (and, every rank joining, a fresh group name): all a rank needs."""
+        """Rank 0, before (re)building the group: shut the old engines down, check the servers, ask their world sizes,
+        pick the store's port (every rank joining: a fresh group name): all a rank needs."""
         self.disconnect()
+        self.pool.members = [s.url for s in self.servers]
         check_servers(self.servers, backend=self.transport)  # dev mode, backend, quantization, vLLM minor
         sizes = on_all(self.servers, lambda s: int(s.request("GET", "/get_world_size")["world_size"]))
         if self.options.stages:
-            self._find_own_swaps()
+            self.pool.find_own_swaps(self.servers)
         address, port = _store_address(self.options, self.servers)
         if isinstance(self.options, RendezvousTransport):
             port = port or _free_port(address)
         return {"sizes": sizes, "address": address, "port": port,
                 "group": uuid.uuid4().hex if self.every_rank else ""}
 
-    def _find_own_swaps(self) -> None:
-        """Rank 0, staged rounds: which servers swap on their own (``/lfe/swap``); the others are named once."""
-        self.own_swaps = {s for s, own in zip(self.servers, swap_routes(self.servers)) if own}
-        stepwise = [s.url for s in self.servers if s not in self.own_swaps and s.url not in self._warned_swaps]
-        if stepwise:
-            self._warned_swaps.update(stepwise)
-            rank_zero_warn(f"vLLM server(s) {stepwise} have no /lfe/swap route, so this trainer drives their swaps step"
-                           " by step: a trainer that dies mid-swap leaves such a server paused until the next trainer"
-                           " pushes. Start them with `--middleware lightning_fsdp_export_plugin.swap_route` to let"
-                           " each server carry out its swap on its own.")
-
     def _connect(self, plan: dict[str, Any] | None) -> None:
-        """Build this rank's trainer engine from rank 0's ``plan`` (the one place server offsets are computed:
-        each server's workers start after the trainer ranks and the servers before it); ``None``: a rank
-        outside the group, whose engine only iterates the source."""
+        """Build this rank's trainer engine from rank 0's ``plan`` (each server's workers start after the trainer ranks
+        and the servers before it); ``None``: a rank outside the group, whose engine only iterates the source."""
         from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
         if self.engine is not None:
@@ -202,25 +188,20 @@ class NativeTransfer(Transfer):
         self.broken = False
 
     def remove_adapter_files(self) -> None:
-        """At the fit's end, rank 0: this fit's adapter directories, where the servers share this host (the workers
-        remove them elsewhere once stale: ``adapters.prune_runs``); the servers hold the loaded adapter in memory."""
+        """At the fit's end, rank 0: this fit's adapter directories on this host (the servers hold them loaded)."""
         if self.rank == 0:
             shutil.rmtree(Path(SERVER_ADAPTER_ROOT) / self._run, ignore_errors=True)
 
     def disconnect(self) -> None:
-        """Rank 0: shut the transfer engine down on every server that answers; drop ours (and the copies: the
-        workers drop theirs); the next round rebuilds the group."""
+        """Rank 0: shut the transfer engine down on every server that answers and drop ours: a new group next."""
         self.forget()
         self.broken = True
         if self.engine is not None:
             self.engine.shutdown()
             self.engine = None
         if self.rank == 0 and self.client is not None:
-            for server in self.servers:
-                try:
-                    server.request("POST", "/shutdown_weight_transfer_engine", timeout=min(self.timeout, 30.0))
-                except ServerError:
-                    pass
+            on_each(self.servers, lambda s: s.request("POST", "/shutdown_weight_transfer_engine",
+                                                      timeout=min(self.timeout, 30.0)))  # (a server down: nothing)
         self.client = None
 
     # -- one sync ----------------------------------------------------------------------------------
@@ -236,11 +217,9 @@ class NativeTransfer(Transfer):
         Args:
             source: the sync's source, or (``adapter``) an adapter's tensors.
             version: the version the servers report after it.
-            resume: resume the servers at the end (``False``: they stay paused for the adapter round that follows,
-                so they never serve new base weights with an old adapter).
+            resume: resume the servers at the end (``False``: held paused for the adapter round that follows).
             adapter: ``(name, adapter_config text)``: ``source`` is a peft adapter, sent in the transport's
-                ``adapter_round`` (gloo: the workers write it as a directory on their hosts), which every server then
-                loads as ``name``.
+                ``adapter_round``, which every server then loads as ``name``.
         """
         if self.options.layout is not SourceLayout.FULL and not isinstance(source, (ShardSource, AdapterTensors)):
             raise TypeError(f"RemoteVLLM(transport={self.transport!r}) sends every rank's own shards: give it a"
@@ -284,10 +263,9 @@ class NativeTransfer(Transfer):
             if self.rank == 0:
                 try:
                     mode = self.pauses.mode
-                    if isinstance(this, Staged) and resume:  # each server swaps on its own, nothing paused yet
-                        swapped = True
+                    if swapped := isinstance(this, Staged) and resume:  # each server swaps (and resumes) alone
                         self.pauses.swap_each(lambda s: this.swap(s, inputs, version=version, mode=mode,
-                                                                  own=s in self.own_swaps), version=version)
+                                                                  own=s in self.pool.own_swaps), version=version)
                     else:
                         if not paused:  # a staged round held for its adapter round: pause them all now
                             paused_at, paused = self.pauses.pause(), True
@@ -295,9 +273,13 @@ class NativeTransfer(Transfer):
                                                    version=version, resume=resume)
                 except Exception as err:
                     resumed = err.resumed if isinstance(err, PartlyFailed) else []
-                    outcome = f"{type(err).__name__}: {err}"
-                    if not self.background.enabled:
-                        raise
+                    if self.pool.took(resumed, err, self.servers):
+                        swapped = True  # the servers that took it serve it, resumed; the others are set aside
+                        self.pauses.servers = self.pool.active
+                    else:
+                        outcome = f"{type(err).__name__}: {err}"
+                        if not self.background.enabled:
+                            raise
             if self.background.enabled:  # every rank's thread ends knowing whether the version serves
                 assert self.control is not None
                 outcome = self.control.broadcast(outcome)
@@ -324,14 +306,12 @@ class NativeTransfer(Transfer):
         if not swapped:
             self.pauses.finish(paused_at, resume)
 
-    def _inputs(self) -> RoundInputs:
-        """What a round reads of this transfer now."""
+    def _inputs(self) -> RoundInputs:  # what a round reads of this transfer now
         return RoundInputs(transport=self.options, engine=self.engine, source=self.source, rank=self.rank,
                            patches=self.patches, kept=self.kept, client=self.client, control=self.control)
 
     def forget(self) -> None:
-        """The servers' weights are no longer what this rank last sent (a failed round, zeroed weights, a new group):
-        the next round is dense."""
+        """The servers' weights are no longer what this rank last sent: the next round is dense."""
         if self.patches is not None:
             self.patches.failed()
         self.kept = None
@@ -348,14 +328,14 @@ class NativeTransfer(Transfer):
 
     def _start_round(self, plan_key: str | None, *, pause: bool = True) -> tuple[dict[str, Any] | None, bool, float,
                                                                                   bool]:
-        """Rank 0 rebuilds the group if needed (a broken round on any rank of the group, or a new plan) and, with
-        ``pause``, pauses the servers (unless a base round holds them paused; a staged round pauses later); alone in
-        the group it connects before pausing,
-        else the group's other ranks learn the plan (every rank connects after the pause), or rank 0's failure,
-        from its broadcast. Returns ``(plan to connect with or None, whether this rank paused the servers, when the
-        pause began, whether the round sends patches)``: only where every rank of the group holds a copy of the
-        confirmed version of this ``plan_key`` (rank 0 also the workers' copy's id) and the group stays."""
-        rebuild = self.broken or _digest(self.options, self.source) != self._plan_digest
+        """Rank 0 rebuilds the group if needed (broken on any rank, a new plan, other servers) and, with ``pause``,
+        pauses the servers (unless held); alone in the group it connects first, else the others learn the plan, or its
+        failure, from its broadcast. Returns ``(plan or None, whether this rank paused, when, whether the round sends
+        patches)``: only where every rank holds a copy of the confirmed version of ``plan_key`` and the group stays."""
+        if self.rank == 0:  # servers that left, joined, died or came back: a new group
+            self.pauses.servers = self.pool.refresh()
+        rebuild = (self.broken or _digest(self.options, self.source) != self._plan_digest
+                   or (self.rank == 0 and [s.url for s in self.servers] != self.pool.members))
         can_patch = (plan_key is not None and self.patches is not None
                      and self.patches.can_patch(self.confirmed, plan_key)
                      and (self.rank != 0 or self.kept is not None))
@@ -369,6 +349,7 @@ class NativeTransfer(Transfer):
         paused_at = 0.0
         if self.rank == 0:
             try:
+                self.pool.check_quorum()
                 if rebuild:
                     plan = self._plan()
                     if not self.every_rank:  # rank 0 alone in the group: rendezvous while the servers still serve

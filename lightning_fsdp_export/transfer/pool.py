@@ -1,0 +1,184 @@
+"""A pool of servers that heals: which servers a network transfer updates each round, and which it has set aside.
+
+``RemoteVLLM(urls, min_servers=k)`` keeps syncing while at least ``k`` servers take each version. Rank 0 holds the
+pool. Before each round it re-reads the URLs (a callable or a file given as ``base_url``: servers join and leave a
+running fit), asks every server in the round for ``/health`` and every server set aside too: a server that does not
+answer is set aside (named once in a warning, counted in ``weight_sync/servers_out``); one set aside that answers
+again (restarted, from any checkpoint) rejoins, and the round that takes it rebuilds the transfer group, so it gets
+every tensor whole before anything is patched against it. A round that fails on some servers only (their pause,
+swap, adapter load or cache reset) succeeds when at least ``k`` took the version: the others are set aside.
+
+``min_servers=None`` (the default) is today's rule: every server takes every version, and one that fails fails the
+sync; the pool then only re-reads the URLs.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+
+from lightning_fsdp_export.transfer.http import Server, ServerError
+from lightning_fsdp_export.transfer.pauses import PartlyFailed
+from lightning_fsdp_export.transfer.rounds import swap_routes
+
+__all__ = ["HEALTH_TIMEOUT_S", "ServerPool", "Urls", "read_urls"]
+
+HEALTH_TIMEOUT_S = 2.0
+"""Seconds a server has to answer ``/health`` before a round: one that does not is set aside for it."""
+
+Urls = str | Sequence[str] | Callable[[], Sequence[str]] | os.PathLike[str]
+"""What ``RemoteVLLM(base_url=...)`` takes: one URL, a list, a callable returning the list now, or a file of them."""
+
+
+def read_urls(given: Urls) -> list[str]:
+    """The server URLs ``given`` names now: itself, its items, what the callable returns, or the file's lines (blank
+    lines and ``#`` comments skipped)."""
+    if isinstance(given, os.PathLike):
+        lines = Path(given).read_text().splitlines()
+        urls = [line.split("#", 1)[0].strip() for line in lines]
+        return [u for u in urls if u]
+    if callable(given):
+        got = given()
+        return [got] if isinstance(got, str) else list(got)
+    return [given] if isinstance(given, str) else list(given)
+
+
+class ServerPool:
+    """Rank 0's view of the servers: who takes the next round (:attr:`active`), who is set aside and why (:attr:`out`).
+
+    Args:
+        urls: the servers (``RemoteVLLM``'s ``base_url``); a callable or a file is re-read before every round.
+        make: builds a :class:`Server` for a URL (the target's API key and timeout).
+        min_servers: the fewest servers that must take each version (``None``: every one).
+    """
+
+    def __init__(self, urls: Urls, make: Callable[[str], Server], *, min_servers: int | None) -> None:
+        self._urls, self._make = urls, make
+        self.min_servers = min_servers
+        self.known: dict[str, Server] = {}
+        """Every server named so far, by URL (those that left included)."""
+        self.listed: list[str] = []
+        """The URLs named now, in their order."""
+        self.out: dict[str, str] = {}
+        """The servers set aside, by URL: why (they are polled before every round and rejoin when they answer)."""
+        self.joined: list[str] = []
+        """The URLs that joined (or rejoined) at the last :meth:`refresh`: their first round pushes every tensor."""
+        self.members: list[str] = []
+        """The URLs the transfer group was last built for (a round whose active servers differ rebuilds it)."""
+        self.own_swaps: set[Server] = set()
+        """Staged rounds: the servers that swap on their own (``/lfe/swap``), found at each group build."""
+        self._warned_swaps: set[str] = set()
+        self._reread()
+
+    @classmethod
+    def of(cls, servers: Sequence[Server]) -> ServerPool:
+        """A pool of these servers, every one taking every version."""
+        by_url = {s.url: s for s in servers}
+        return cls(list(by_url), by_url.__getitem__, min_servers=None)
+
+    @property
+    def heals(self) -> bool:
+        """Servers are set aside and rejoin (``min_servers`` given); else every server takes every version."""
+        return self.min_servers is not None
+
+    @property
+    def changes(self) -> bool:
+        """Whether the servers a round updates can change during the fit (``min_servers``, or URLs re-read)."""
+        return self.heals or not isinstance(self._urls, (str, Sequence))
+
+    def server(self, url: str) -> Server:
+        """The server at ``url`` (one already named, else a new one)."""
+        if url not in self.known:
+            self.known[url] = self._make(url)
+        return self.known[url]
+
+    @property
+    def active(self) -> list[Server]:
+        """The servers the next round updates: every one listed and not set aside."""
+        return [self.known[u] for u in self.listed if u not in self.out]
+
+    def quorum(self) -> int:
+        """How many servers must take a version: ``min_servers``, or every one listed."""
+        return self.min_servers if self.min_servers is not None else len(self.listed)
+
+    def _reread(self) -> None:
+        urls = read_urls(self._urls)
+        if not urls:
+            raise ValueError(f"RemoteVLLM(base_url={self._urls!r}) names no server now; it needs at least one.")
+        if len(set(urls)) != len(urls):
+            raise ValueError(f"RemoteVLLM(base_url=...) lists a server twice: {urls}.")
+        for url in urls:
+            self.server(url)
+        self.listed = urls
+        self.out = {u: why for u, why in self.out.items() if u in urls}  # a server that left is forgotten
+
+    def refresh(self) -> list[Server]:
+        """Rank 0, before a round: re-read the URLs; with ``min_servers``, set aside the servers that do not answer
+        ``/health`` and take back those set aside that answer again. The servers the round updates (where they
+        differ from the group's :attr:`members`, the round rebuilds the group, pushing every tensor)."""
+        before = [s.url for s in self.active]
+        if self.changes:
+            self._reread()
+        if self.heals:
+            silent = {}
+            for server in [self.known[u] for u in self.listed]:
+                try:
+                    server.request("GET", "/health", timeout=HEALTH_TIMEOUT_S)
+                except ServerError as err:
+                    silent[server] = err
+            back = [u for u in self.out if self.known[u] not in silent]
+            for url in back:
+                del self.out[url]
+            self.set_aside({s: e for s, e in silent.items() if s.url not in self.out},
+                           why="does not answer /health")
+        after = self.active
+        self.joined = [s.url for s in after if s.url not in before]
+        if self.joined and before:
+            rank_zero_warn(f"RemoteVLLM: server(s) {self.joined} join the pool; this round pushes every tensor whole"
+                           f" to {len(after)} server(s).")
+        return after
+
+    def find_own_swaps(self, servers: Sequence[Server]) -> None:
+        """Rank 0, building a group for staged rounds: which ``servers`` swap on their own (``/lfe/swap``); the
+        others are named once."""
+        self.own_swaps = {s for s, has in zip(servers, swap_routes(servers)) if has}
+        stepwise = [s.url for s in servers if s not in self.own_swaps and s.url not in self._warned_swaps]
+        if stepwise:
+            self._warned_swaps.update(stepwise)
+            rank_zero_warn(f"vLLM server(s) {stepwise} have no /lfe/swap route, so this trainer drives their swaps step"
+                           " by step: a trainer that dies mid-swap leaves such a server paused until the next trainer"
+                           " pushes. Start them with `--middleware lightning_fsdp_export_plugin.swap_route` to let"
+                           " each server carry out its swap on its own.")
+
+    def set_aside(self, failed: dict[Server, BaseException], *, why: str) -> None:
+        """Set ``failed`` aside (a warning names each once); they are polled before every round."""
+        new = {s.url: f"{why}: {err}" for s, err in failed.items() if s.url not in self.out}
+        self.out.update(new)
+        if new:
+            lines = "; ".join(f"{u} ({w})" for u, w in new.items())
+            rank_zero_warn(f"RemoteVLLM: set aside {len(new)} server(s): {lines}. {len(self.active)} of"
+                           f" {len(self.listed)} take the next versions (min_servers={self.min_servers}); a server set"
+                           " aside is asked for /health before every sync and rejoins with every tensor once it"
+                           " answers.")
+
+    def took(self, resumed: Sequence[Server], err: Exception, servers: Sequence[Server]) -> bool:
+        """Rank 0, a round of ``servers`` that failed on some of them after the data reached them (``err``, a
+        ``PartlyFailed``): with ``min_servers``, if enough took the version (``resumed``), set the others aside (the
+        next round rebuilds the group without them) and say the round is done."""
+        if not self.heals or not isinstance(err, PartlyFailed) or len(resumed) < self.quorum():
+            return False
+        self.set_aside({s: err for s in servers if s not in resumed}, why="failed the round")
+        return True
+
+    def check_quorum(self) -> None:
+        """Raise a :class:`ServerError` when fewer than the quorum can take the next round."""
+        active = self.active
+        if len(active) >= max(self.quorum(), 1):
+            return
+        out = "; ".join(f"{u}: {w}" for u, w in self.out.items())
+        raise ServerError(f"only {len(active)} of {len(self.listed)} server(s) can take this version, fewer than"
+                          f" min_servers={self.quorum()} (set aside: {out}). They are asked again at the next sync.",
+                          next(iter(self.out), self.listed[0]))

