@@ -163,3 +163,36 @@ def test_async_a_dying_replica_is_named_by_the_next_sync_and_nothing_is_left_run
     assert got["request_errors"] and all(got["proxy"] in e for e in got["request_errors"]), got
     assert got["steps_done"] >= 2, got
     assert not got["first_server_after"]["paused"], got  # never left paused by the failed sync
+
+
+def test_a_pool_sets_a_dead_server_aside_trains_on_and_takes_it_back_with_every_tensor(
+        async_results: dict[str, Any]) -> None:
+    # Issue 46, item 3: RemoteVLLM(<file>, min_servers=1) under AsyncRollouts (tests/scripts/rollouts.py).
+    got = scenario(async_results, "pool_heals")
+    steps = {s["step"]: s for s in got["steps"]}
+    proxy = got["proxy"]
+    assert sorted(steps) == list(range(1, 13)) and got["dropped"] == 0, got  # training never stopped
+    # A URL added to the file after step 2 joins at the next sync, every tensor pushed; rollouts use it from the one
+    # after (it serves the current version by then).
+    assert proxy not in steps[2]["updated"] and proxy in steps[3]["updated"], steps
+    assert steps[3]["second_holds"] == str(steps[3]["version"]), steps[3]
+    assert proxy not in steps[3]["serving"] and proxy in steps[4]["serving"], steps
+    # It dies after step 5: set aside at the next sync (named once, counted in weight_sync/servers_out), the other
+    # server takes every version, no rollout goes to it; it keeps the version it died with.
+    for k in (6, 7, 8):
+        assert steps[k]["out"] == [proxy] and proxy not in steps[k]["updated"] + steps[k]["serving"], steps[k]
+        assert steps[k]["servers_out_metric"] == 1.0 and steps[k]["second_holds"] == steps[5]["second_holds"], steps[k]
+    set_aside = [w for w in got["warnings"] if "set aside" in w]
+    assert len(set_aside) == 1 and proxy in set_aside[0] and "min_servers=1" in set_aside[0], got["warnings"]
+    # It answers again after step 8, at its URL: the next sync gives it every tensor (it held an old version), and
+    # the rollouts send to it again within 2 syncs.
+    assert steps[9]["out"] == [] and steps[9]["second_holds"] == str(steps[9]["version"]), steps[9]
+    assert steps[9]["servers_out_metric"] == 0.0 and proxy in steps[10]["serving"], steps
+    before = steps[9]["sent"].get(proxy, 0)
+    assert any(steps[k]["sent"].get(proxy, 0) > before for k in (10, 11)), steps
+    assert sum("join the pool" in w for w in got["warnings"]) == 2, got["warnings"]
+    # Every consumed token carries the version that made it, on either server; both end on the last version.
+    truth = got["token_truth"]
+    assert within_tolerance(truth) and truth["unscored"] == 0 and truth["spans"] > 0, truth
+    assert [(s["version"], s["paused"]) for s in got["servers_after"]] == [(str(got["version"]), False)] * 2, got
+    assert got["threads_after"] == [], got

@@ -50,6 +50,7 @@ class RolloutClients:
         """The servers keep older weights' blocks across a swap: the prefix cache is salted per version."""
         self.rank, self.world = 0, 1
         self._threads: list[threading.Thread] = []
+        self._serving: set[str] = set()  # the servers' URLs at the last pick
 
     @property
     def servers(self) -> list[Server]:
@@ -146,10 +147,15 @@ class RolloutClients:
     def _pick(self) -> Server:
         """The server with the fewest requests in flight (ties: the one sent least), among those not down."""
         now = time.monotonic()
-        load = {s.url: 0 for s in self.servers}
+        servers = self.servers
+        for url in {s.url for s in servers} - self._serving:  # back in the pool with every tensor: not down any more
+            self.state.down.pop(url, None)
+        self._serving = {s.url for s in servers}
+        load = {s.url: 0 for s in servers}
         for server, _ in self.state.in_flight.values():
-            load[server.url] += 1
-        up = [s for s in self.servers if not self._is_down(s, now)] or self.servers
+            if server.url in load:  # (one set aside since: not a candidate)
+                load[server.url] += 1
+        up = [s for s in servers if not self._is_down(s, now)] or servers
         server = min(up, key=lambda s: (load[s.url], self.state.sent.get(s.url, 0)))
         self.state.sent[server.url] = self.state.sent.get(server.url, 0) + 1
         return server

@@ -120,7 +120,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
         self._dtype = dtype
         self._serving: list[str] | None = None  # AsyncRollouts' servers, as every rank agreed (``agree``)
         self._is_rank_zero = True
-        self._checks: list[CheckpointCheck] | None = None
+        self._checks: dict[str, CheckpointCheck] = {}  # by URL
         self.precheck_skipped: list[str] = []
         self._round: Transfer = (
             DirectoryReload(self.pool.active, self.options, dtype=dtype, pause_mode=pause_mode)
@@ -239,14 +239,16 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
         """
         if not self._is_rank_zero:
             return []
-        if self._checks is None:
-            roots = on_all(self.servers, lambda s: s.request("GET", "/v1/models")["data"][0].get("root", ""))
-            self._checks = [CheckpointCheck(root) for root in roots]
-            self.precheck_skipped = [s.url for s, c in zip(self.servers, self._checks) if not c.readable]
-            if self.precheck_skipped:
-                rank_zero_info(f"RemoteVLLM: the checkpoints of {self.precheck_skipped} are not readable here;"
-                               " names and shapes are not checked before sending (the servers' load checks them).")
-        return [f"{s.url}: {line}" for s, check in zip(self.servers, self._checks) for line in check.problems(exported)]
+        new = [s for s in self.servers if s.url not in self._checks]  # (servers may join a running fit)
+        if new:
+            roots = on_all(new, lambda s: s.request("GET", "/v1/models")["data"][0].get("root", ""))
+            self._checks.update((s.url, CheckpointCheck(root)) for s, root in zip(new, roots))
+            skipped = [s.url for s in new if not self._checks[s.url].readable]
+            self.precheck_skipped += skipped
+            if skipped:
+                rank_zero_info(f"RemoteVLLM: the checkpoints of {skipped} are not readable here; names and shapes"
+                               " are not checked before sending (the servers' load checks them).")
+        return [f"{s.url}: {line}" for s in self.servers for line in self._checks[s.url].problems(exported)]
 
     @override
     def check_adapter(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:

@@ -14,7 +14,10 @@ Run by ``tests/test_remote_transfer.py`` (its servers, started with ``--enable-s
   as it forwards the next generate request, so one is in flight on it, from either rank): its requests go to the
   first server, the next sync fails naming it (``on_error="warn"``: training goes on), the
   next batch that cannot fill raises ``RolloutError`` on every rank naming each server's state, and no
-  client thread is left.
+  client thread is left;
+* ``pool_heals``: ``RemoteVLLM(<file of URLs>, min_servers=1)``: the second server (through a proxy) joins after step
+  2 by a line added to the file, dies after step 5 and is set aside while training goes on, answers again after
+  step 8 at its URL holding an old version, and rejoins with every tensor (:func:`scenario_pool_heals`).
 
 Rank 0 writes JSON to ``--out``.
 """
@@ -410,9 +413,23 @@ class Proxy:
                 except OSError:
                     pass
 
+    def reopen(self) -> None:
+        """Listen again on the same address (the replica comes back at its URL, as a restarted server does)."""
+        port = int(self.url.rsplit(":", 1)[1])
+        self.sock = socket.socket()
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        self.sock.bind(("127.0.0.1", port))
+        self.sock.listen(64)
+        self.conns, self.closed, self.armed = [], False, False
+        threading.Thread(target=self._accept, daemon=True).start()
+
     def close(self) -> None:
         self.closed = True
         self.died_at = time.monotonic()
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes the accept() blocked on it: no connection gets through
+        except OSError:
+            pass
         self.sock.close()
         for c in self.conns:
             try:
@@ -467,12 +484,74 @@ def scenario_replica_dies(root: Path, urls: list[str]) -> dict[str, Any]:
     return events
 
 
+def scenario_pool_heals(root: Path, urls: list[str]) -> dict[str, Any]:
+    """``RemoteVLLM(<file of URLs>, min_servers=1)`` under ``AsyncRollouts`` (issue 46, item 3): the fit starts on the
+    first server; after step 2 the second (through a proxy) is added to the file and joins; after step 5 it dies (the
+    proxy drops every connection) and is set aside while training goes on; after step 8 it answers again at its URL,
+    holding the version it had when it died, and rejoins with every tensor. Rank 0 records, after each step, which
+    servers the pool updates, which it set aside, which the rollouts may use, and what each server holds."""
+    from lightning_fsdp_export.transfer.http import Server
+
+    seed_everything(3)
+    rank0 = dist.get_rank() == 0
+    proxy = Proxy(urls[1]) if rank0 else None
+    listed = root / "servers.txt"
+    if rank0:
+        root.mkdir(parents=True, exist_ok=True)
+        listed.write_text(f"{urls[0]}\n")
+    box = [proxy.url if proxy else None]
+    dist.broadcast_object_list(box, src=0)  # (also: the file exists before any rank reads it)
+    proxy_url = box[0]
+    target = RemoteVLLM(listed, transport=Gloo(), timeout=20.0, pause_mode="keep", min_servers=1)
+    sync = VLLMWeightSync(target, on_error="warn")
+    rollouts = AsyncRollouts(sync, PROMPTS, reward, batch_size=2, group_size=2, max_staleness=1,
+                             sampling={"max_tokens": 16, "ignore_eos": True}, batch_timeout=60)
+    policy = Policy(sync, delay=0.2)
+    steps: list[dict[str, Any]] = []
+
+    def on_batch_end(trainer: Trainer) -> None:
+        step = trainer.global_step
+        if not rank0:
+            return
+        assert proxy is not None
+        direct = Server(urls[1], api_key=None, timeout=10)  # the second server itself, not through the proxy
+        steps.append({"step": step, "version": sync.version, "updated": [s.url for s in target.servers],
+                      "out": list(target.servers_out), "serving": [s.url for s in target.serving],
+                      "second_holds": direct.request("GET", "/weight_info")["weight_version"],
+                      "servers_out_metric": sync.last_metrics.get("weight_sync/servers_out"),
+                      "used": sorted({smp.server for smp in policy.batches[-1].samples}) if policy.batches else [],
+                      "sent": dict(rollouts.clients.state.sent)})  # rank 0's requests so far, by server
+        if step == 2:
+            listed.write_text(f"{urls[0]}\n{proxy_url}\n")  # a server joins the running fit
+        elif step == 5:
+            proxy.close()  # it dies: every connection dropped
+        elif step == 8:
+            proxy.reopen()  # back at its URL, still holding the version it had
+
+    policy.on_batch_end = on_batch_end
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer_for([sync, rollouts], 12, root).fit(policy, rollouts.dataloader())
+    out = summary(rollouts, sync, policy.batches)
+    out["steps"] = steps
+    out["warnings"] = [str(w.message) for w in caught if "RemoteVLLM" in str(w.message)
+                       or "Weight sync" in str(w.message)]
+    out["proxy"] = proxy_url
+    out["token_truth"] = score(policy.batches, policy.versions) if rank0 else None
+    out["servers_after"] = server_states([urls[0], proxy_url]) if rank0 else None
+    out["threads_after"] = client_threads()
+    if proxy is not None:
+        proxy.close()
+    return out
+
+
 def main() -> None:
-    args, root = start_script("async,on_policy,replica_dies", "async")
+    args, root = start_script("async,on_policy,replica_dies,pool_heals", "async")
     urls = args.server.split(",")
     runs = {"async": lambda: scenario_async(root / "a", urls),
             "on_policy": lambda: scenario_on_policy(root / "b", urls),
-            "replica_dies": lambda: scenario_replica_dies(root / "c", urls)}
+            "replica_dies": lambda: scenario_replica_dies(root / "c", urls),
+            "pool_heals": lambda: scenario_pool_heals(root / "d", urls)}
     results = run_scenarios(runs, args.only.split(","))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
