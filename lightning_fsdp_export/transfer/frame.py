@@ -144,6 +144,7 @@ class NativeTransfer(Transfer):
             self._connect(None)  # an engine that only iterates the source
             return
         try:
+            self.pauses.servers = self.pool.refresh()  # (min_servers: a server down now is set aside, not waited for)
             self._connect(self._plan())
         except ServerError as err:  # only rank 0 knows: the first sync retries, and fails on every rank
             self.broken = True
