@@ -101,3 +101,27 @@ def test_servers_join_and_leave_a_running_fit_through_a_callable(recording_engin
     target.push_source(source(), version=3)
     assert [rounds(s) for s in stubs] == [2, 2, 1]
     assert [s.url for s in target.servers] == listed
+
+
+class OneRank:
+    """The sync's control group with one rank (its broadcast is the value)."""
+
+    def broadcast(self, value: Any) -> Any:
+        return value
+
+
+def test_the_sync_agrees_on_the_serving_servers_before_its_checks(recording_engine: Any) -> None:
+    # VLLMWeightSync calls target.agree(ranks) before the pre-checks: a server found dead there is out of the checks
+    # (a user's resumed fit hit GET /v1/models of the dead server otherwise) and of the rollouts' servers.
+    stubs = [Stub(), Stub()]
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl", min_servers=1)
+    target.setup(Rank(0))
+    target.agree(OneRank())  # type: ignore[arg-type]
+    assert [s.url for s in target.serving] == [s.url for s in stubs]
+    stubs[1].fail["/health"] = (500, {"error": "gone"})
+    with pytest.warns(UserWarning, match="set aside 1 server"):
+        target.agree(OneRank())  # type: ignore[arg-type]
+    assert [s.url for s in target.servers] == [s.url for s in target.serving] == [stubs[0].url]
+    stubs[1].requests.clear()
+    target.check_weights([("model.norm.weight", (2,))])
+    assert stubs[1].paths() == []

@@ -150,6 +150,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
         serving = None
         if self._is_rank_zero:
             active = self.pool.refresh()
+            self._round.pauses.servers = active  # what this sync's checks and round address
             serving = [s.url for s in active if s.url not in self.pool.joined]
         self._serving = ranks.broadcast(serving)
 
