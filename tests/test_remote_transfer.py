@@ -118,8 +118,8 @@ def test_background_syncs_serve_the_old_version_until_the_swap_and_a_failed_tran
         assert push["error"] is None, push["error"]
         assert [(s["version"], s["paused"]) for s in push["after"]] == [(str(version), False)] * 2
         assert max(push["gaps"]) < LOGPROB_TOLERANCE, push
-    # When 301's data had arrived (the moment its round paused the servers for the swap), both still served 300,
-    # unpaused: the transfer ran while they generated; the swap then set 301.
+    # When 301's data had arrived (the moment each server was asked to swap it in), both still served 300, unpaused:
+    # the transfer ran while they generated; each server's own swap then set 301.
     assert [(s["version"], s["paused"]) for s in pushes[301]["before_pause"][0]] == [("300", False)] * 2
     assert set(pushes[301]["versions_seen"]) <= {"300", "301"}
     # After the staged rounds, the servers hold exactly what today's direct round pushes (vLLM's checker, per server).
@@ -141,10 +141,11 @@ def test_background_syncs_serve_the_old_version_until_the_swap_and_a_failed_tran
         assert [pushes[v]["sparse"] for v in (300, 301, 304, 305)] == [False, True, True, True]
         return
     assert min(got["stale_gaps"]) > 10 * LOGPROB_TOLERANCE
-    # A tensor the engine refuses is found at the swap (the load): both servers stay paused on 301 (never serving a
-    # half-loaded model), named; the next full push resumes them.
+    # A tensor the engine refuses is found at the swap (the load, which each server runs on its own): both servers
+    # stay paused on 301 (never serving a half-loaded model), named; the next full push resumes them.
     refused = pushes[303]["error"]
-    assert "2 of 2 server(s) failed to take version 303 and stay paused; no other server" in refused, refused
+    assert "2 of 2 server(s) failed to swap in version 303; 0 other(s) serve it" in refused, refused
+    assert refused.count("stays paused until the next full push (its model may be half-loaded)") == 2, refused
     assert "bogus" in refused
     assert all(s["url"] in refused for s in pushes[303]["after"])
     assert [(s["version"], s["paused"]) for s in pushes[303]["after"]] == [("301", True)] * 2

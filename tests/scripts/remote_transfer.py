@@ -330,11 +330,11 @@ def scenario_background(urls: list[str], *, sparse: bool = False) -> dict[str, A
             for tensor in versions[i].values():
                 tensor.view(-1)[i:: max(1, tensor.numel() // 5)] *= 1.5
     out: dict[str, Any] = {"pushes": []}
-    before_pause: list[Any] = []  # rank 0: both servers' state when a round pauses them (a staged one: data arrived)
+    before_pause: list[Any] = []  # rank 0: both servers' state when a staged round's data arrived (its swaps start)
     if rank == 0:
         pauses = target._round.pauses  # type: ignore[attr-defined]
-        pause = pauses.pause
-        pauses.pause = lambda: (before_pause.append(state(target)), pause())[1]
+        swap_each = pauses.swap_each
+        pauses.swap_each = lambda *a, **k: (before_pause.append(state(target)), swap_each(*a, **k))[1]
 
     def push(weights: dict[str, torch.Tensor], version: int, **faults: Any) -> None:
         before_pause.clear()
