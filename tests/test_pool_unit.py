@@ -125,3 +125,18 @@ def test_the_sync_agrees_on_the_serving_servers_before_its_checks(recording_engi
     stubs[1].requests.clear()
     target.check_weights([("model.norm.weight", (2,))])
     assert stubs[1].paths() == []
+
+
+def test_a_sync_asks_each_server_for_health_once(recording_engine: Any) -> None:
+    # The sync's agreement refreshes the pool; the round it starts uses that, not a second round of /health (a host
+    # that is gone costs its 2 s timeout each time). A push without the agreement still refreshes.
+    stubs = [Stub(), Stub()]
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl", min_servers=1)
+    target.setup(Rank(0))
+    for stub in stubs:
+        stub.requests.clear()
+    target.agree(OneRank())  # type: ignore[arg-type]
+    target.push_source(source(), version=1)
+    assert [s.paths().count("/health") for s in stubs] == [1, 1]
+    target.push_source(source(), version=2)
+    assert [s.paths().count("/health") for s in stubs] == [2, 2]

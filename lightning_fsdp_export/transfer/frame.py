@@ -334,7 +334,7 @@ class NativeTransfer(Transfer):
         failure, from its broadcast. Returns ``(plan or None, whether this rank paused, when, whether the round sends
         patches)``: only where every rank holds a copy of the confirmed version of ``plan_key`` and the group stays."""
         if self.rank == 0:  # servers that left, joined, died or came back: a new group
-            self.pauses.servers = self.pool.refresh()
+            self.pauses.servers = self.pool.for_round()
         rebuild = (self.broken or _digest(self.options, self.source) != self._plan_digest
                    or (self.rank == 0 and [s.url for s in self.servers] != self.pool.members))
         can_patch = (plan_key is not None and self.patches is not None

@@ -71,6 +71,7 @@ class ServerPool:
         self.own_swaps: set[Server] = set()
         """Staged rounds: the servers that swap on their own (``/lfe/swap``), found at each group build."""
         self._warned_swaps: set[str] = set()
+        self._fresh = False  # refreshed for the coming round already (the sync's agreement): not asked again
         self._reread()
 
     @classmethod
@@ -135,11 +136,22 @@ class ServerPool:
             self.set_aside({s: e for s, e in silent.items() if s.url not in self.out},
                            why="does not answer /health")
         after = self.active
+        self._fresh = True
         self.joined = [s.url for s in after if s.url not in before]
         if self.joined and before:
             rank_zero_warn(f"RemoteVLLM: server(s) {self.joined} join the pool; this round pushes every tensor whole"
                            f" to {len(after)} server(s).")
         return after
+
+    def for_round(self) -> list[Server]:
+        """Rank 0, as a round starts: the servers it updates. Refreshed now, unless the sync's agreement
+        (``RemoteVLLM.agree``) refreshed the pool for this round already: each sync asks every server once."""
+        if self._fresh:
+            self._fresh = False
+            return self.active
+        servers = self.refresh()
+        self._fresh = False
+        return servers
 
     def find_own_swaps(self, servers: Sequence[Server]) -> None:
         """Rank 0, building a group for staged rounds: which ``servers`` swap on their own (``/lfe/swap``); the
