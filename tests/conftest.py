@@ -44,9 +44,10 @@ def free_port() -> int:
 
 
 def run_torchrun(script: str, out: Path, *args: str, nproc: int = 2, timeout: int = 600,
-                 env: dict[str, str] | None = None) -> dict[str, Any]:
-    """Run ``tests/scripts/<script>`` on ``nproc`` gloo ranks and return the JSON rank 0 wrote to ``out``."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
+                 env: dict[str, str] | None = None, python: str | Path = sys.executable) -> dict[str, Any]:
+    """Run ``tests/scripts/<script>`` on ``nproc`` gloo ranks (under ``python``: another venv's) and return the JSON
+    rank 0 wrote to ``out``."""
+    cmd = [str(python), "-m", "torch.distributed.run", f"--nproc-per-node={nproc}", f"--master-port={free_port()}",
            str(ROOT / "tests" / "scripts" / script), "--out", str(out), *args]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout,
                           env={**os.environ, "PYTHONFAULTHANDLER": "1", **(env or {})})  # an abort shows its stack

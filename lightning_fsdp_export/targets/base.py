@@ -6,7 +6,7 @@ default. What only some targets can do is a small capability class a target also
 target lacks is refused there, naming both):
 
 - :class:`ScoresLogprobs` (``prompt_logprobs``): for ``verify="logprobs"``;
-- :class:`ExactCheckable` (``checkpoint_path``, ``weight_checksums``, ``reset_weights``): for
+- :class:`ExactCheckable` (``checkpoint_path``, ``weight_checksums``, ``reset_weights``, ``reload_checkpoint``): for
   ``exact_first_sync=True``;
 - :class:`LoadsAdapters` (``push_adapter``; ``push_base``, ``check_adapter`` with defaults): for ``lora="adapter"``;
 - :class:`SleepsDuringCompute` (``before_compute``, ``after_compute``, ``weights_discarded``,
@@ -141,6 +141,12 @@ class ExactCheckable(ABC):
     @abstractmethod
     def reset_weights(self) -> None:
         """Zero the engine's weights (it serves nothing until the next push completes)."""
+
+    def reload_checkpoint(self) -> None:
+        """Load the engine's whole checkpoint again (vLLM's ``reload_weights`` from its own directory): after an exact
+        check whose trainer holds only part of what the engine serves (a vision-language checkpoint's text model),
+        the rest (the vision tower) comes back from disk. Default: not supported."""
+        raise NotImplementedError(f"{type(self).__name__} cannot reload its engine's checkpoint.")
 
 
 class LoadsAdapters(ABC):

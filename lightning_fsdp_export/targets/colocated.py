@@ -253,6 +253,12 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
         self._engine.collective_rpc("reset_weights")
 
     @override
+    def reload_checkpoint(self) -> None:
+        """vLLM's ``reload_weights`` from the engine's own checkpoint directory (every weight, in place)."""
+        self._engine.collective_rpc("reload_weights", kwargs={"weights_path": str(self.checkpoint_path())})
+        self._engine.reset_prefix_cache()
+
+    @override
     def push_adapter(self, path: str | os.PathLike[str], *, version: int) -> None:
         """Load the peft adapter directory ``path`` as a new LoRA (id ``version``) and drop the previous one."""
         from vllm.lora.request import LoRARequest

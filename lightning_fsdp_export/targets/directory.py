@@ -152,17 +152,37 @@ class CheckpointCheck:
         self.path = Path(path)
         self._expected: dict[str, tuple[int, ...]] | None = None
         self._tied = False
+        self.drafter: list[str] = []
+        """The checkpoint's MTP tensors (a speculative-decoding drafter's), left out of the comparison."""
 
     @property
     def readable(self) -> bool:
         return self.path.is_dir() and any(self.path.glob("*.safetensors"))
 
     def problems(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
-        """Where ``exported`` disagrees with the checkpoint; empty when they agree or it is not readable."""
+        """Where ``exported`` disagrees with the checkpoint; empty when they agree or it is not readable. The
+        checkpoint's multi-token-prediction layers (:func:`drafter_names`) are the engine's drafter's, not missing."""
         if self._expected is None:
             self._expected = checkpoint_shapes(self.path) if self.readable else {}
             config = self.path / "config.json"
-            self._tied = config.is_file() and bool(json.loads(config.read_text()).get("tie_word_embeddings", False))
+            settings = json.loads(config.read_text()) if config.is_file() else {}
+            self._tied = bool(settings.get("tie_word_embeddings", False))
+            self.drafter = drafter_names(self._expected, settings)
+            for name in self.drafter:
+                del self._expected[name]
         if not self._expected:
             return []
         return compare_shapes(exported, self._expected, may_be_absent={"lm_head.weight"} if self._tied else set())
+
+
+def drafter_names(names: dict[str, object] | list[str], config: dict[str, object]) -> list[str]:
+    """The checkpoint tensors of its multi-token-prediction (MTP) layers, which vLLM loads into a speculative-decoding
+    drafter and a ``transformers`` model drops on load: ``mtp.*`` (Qwen3-Next, Qwen3.5) and the decoder layers past
+    ``num_hidden_layers`` (``model.layers.{N}.*``: DeepSeek-V3, GLM-4.5; ``num_nextn_predict_layers`` of them). A
+    trainer never exports them (``VLLMWeightSync`` leaves the drafter's own layers as they are)."""
+    text = config.get("text_config") or config
+    layers = text.get("num_hidden_layers") if isinstance(text, dict) else None
+    extra = int(text.get("num_nextn_predict_layers") or 0) if isinstance(text, dict) else 0
+    past = tuple(f"{prefix}layers.{i}." for prefix in ("model.", "model.language_model.")
+                 for i in range(layers, layers + extra)) if isinstance(layers, int) else ()
+    return [n for n in names if n.startswith(("mtp.", "model.mtp.")) or (past and n.startswith(past))]

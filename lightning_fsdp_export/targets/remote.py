@@ -87,14 +87,13 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
             (clients ask for ``model=<adapter_name>``); each version replaces it in place.
         min_servers: the fewest servers that must take each version (default: all of them). Network transports.
 
-    LoRA adapters (``VLLMWeightSync(lora="adapter")``; the servers started with ``--enable-lora --max-lora-rank R``
-    and ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, checked before anything is sent): the first sync (and any after
-    a failure or a resume) pushes the base weights, holding the servers paused, then the adapter; later syncs push
-    only the adapter, loaded under ``adapter_name`` (``/v1/load_lora_adapter``, in place, a new path per version),
-    then the prefix caches are reset and the version set. ``Gloo`` carries the adapter itself (its workers write it
-    on their hosts: no shared filesystem); ``Directory(path)`` copies it under ``path/adapters``; with the other
-    transports the servers read the directory ``VLLMWeightSync`` wrote (its ``adapter_dir``, which must then be on
-    a filesystem they share, at the same path). A server that cannot load it leaves every server paused.
+    LoRA adapters (``VLLMWeightSync(lora="adapter")``; servers with ``--enable-lora --max-lora-rank R`` and
+    ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``, checked first): the first sync (and any after a failure or a resume)
+    pushes the base weights, the servers held paused, then the adapter; later syncs only the adapter, loaded in place
+    under ``adapter_name`` (a new path per version), then the caches reset and the version set. ``Gloo`` carries
+    the adapter itself (no shared filesystem); ``Directory(path)`` copies it under ``path/adapters``; other
+    transports need ``VLLMWeightSync``'s ``adapter_dir`` on a filesystem the servers share, at the same path. A
+    server that cannot load it leaves every server paused.
     """
 
     def __new__(cls, *args: Any, **kwargs: Any) -> RemoteVLLM:
@@ -232,12 +231,8 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
 
     @override
     def check_weights(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
-        """Names and shapes the servers' checkpoints would refuse, when rank 0 can read them.
-
-        No route tells the HF names and shapes a server loads; a server's ``/v1/models`` root is its
-        checkpoint path, so this reads its safetensors headers when that path exists on rank 0.
-        ``precheck_skipped`` lists the servers whose checkpoint was not readable (checked by the load).
-        """
+        """Names and shapes the servers' checkpoints (their ``/v1/models`` roots' safetensors headers, where rank 0 can
+        read them) would refuse; ``precheck_skipped`` lists the servers whose checkpoint was not readable."""
         if not self._is_rank_zero:
             return []
         new = [s for s in self.servers if s.url not in self._checks]  # (servers may join a running fit)
@@ -276,9 +271,8 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
 
     @override
     def prompt_logprobs(self, token_ids: list[int]) -> dict[str, list[float]]:
-        """Each server's logprob of each token of ``token_ids`` given the ones before it, by URL (for
-        ``VLLMWeightSync(verify="logprobs")``), with the adapter once one is loaded; asked from rank 0 only (``{}``
-        on other ranks). A server started with ``--skip-tokenizer-init`` cannot return logprobs (HTTP 400)."""
+        """Each server's logprob of each token of ``token_ids`` given the ones before, by URL (``verify="logprobs"``),
+        with the adapter once loaded; rank 0 only (``{}`` elsewhere). Not with ``--skip-tokenizer-init`` (HTTP 400)."""
         if not self._is_rank_zero:
             return {}
 
@@ -300,6 +294,12 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
         return str(self.servers[0].request("GET", "/v1/models")["data"][0].get("root", ""))
 
     @override
+    def reload_checkpoint(self) -> None:
+        """Every server reloads its own checkpoint (``/collective_rpc`` ``reload_weights``); rank 0 only."""
+        if self._is_rank_zero:
+            on_all(self.servers, _reload_checkpoint)
+
+    @override
     def weight_checksums(self) -> dict[str, dict[str, str]]:
         """``{url: {vLLM parameter: sha256}}`` of every server (``/weight_checker``); rank 0 only (``{}`` elsewhere)."""
         if not self._is_rank_zero:
@@ -309,9 +309,8 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
 
     @property
     def last_patch(self) -> dict[str, Any] | None:
-        """This rank's last round with ``Gloo(sparse=True)``: ``sparse`` (patches, or dense), ``sent_bytes``,
-        ``dense_bytes`` (its parts, one copy), ``wire_bytes``, ``elements``, ``changed``, ``copy_bytes`` (its host
-        copy); ``None`` otherwise."""
+        """This rank's last ``Gloo(sparse=True)`` round: ``sparse`` (patches, or dense), ``sent_bytes``, ``dense_bytes``
+        (its parts, one copy), ``wire_bytes``, ``elements``, ``changed``, ``copy_bytes`` (host copy), or ``None``."""
         return self._round.last_patch
 
     @override
@@ -396,6 +395,13 @@ def _check_min_servers(min_servers: Any, given: int, options: Transport) -> None
     if isinstance(options, Directory):
         raise ValueError("RemoteVLLM(min_servers=...) needs a network transport (Gloo(), NCCL(), ...): a Directory"
                          " reload sets no server aside.")
+
+
+def _reload_checkpoint(server: Server) -> None:
+    """``reload_weights`` of ``server`` from its own checkpoint directory, then its prefix cache reset (dev mode)."""
+    root = server.request("GET", "/v1/models")["data"][0]["root"]
+    server.request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": root}})
+    server.request("POST", "/reset_prefix_cache")
 
 
 def _sends_patches(transport: Any) -> bool:

