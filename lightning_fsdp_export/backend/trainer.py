@@ -269,8 +269,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 counts.append(WHOLE)
                 pieces.append((tensor,))
             else:
-                counts.append(patch_code(patch.count, patch.bitmap is not None))
-                pieces.append((patch.indices if patch.bitmap is None else patch.bitmap, patch.values))
+                positions = None if patch.positions is None else patch.positions.numel()
+                counts.append(patch_code(patch.count, patch.bitmap is not None, positions, patch.stepped))
+                pieces.append((patch.names, patch.values))
         sparse = base is not None and base.sparse
         size = sparse_segment(chunk, self.rank, counts) if sparse else plan.segment(chunk, self.rank)
         part = torch.empty(size, dtype=torch.uint8, device=self.wire_device) if size else None

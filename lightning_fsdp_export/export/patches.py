@@ -13,9 +13,11 @@ tensors sent whole), and the version the engine confirmed for it. One round::
 The copy is updated as each tensor is taken (no second copy during a round); a round that fails leaves it
 invalid, so :meth:`PatchBase.failed` forgets it and the next round is dense. A patch names its elements by int32
 flat indices (vLLM 0.33's ``SparseWeightPatch`` format: 6 bytes per changed bf16 element) or, where the
-receiver takes them (``PatchBase(bitmaps=True)``: our gloo wire) and that is smaller, by a bitmap of the part
-(1 bit per element, then 2 bytes per changed one): each part goes in the smallest of the three forms, so for bf16
-a patch pays while under a third of the elements changed with indices only, under 94% with bitmaps. A patch is
+receiver takes them (``PatchBase(bitmaps=True, coded=True)``: our gloo wire) and that is smaller, by a bitmap of the
+part (1 bit per element, then 2 bytes per changed one) or in the coded form (:mod:`.patch_codes`: the gaps between
+changed elements, about a byte each at RL's learning rates, and each value's step from the previous one, a byte):
+each part goes in the smallest form, or whole, so for bf16 a patch pays while under a third of the elements changed
+with indices only, under 94% with bitmaps. A patch is
 only ever made against the version the engine last confirmed (``confirmed`` is the sync's, every rank
 agreeing); a new plan (another model, dtype, layout) is dense.
 """
@@ -30,31 +32,51 @@ from typing import Any
 import torch
 from torch import Tensor
 
-__all__ = ["INDEX_DTYPE", "Patch", "PatchBase", "PatchStats", "bitmap_nbytes", "changed_mask", "pack_bits",
-           "patch_nbytes", "unpack_bits"]
+from lightning_fsdp_export.export.patch_codes import encode_varints, gaps_of, steps
+
+__all__ = ["INDEX_DTYPE", "Patch", "PatchBase", "PatchStats", "bitmap_nbytes", "changed_mask", "coded_nbytes",
+           "pack_bits", "patch_nbytes", "unpack_bits"]
 
 INDEX_DTYPE = torch.int32  # flat offsets into a rank's part (vLLM 0.33's sparse_nccl uses int32 too)
 _MAX_ELEMENTS = torch.iinfo(INDEX_DTYPE).max  # a part this large goes dense
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+_MAX_CODED = 1 << 28  # the most elements of a coded patch the gloo wire's count code holds
 
 
 @dataclass(frozen=True)
 class Patch:
-    """The elements of one part that changed and their new ``values`` (in the part's flat order), named either by
-    flat ``indices`` into the part (``int32``) or by a ``bitmap`` of the part (:func:`pack_bits`); one is None."""
+    """The elements of one part that changed and their new ``values`` (in the part's flat order), named by flat
+    ``indices`` into the part (``int32``), by a ``bitmap`` of the part (:func:`pack_bits`) or by ``positions`` (the
+    gaps between them in LEB128, :mod:`~lightning_fsdp_export.export.patch_codes`); the other two are None.
+    ``stepped``: ``values`` are int8 steps from the previous values (:func:`~.patch_codes.steps`), not the values,
+    and ``positions`` holds the escaped elements' moves after the gaps."""
 
     indices: Tensor | None
     values: Tensor
     bitmap: Tensor | None = None
+    positions: Tensor | None = None
+    stepped: bool = False
 
     @property
     def count(self) -> int:
         return int(self.values.numel())
 
+    @property
+    def names(self) -> Tensor:
+        """What names the elements on the wire: the indices, the bitmap or the positions."""
+        found = next((t for t in (self.indices, self.bitmap, self.positions) if t is not None), None)
+        assert found is not None
+        return found
+
 
 def patch_nbytes(count: int, itemsize: int) -> int:
     """Bytes of a patch of ``count`` elements (unaligned): int32 indices and values."""
     return count * (INDEX_DTYPE.itemsize + itemsize)
+
+
+def coded_nbytes(positions: int, count: int, value_size: int) -> int:
+    """Bytes of a coded patch (unaligned): ``positions`` bytes, and ``count`` values (or steps) of ``value_size``."""
+    return positions + count * value_size
 
 
 def bitmap_nbytes(numel: int, count: int, itemsize: int) -> int:
@@ -100,7 +122,9 @@ class PatchStats:
     """Elements that changed since the copy (counted in sparse rounds only)."""
     patched: int = 0
     bitmaps: int = 0
-    """Of the ``patched`` parts, those whose elements a bitmap names (the rest: int32 indices)."""
+    """Of the ``patched`` parts, those whose elements a bitmap names."""
+    coded: int = 0
+    """Of the ``patched`` parts, those in the coded form (gaps; steps where they fit): the rest by int32 indices."""
     dense: int = 0
     dense_bytes: int = 0
     """Bytes a dense round would have sent of this rank's parts (unaligned, one copy)."""
@@ -122,6 +146,8 @@ class PatchBase:
     takes patches whose elements a bitmap names (our gloo wire does; vLLM's ``SparseWeightPatch`` does not)."""
 
     bitmaps: bool = False
+    coded: bool = False
+    """The receiver also takes coded patches (:mod:`~lightning_fsdp_export.export.patch_codes`: our gloo wire)."""
     tensors: dict[str, Tensor] = field(default_factory=dict)
     version: int | None = None
     plan: Any = None
@@ -176,13 +202,26 @@ class PatchBase:
         by_index = patch_nbytes(count, itemsize) if numel <= _MAX_ELEMENTS else math.inf
         by_bitmap = bitmap_nbytes(numel, count, itemsize) if self.bitmaps else math.inf
         flat = host.reshape(-1)
+        index = mask.nonzero().squeeze(1)  # (with the gather, 3x faster than masked_select on the host)
+        coded = None
+        if self.coded and count < _MAX_CODED:
+            gaps = gaps_of(index)
+            moved = steps(flat[index], old.reshape(-1)[index])
+            if moved is None:  # values as they are
+                coded = Patch(None, flat[index], positions=encode_varints(gaps))
+            else:  # int8 steps; the escaped elements' moves after the gaps
+                coded = Patch(None, moved[0], positions=encode_varints(torch.cat([gaps, moved[1]])), stepped=True)
+        by_coded = coded_nbytes(coded.positions.numel(), count, 1 if coded.stepped else itemsize) if coded else math.inf
         old.copy_(host)  # the copy becomes the part whatever goes on the wire
-        if min(by_index, by_bitmap) >= numel * itemsize:
+        if min(by_index, by_bitmap, by_coded) >= numel * itemsize:
             stats.dense += 1
             stats.wire_bytes += numel * itemsize
             return None
         stats.patched += 1
-        index = mask.nonzero().squeeze(1)  # (with the gather, 3x faster than masked_select on the host)
+        if coded is not None and by_coded <= min(by_index, by_bitmap):
+            stats.coded += 1
+            stats.wire_bytes += by_coded
+            return coded
         if by_bitmap < by_index:
             stats.bitmaps += 1
             stats.wire_bytes += by_bitmap

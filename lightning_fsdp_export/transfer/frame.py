@@ -107,8 +107,8 @@ class NativeTransfer(Transfer):
         self.broken = True  # no group yet: setup (rank 0 alone) or the first push (every rank) builds it
         self._run = uuid.uuid4().hex[:12]  # names this fit's adapter directories on the servers' hosts
         _require_engine(transport)
-        # our gloo wire also takes patches by bitmap; vLLM's SparseWeightPatch lists only int32 indices
-        self.patches = PatchBase(bitmaps=not transport.sends_patch_lists) if transport.sends_patches else None
+        ours = not transport.sends_patch_lists  # our gloo wire takes bitmaps and coded patches (vLLM: indices)
+        self.patches = PatchBase(bitmaps=ours, coded=ours) if transport.sends_patches else None
         """Sparse rounds: this rank's copy of what it last sent (``None`` unless the transport sends patches)."""
         self.confirmed: int | None = None
         """The version every rank agreed the servers hold (before each push); patches are made only against it."""
