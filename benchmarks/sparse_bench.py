@@ -29,7 +29,6 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +69,10 @@ def sent_bytes(target: RemoteVLLM) -> int:
 class Rotate(pl.Callback):
     """After each step: both syncs push once, in an order that rotates per step."""
 
-    def __init__(self, syncs: dict[str, VLLMWeightSync], link: Callable[[], int] | None = None) -> None:
+    def __init__(self, syncs: dict[str, VLLMWeightSync]) -> None:
         self.syncs = syncs
         self.seconds: dict[str, list[float]] = {name: [] for name in syncs}
         self.bytes: dict[str, list[int]] = {name: [] for name in syncs}
-        self.link = link  # a link's own byte counter (benchmarks/link_bench.py: the veth's tx_bytes), read on rank 0
-        self.link_bytes: dict[str, list[int]] = {name: [] for name in syncs}
         self.changed: list[float] = []
         self.copy_bytes: list[int] = []
         self.take_seconds: list[float] = []
@@ -87,10 +84,7 @@ class Rotate(pl.Callback):
         shift = trainer.global_step % len(names)
         for name in names[shift:] + names[:shift]:
             sync = self.syncs[name]
-            before = self.link() if self.link is not None else 0
             sync.sync(trainer)
-            if self.link is not None:
-                self.link_bytes[name].append(self.link() - before)
             self.seconds[name].append(sync.last_metrics["weight_sync/seconds"])
             self.bytes[name].append(sent_bytes(sync.target))  # type: ignore[arg-type]
         patch = self.syncs["sparse"].target.last_patch  # type: ignore[attr-defined]
