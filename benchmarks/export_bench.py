@@ -341,6 +341,9 @@ def main() -> None:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1))
     if not args.push:  # vLLM's engine shuts down its own groups at exit and needs the default one then
+        # together: a rank that tears the group down while rank 0 still writes can abort at exit ("terminate called
+        # without an active exception"; tests/scripts/common.end_script)
+        dist.barrier()
         dist.destroy_process_group()
 
 
