@@ -9,6 +9,7 @@ from lightning_fsdp_export.export.patch_codes import (
     ESCAPE,
     apply_steps,
     decode_gaps,
+    decode_positions,
     decode_varints,
     encode_gaps,
     encode_varints,
@@ -106,10 +107,9 @@ def test_a_coded_patch_is_the_smallest_form_at_rl_learning_rates() -> None:
     patch = base.take("w", new)
     assert patch is not None and patch.positions is not None and patch.stepped and patch.count == 2800
     assert base.stats.coded == 1 and base.stats.wire_bytes / base.stats.dense_bytes < 0.02, base.stats
-    numbers = decode_varints(patch.positions)
-    where = torch.cumsum(numbers[:patch.count] + 1, 0) - 1
+    where, escapes = decode_positions(patch.positions, patch.count)
     rebuilt = part.clone()
-    rebuilt[where] = apply_steps(part[where], patch.values, numbers[patch.count:])
+    rebuilt[where] = apply_steps(part[where], patch.values, escapes)
     assert torch.equal(rebuilt.view(torch.int16), new.view(torch.int16))
     # the copy is the new part; nothing changed next: an empty coded patch
     base.succeeded()

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_fsdp_export.export.patch_codes import apply_steps, decode_varints
+from lightning_fsdp_export.export.patch_codes import apply_steps, decode_positions
 from lightning_fsdp_export.export.patches import unpack_bits
 
 DATA, END, ABORT = 1, 0, -1
@@ -209,16 +209,15 @@ def _positions(stream: torch.Tensor, count: int, elements: int, stepped: bool, n
                rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     """The flat indices a coded patch's gaps name (checked to lie in the part), and the escaped moves after them."""
     try:
-        numbers = decode_varints(stream)
-        if numbers.numel() < count or (numbers.numel() > count and not stepped):
-            raise ValueError(f"{numbers.numel()} numbers for {count} elements")
+        where, escapes = decode_positions(stream, count)
+        if escapes.numel() and not stepped:
+            raise ValueError(f"{escapes.numel()} numbers past the {count} gaps of a patch without steps")
     except ValueError as err:
         raise RuntimeError(f"sparse round: trainer rank {rank}'s coded patch of {name!r}: {err}") from None
-    where = torch.cumsum(numbers[:count] + 1, 0) - 1
     if count and int(where[-1]) >= elements:
         raise RuntimeError(f"sparse round: trainer rank {rank}'s patch of {name!r} indexes outside its {elements}"
                            " elements.")
-    return where, numbers[count:]
+    return where, escapes
 
 
 def _take(part: torch.Tensor | None, offsets: list[int], rank: int, count: int, dtype: torch.dtype) -> torch.Tensor:

@@ -22,8 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["ESCAPE", "apply_steps", "decode_gaps", "decode_varints", "encode_gaps", "encode_varints", "gaps_of",
-           "steps", "ulp_bits", "ulp_keys"]
+__all__ = ["ESCAPE", "apply_steps", "decode_gaps", "decode_positions", "decode_varints", "encode_gaps",
+           "encode_positions", "encode_varints", "gaps_of", "steps", "ulp_bits", "ulp_keys"]
 
 _INTS = {2: (torch.int16, 0x7FFF), 4: (torch.int32, 0x7FFFFFFF)}
 
@@ -93,10 +93,25 @@ def encode_gaps(index: Tensor) -> Tensor:
 
 def decode_gaps(stream: Tensor, count: int) -> Tensor:
     """The ``count`` indices (int64) that :func:`encode_gaps` wrote into ``stream``; raises on a malformed stream."""
-    gaps = decode_varints(stream)
-    if gaps.numel() != count:
-        raise ValueError(f"{stream.numel()} bytes hold {gaps.numel()} numbers, not {count}.")
-    return torch.cumsum(gaps + 1, 0) - 1
+    index, rest = decode_positions(stream, count)
+    if rest.numel():
+        raise ValueError(f"{stream.numel()} bytes hold {count + rest.numel()} numbers, not {count}.")
+    return index
+
+
+def encode_positions(index: Tensor, escapes: Tensor | None = None) -> Tensor:
+    """A coded patch's position stream: the gaps of ``index``, then the escaped elements' zigzag moves (``steps``'
+    second half), all LEB128; the one place that lays it out (:func:`decode_positions` reads it)."""
+    gaps = gaps_of(index)
+    return encode_varints(gaps if escapes is None else torch.cat([gaps, escapes]))
+
+
+def decode_positions(stream: Tensor, count: int) -> tuple[Tensor, Tensor]:
+    """The ``count`` indices and the escaped moves after them of an :func:`encode_positions` stream."""
+    numbers = decode_varints(stream)
+    if numbers.numel() < count:
+        raise ValueError(f"{stream.numel()} bytes hold {numbers.numel()} numbers, not {count}.")
+    return torch.cumsum(numbers[:count] + 1, 0) - 1, numbers[count:]
 
 
 def ulp_keys(values: Tensor) -> Tensor | None:

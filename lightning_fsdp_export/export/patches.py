@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fsdp_export.export.patch_codes import encode_varints, gaps_of, steps
+from lightning_fsdp_export.export.patch_codes import encode_positions, steps
 
 __all__ = ["INDEX_DTYPE", "Patch", "PatchBase", "PatchStats", "bitmap_nbytes", "changed_mask", "coded_nbytes",
            "pack_bits", "patch_nbytes", "unpack_bits"]
@@ -205,12 +205,11 @@ class PatchBase:
         index = mask.nonzero().squeeze(1)  # (with the gather, 3x faster than masked_select on the host)
         coded = None
         if self.coded and count < _MAX_CODED:
-            gaps = gaps_of(index)
             moved = steps(flat[index], old.reshape(-1)[index])
             if moved is None:  # values as they are
-                coded = Patch(None, flat[index], positions=encode_varints(gaps))
+                coded = Patch(None, flat[index], positions=encode_positions(index))
             else:  # int8 steps; the escaped elements' moves after the gaps
-                coded = Patch(None, moved[0], positions=encode_varints(torch.cat([gaps, moved[1]])), stepped=True)
+                coded = Patch(None, moved[0], positions=encode_positions(index, moved[1]), stepped=True)
         by_coded = coded_nbytes(coded.positions.numel(), count, 1 if coded.stepped else itemsize) if coded else math.inf
         old.copy_(host)  # the copy becomes the part whatever goes on the wire
         if min(by_index, by_bitmap, by_coded) >= numel * itemsize:
