@@ -28,12 +28,14 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 
-COLORS = {"wait": "#bbbbbb", "step": "#4c78a8", "sync": "#f58518", "paused": "#e45756", "generate": "#54a24b"}
+COLORS = {"wait": "#bbbbbb", "step": "#4c78a8", "sync": "#f58518", "in flight": "#fdd0a2", "paused": "#e45756",
+          "generate": "#54a24b"}
 
 
 def timeline_svg(runs: dict[str, dict[str, Any]], width: int = 1100) -> str:
     """One picture, from each run's own timestamps (``examples/grpo_async.py --timeline``): per run, trainer
-    rank 0 (waiting for its batch, the step, the sync and inside it the servers' pause) and one lane per server
+    rank 0 (waiting for its batch, the step, the sync and inside it the servers' pause; under them, a background
+    round's version in flight, from the sync that sent it to its swap) and one lane per server
     (each consumed group's request, from admission to its finish; concurrent ones stacked)."""
     lane, gap, left = 16, 26, 150
     span = max(ev["end"] - ev["start"] for ev in runs.values())
@@ -55,9 +57,11 @@ def timeline_svg(runs: dict[str, dict[str, Any]], width: int = 1100) -> str:
             bar(s["fill_start"], s["fill_end"], y, "wait")
             bar(s["fill_end"], s["sync_start"], y, "step")
             bar(s["sync_start"], s["end"], y, "sync")
+            if s.get("travelled"):  # a background round: the version in flight, under the steps it overlapped
+                bar(s["travelled"][0], s["travelled"][1], y + lane - 2, "in flight", 4)
             if s.get("paused"):
                 bar(s["paused"][0], s["paused"][1], y + 4, "paused", lane - 11)
-        y += lane
+        y += lane + (5 if any(s.get("travelled") for s in ev["steps"]) else 0)
         for server, requests in sorted(ev["requests"].items()):
             ends: list[float] = []  # stack concurrent requests in sub-rows
             for a, b in sorted(requests):

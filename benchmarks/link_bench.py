@@ -17,14 +17,17 @@ after every optimizer step one sync per ``--modes`` pushes the same weights, in 
 * ``plain``: ``Gloo()``: rank 0 gathers every tensor and sends it;
 * ``background`` / ``background_sparse``: ``Gloo(shard_direct=True, background=True[, sparse=True])`` with
   ``pause_mode="keep"``: each rank returns once it has a snapshot, a thread sends it while the server generates, the
-  server pauses only for the swap (the benchmark waits for the round at once, ``settle()``, to time it).
+  server pauses only for the swap (the benchmark waits for the round at once, ``settle()``, to time it);
+* ``lora``: ``VLLMWeightSync(lora="adapter")`` over ``Gloo()`` into a server started with ``--enable-lora``: a fit of
+  its own after the others (a peft LoRA of rank 16 on every linear layer of the decoder layers, as
+  ``benchmarks/lora_bench.py``), whose first sync pushes the base weights and every later one only the adapter; its
+  ratios are to the other fit's ``dense`` (the same shapes, the same link).
 
 Rank 0 prints per rate, learning rate and mode: the medians (the first sync, dense for every mode, dropped) of the
 whole round's seconds, the trainer's blocked seconds (the whole round, or the snapshot of a background one), the
 server's paused seconds, the bytes the link itself carried (the veth's ``tx_bytes``, trainer to servers: both ranks'
 data, headers and HTTP), with the ratios to ``dense``; and vLLM's checker comparing every server with the first's
 after the last step. Needs root (namespaces, ``tc``); elsewhere it says so and exits. Not part of the test suite.
-A LoRA adapter round (``lora="adapter"``) needs a peft model and an ``--enable-lora`` server: not measured here.
 Memory: four 200M servers beside the 2 ranks fit a 24 GiB machine for one learning rate per run; a second fit in the
 same run (two ``--lrs``) was killed by the kernel's OOM killer (a rank at 5.5 GB): give four modes one ``--lrs``.
 """
@@ -41,7 +44,9 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -83,16 +88,18 @@ def shape(rate: str) -> None:
            "burst", "1mb", "latency", "50ms")
 
 
-def start_servers(ckpt: Path, ports: list[int]) -> list[subprocess.Popen[bytes]]:
-    from tests.scripts.common import SERVER_ENV
+def start_servers(ckpt: Path, ports: list[int], modes: list[str]) -> list[subprocess.Popen[bytes]]:
+    from tests.scripts.common import LORA_ARGS, LORA_ENV, SERVER_ENV
 
     procs = []
-    for port in ports:
+    for port, mode in zip(ports, modes):
+        lora = mode == "lora"  # the adapter's server loads LoRA adapters at run time
         cmd = ["ip", "netns", "exec", SERVER_NS, sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
                str(ckpt), "--host", SERVER_IP, "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256",
-               "--enforce-eager", "--max-logprobs", "1", "--weight-transfer-config", json.dumps({"backend": "gloo"})]
+               "--enforce-eager", "--max-logprobs", "1", "--weight-transfer-config", json.dumps({"backend": "gloo"}),
+               *(LORA_ARGS if lora else [])]
         log = open(ckpt / f"server{port}.log", "w")  # noqa: SIM115 - open for the server's lifetime
-        env = {**os.environ, **SERVER_ENV, "GLOO_SOCKET_IFNAME": SERVER_DEV}
+        env = {**os.environ, **SERVER_ENV, **(LORA_ENV if lora else {}), "GLOO_SOCKET_IFNAME": SERVER_DEV}
         procs.append(subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT))
     return procs
 
@@ -123,6 +130,7 @@ MODES = {  # name: the Gloo options and the pause mode of its RemoteVLLM
     "plain": (dict(), "wait"),  # rank 0 gathers every tensor and sends it
     "background": (dict(shard_direct=True, background=True), "keep"),
     "background_sparse": (dict(shard_direct=True, sparse=True, background=True), "keep"),
+    "lora": (dict(), "wait"),  # lora="adapter", a fit of its own (a peft model)
 }
 
 
@@ -132,39 +140,49 @@ def trainer(args: argparse.Namespace) -> None:
     import torch
 
     from benchmarks.background_bench import Rotate
-    from benchmarks.lora_bench import SIZES
+    from benchmarks.lora_bench import SIZES, LoraLM
     from benchmarks.sparse_bench import LM
     from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
     from lightning_fsdp_export.targets import Gloo
 
-    modes = args.modes.split(",")
-    urls = [f"http://{SERVER_IP}:{p}" for p in args.ports]
+    urls = dict(zip(args.modes.split(","), (f"http://{SERVER_IP}:{p}" for p in args.ports)))
     if os.environ.get("LOCAL_RANK", "0") == "0":
-        wait_healthy(urls)
+        wait_healthy(list(urls.values()))
     overrides = SIZES[args.size]
-    for lr in (float(x) for x in args.lrs.split(",")):
+
+    def fit(modes: list[str], lm: Callable[[], pl.LightningModule], lr: float, **sync: Any) -> None:
+        """One fit; after every step each of ``modes`` syncs once (rotating); rank 0 prints a RESULT line per mode."""
         pl.seed_everything(0)
-        syncs = {mode: VLLMWeightSync(RemoteVLLM(url, transport=Gloo(**MODES[mode][0], master_address=TRAINER_IP),
-                                                 pause_mode=MODES[mode][1]), sync_on_train_start=False)
-                 for mode, url in zip(modes, urls)}
+        syncs = {mode: VLLMWeightSync(RemoteVLLM(urls[mode], pause_mode=MODES[mode][1],
+                                                 transport=Gloo(**MODES[mode][0], master_address=TRAINER_IP)),
+                                      sync_on_train_start=False, **sync)
+                 for mode in modes}
         rotate = Rotate(syncs, None, link=tx_bytes)
         data = torch.randint(0, overrides["vocab_size"], (2 * args.steps, 32),
                              generator=torch.Generator().manual_seed(0))
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=1)
-        fit = pl.Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(pretrained=args.ckpt),
-                         max_steps=args.steps, callbacks=[rotate], logger=False, enable_checkpointing=False,
-                         enable_progress_bar=False, enable_model_summary=False)
-        with fit.init_module(empty_init=True):
-            lm = LM(overrides, lr)
-        fit.fit(lm, loader)
-        if fit.is_global_zero:
+        trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(pretrained=args.ckpt),
+                             max_steps=args.steps, callbacks=[rotate], logger=False, enable_checkpointing=False,
+                             enable_progress_bar=False, enable_model_summary=False)
+        with trainer.init_module(empty_init=True):
+            module = lm()
+        trainer.fit(module, loader)
+        if trainer.is_global_zero:
             for mode in modes:
                 rows = rotate.rows[mode][1:]  # the first (dense for every mode, and the rendezvous) dropped
                 medians = {key: statistics.median(r[key] for r in rows) for key in ("sync", "round", "paused", "link")}
                 print("RESULT " + json.dumps(dict(rate=args.rate, lr=lr, mode=mode, seconds=medians["round"],
                                                   blocked=medians["sync"], paused=medians["paused"],
-                                                  link=medians["link"], exact=rotate.exact,
+                                                  link=medians["link"], exact=rotate.exact if len(modes) > 1 else None,
                                                   rounds=[r["round"] for r in rotate.rows[mode]])), flush=True)
+
+    weights = [mode for mode in urls if mode != "lora"]
+    lrs = [float(x) for x in args.lrs.split(",")]
+    for lr in lrs:
+        if weights:
+            fit(weights, lambda lr=lr: LM(overrides, lr), lr)
+    if "lora" in urls:  # once (its optimizer's lr is lora_bench's; the adapter's bytes do not depend on it)
+        fit(["lora"], lambda: LoraLM(overrides, rank=16), lrs[0], lora="adapter")
 
 
 def plot_svg(results: list[dict], width: int = 640, height: int = 360) -> str:
@@ -246,7 +264,7 @@ def main() -> None:
     results = []
     make_link()
     try:
-        start_servers(ckpt, ports)
+        start_servers(ckpt, ports, modes)
         for rate in args.rates.split(","):
             shape(rate)
             cmd = ["ip", "netns", "exec", TRAINER_NS, sys.executable, os.path.abspath(__file__), "--trainer", "--rate",
@@ -279,7 +297,8 @@ def main() -> None:
                 print(f"| {rate} | {lr:g} | {mode} | {r['seconds']:.3f} | {r['seconds'] / base['seconds']:.3f} |"
                       f" {r['blocked']:.3f} | {r['paused']:.3f} | {r['link'] / 1e6:.2f} |"
                       f" {r['link'] / base['link']:.4f} |")
-    print(f"exact: vLLM's checker, every server against the first's: {results[-1]['exact']}")
+    exact = next((r["exact"] for r in results if r["exact"] is not None), None)
+    print(f"exact: vLLM's checker, every server of the weights' fit against the first's: {exact}")
     (workdir / "results.json").write_text(json.dumps(results, indent=1))
     if args.svg:
         Path(args.svg).write_text(plot_svg(results))

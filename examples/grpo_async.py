@@ -85,10 +85,15 @@ class AsyncGRPO(pl.LightningModule):
             self.paused.append(self.sync.target.last_paused_seconds or 0.0)
             self.pushes.append(self.sync.last_metrics.get("weight_sync/seconds", 0.0))
             end = time.time()
-            self.timeline["steps"].append({"fill_start": self._fill_end - self._batch.waited,
-                                           "fill_end": self._fill_end,
-                                           "sync_start": end - self.pushes[-1], "end": end,
-                                           "paused": self.sync.target.last_pause})
+            pause = self.sync.target.last_pause
+            step = {"fill_start": self._fill_end - self._batch.waited, "fill_end": self._fill_end,
+                    "sync_start": end - self.pushes[-1], "end": end, "paused": pause}
+            steps = self.timeline["steps"]
+            if self.sync.target.pushes_in_background and steps and pause and pause[0] > steps[-1]["end"]:
+                # this sync first ended the previous version's round (its thread started as that sync returned),
+                # whose swap is the last pause: the version travelled meanwhile
+                step["travelled"] = (steps[-1]["end"], pause[0])
+            steps.append(step)
             for group in self._batch.groups:
                 self.timeline["requests"].setdefault(group.samples[0].server, []).append(
                     (group.admitted_at, group.finished_at))

@@ -118,6 +118,17 @@ def test_the_benchmarks_timeline_is_a_picture_of_every_interval() -> None:
     assert kinds == ["wait", "step", "sync", "paused", "generate", "generate", "generate"]
     heights = {r.getAttribute("y") for r in svg.getElementsByTagName("rect") if r.getAttribute("height") == "3.0"}
     assert len(heights) == 2  # the overlapping requests stacked in two rows, the third reuses the first
+    # a background run: the previous version in flight from its sync to its swap, under the trainer's bars
+    steps = [{**steps[0], "end": 2.1, "paused": [0.1, 0.2]},
+             {"fill_start": 2.1, "fill_end": 2.3, "sync_start": 3.5, "end": 3.6, "paused": [3.0, 3.1],
+              "travelled": [2.1, 3.0]}]
+    background = {**run, "end": 3.6, "steps": steps}
+    svg = xml.dom.minidom.parseString(timeline_svg({"max_staleness=1, background": background}))
+    bars = {r.getElementsByTagName("title")[0].firstChild.data: r for r in svg.getElementsByTagName("rect")
+            if r.getElementsByTagName("title")}
+    flight, step, wait = bars["in flight 0.90 s"], bars["step 1.20 s"], bars["wait 0.20 s"]
+    assert float(flight.getAttribute("y")) >= float(step.getAttribute("y")) + float(step.getAttribute("height"))
+    assert flight.getAttribute("x") == wait.getAttribute("x")  # from the sync that sent it (where the next wait starts)
 
 
 def test_a_checkpoint_of_another_world_size_is_refused_naming_both() -> None:
