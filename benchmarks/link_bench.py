@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import statistics
@@ -185,19 +186,21 @@ def trainer(args: argparse.Namespace) -> None:
         fit(["lora"], lambda: LoraLM(overrides, rank=16), lrs[0], lora="adapter")
 
 
-def plot_svg(results: list[dict], width: int = 640, height: int = 360) -> str:
+def plot_svg(results: list[dict], width: int = 720, height: int = 360) -> str:
     """Seconds per sync against the link (one point per rate, in the order run), one line per mode and learning
-    rate; hand-written SVG (no plotting library in the venv)."""
+    rate (the larger learning rates dashed), and for background modes a dotted line of the trainer's blocked
+    seconds; hand-written SVG (no plotting library in the venv)."""
     rates = list(dict.fromkeys(r["rate"] for r in results))
     lines = sorted({(r["mode"], r["lr"]) for r in results}, key=lambda k: (k[0] != "dense", k[1]))
     top = max(r["seconds"] for r in results) * 1.1
-    left, right, bottom, up = 60, 170, 40, 20
+    left, right, bottom, up = 60, 250, 40, 20
     x = {rate: left + i * (width - left - right) / max(1, len(rates) - 1) for i, rate in enumerate(rates)}
 
     def y(seconds: float) -> float:
         return height - bottom - seconds / top * (height - bottom - up)
 
-    colors = {"dense": "#444", "sparse": "#c33", "plain": "#999", "background": "#36c", "background_sparse": "#3a3"}
+    colors = {"dense": "#444", "sparse": "#c33", "plain": "#999", "background": "#36c", "background_sparse": "#3a3",
+              "lora": "#a5c"}
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" font-family="sans-serif"'
            ' font-size="12">', f'<rect width="{width}" height="{height}" fill="white"/>',
            f'<line x1="{left}" y1="{y(0)}" x2="{width - right}" y2="{y(0)}" stroke="black"/>',
@@ -208,14 +211,24 @@ def plot_svg(results: list[dict], width: int = 640, height: int = 360) -> str:
         out.append(f'<line x1="{left}" y1="{y(tick)}" x2="{width - right}" y2="{y(tick)}" stroke="#eee"/>')
     for rate in rates:
         out.append(f'<text x="{x[rate] - 20}" y="{height - 15}">{"unshaped" if rate == "none" else rate}</text>')
+    labels: list[tuple[float, str, str]] = []
     for mode, lr in lines:
-        points = [(x[r["rate"]], y(r["seconds"])) for rate in rates for r in results
-                  if (r["rate"], r["mode"], r["lr"]) == (rate, mode, lr)]
         color = colors.get(mode, "#000")
         dash = "" if lr == min(r["lr"] for r in results) else ' stroke-dasharray="6,4"'  # the larger lr dashed
-        out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2"{dash} points="'
-                   + " ".join(f"{px:.1f},{py:.1f}" for px, py in points) + '"/>')
-        out.append(f'<text x="{width - right + 10}" y="{points[-1][1] + 4}" fill="{color}">{mode}, lr {lr:g}</text>')
+        # a background round's whole seconds, and (dotted) the trainer's: the snapshot it waits for
+        for key, label, style in (("seconds", "", dash), ("blocked", " (trainer)", ' stroke-dasharray="2,3"')):
+            if key == "blocked" and not mode.startswith("background"):
+                continue
+            points = [(x[r["rate"]], y(r[key])) for rate in rates for r in results
+                      if (r["rate"], r["mode"], r["lr"]) == (rate, mode, lr)]
+            out.append(f'<polyline fill="none" stroke="{color}" stroke-width="2"{style} points="'
+                       + " ".join(f"{px:.1f},{py:.1f}" for px, py in points) + '"/>')
+            name = "lora (adapter)" if mode == "lora" else f"{mode}, lr {lr:g}"  # (lora: lora_bench's own lr)
+            labels.append((points[-1][1] + 4, color, name + label))
+    placed = -math.inf
+    for label_y, color, text in sorted(labels):  # at each line's end, moved down where they would overlap
+        placed = max(label_y, placed + 13)
+        out.append(f'<text x="{width - right + 10}" y="{placed:.1f}" fill="{color}">{text}</text>')
     out.append("</svg>")
     return "\n".join(out) + "\n"
 
