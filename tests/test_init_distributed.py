@@ -90,3 +90,13 @@ def test_policy_beside_reference_trains_and_export_lists_both(results: dict[str,
     got = scenario(results, "several_models")
     assert len(got["losses"]) == 3
     assert "['model', 'reference']" in got["export_error"] and "export_module=" in got["export_error"]
+
+
+def test_a_module_built_with_its_values_beside_a_meta_policy_keeps_them(results: dict[str, Any]) -> None:
+    # init_module(empty_init=True) builds the policy on meta; a head (a drafter, a value head) assigned afterwards with
+    # its values loaded keeps them through the strategy's materialization (to_empty reallocated every tensor, and the
+    # head's reset_parameters() ran: it came out re-initialised); module_source names it for a drafter's push
+    got = scenario(results, "meta_policy_beside_a_built_head")
+    assert got["head_mismatched"] == [] and got["warnings"] == [], got
+    assert got["named"] == ["value_head.0.weight", "value_head.0.bias", "value_head.1.weight", "value_head.1.bias"]
+    assert "no submodule 'heads.value'" in got["error"] and "'model', 'head'" in got["error"], got["error"]

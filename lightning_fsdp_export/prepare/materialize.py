@@ -13,6 +13,9 @@ After ``fully_shard``, :func:`materialize_meta` allocates every meta tensor on t
    a module with a ``config`` attribute whose non-persistent buffers are still unset (rotary
    ``inv_freq`` with transformers 4) gets them from a fresh instance built on the CPU; anything left
    is named in one warning.
+4. Tensors that were not on the meta device (a submodule built with its values beside the model, such as a
+   drafter or a value head loaded from a checkpoint) keep them: ``to_empty`` reallocates every tensor, so they are
+   copied to the host first and written back, and no init runs on their modules.
 
 Random init and sharding: DTensor's random ops keep shards distinct only on devices with an RNG
 tracker (CUDA and alike). Elsewhere (CPU/gloo) every rank would draw the same numbers for its shard,
@@ -66,12 +69,15 @@ def materialize_meta(
         if load is not None:
             load()
         return []
+    real = _real_tensors(root)  # ``to_empty`` reallocates every tensor: those that held values get them back
     root.to_empty(device=device)
     for tensor in _own_tensors(root):
         _fill_sentinel(tensor)
+    kept = _restore(root, real)
     loaded = list(load()) if load is not None else []
-    for tensor in loaded:
+    for tensor in [*loaded, *kept]:
         setattr(tensor, _FLAG, True)
+    holding = {name for name, _, _ in real}  # modules a user built with values: no init of theirs runs
     hf_models = _outermost_hf_models(root)
     inside_hf = {id(m) for model in hf_models for m in model.modules()}
     distinct = _needs_rank_distinct_rng(root)
@@ -81,14 +87,14 @@ def materialize_meta(
                 for sub in model.modules():
                     sub.__dict__.pop(_FLAG, None)
                 model.initialize_weights()
-            for sub in root.modules():
-                if (id(sub) not in inside_hf and _holds_tensors(sub)
+            for name, sub in root.named_modules():
+                if (id(sub) not in inside_hf and _holds_tensors(sub) and name not in holding
                         and callable(getattr(sub, "reset_parameters", None))):
                     sub.reset_parameters()
             for name in _agreed_unset(root):
                 _fallback_init(root.get_submodule(name))
     finally:
-        for tensor in loaded:
+        for tensor in [*loaded, *kept]:
             tensor.__dict__.pop(_FLAG, None)
         for sub in root.modules():
             sub.__dict__.pop(_FLAG, None)
@@ -119,6 +125,25 @@ def _own_tensors(root: nn.Module) -> Iterator[Tensor]:
             if tensor is not None and id(tensor) not in seen:
                 seen.add(id(tensor))
                 yield tensor
+
+
+def _real_tensors(root: nn.Module) -> list[tuple[str, str, Tensor]]:
+    """Host copies of the tensors that are not on the meta device (a submodule built with its values beside a model
+    built on meta: a drafter or a value head loaded from a checkpoint), by module and attribute."""
+    return [(name, attr, _local(t).to("cpu", copy=True)) for name, sub in root.named_modules()
+            for attr, t in [*sub._parameters.items(), *sub._buffers.items()]
+            if t is not None and not _local(t).is_meta]
+
+
+def _restore(root: nn.Module, real: list[tuple[str, str, Tensor]]) -> list[Tensor]:
+    """Write :func:`_real_tensors`' copies back after ``to_empty``; the tensors written."""
+    restored = []
+    with torch.no_grad():
+        for name, attr, value in real:
+            tensor = getattr(root.get_submodule(name), attr)
+            _local(tensor).copy_(value)
+            restored.append(tensor)
+    return restored
 
 
 def _holds_tensors(module: nn.Module) -> bool:

@@ -250,6 +250,41 @@ def scenario_policy_and_reference_pretrained(path: str) -> dict[str, Any]:
             "tensors": [len(capture.start), len(ref_export)], "warnings": init_warnings}
 
 
+class HeadCapture(pl.Callback):
+    """The head's export before any step (every rank: a collective), and the drafter-like source of it."""
+
+    error: str | None = None
+
+    def on_train_start(self, trainer: Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_fsdp_export import lazy_export
+
+        self.head = dict(lazy_export(pl_module.head))
+        self.named = [name for name, _ in trainer.strategy.module_source("head", prefix="value_head.")]
+        try:
+            trainer.strategy.module_source("heads.value")
+        except ValueError as err:
+            self.error = str(err)
+
+
+def scenario_meta_policy_beside_a_built_head(path: str) -> dict[str, Any]:
+    """The policy on the meta device (``pretrained=``), a head built with its values beside it after
+    ``init_module(empty_init=True)`` (a drafter or value head loaded from a checkpoint): it keeps them."""
+    seed_everything(0)
+    capture = HeadCapture()
+    trainer = trainer_for(LazyExportFSDP2(pretrained=path), [capture], steps=1)
+    with trainer.init_module(empty_init=True):
+        module = CausalLM(tiny_qwen2)
+    head = torch.nn.Sequential(torch.nn.Linear(64, 8), torch.nn.LayerNorm(8))
+    with torch.no_grad():
+        for i, p in enumerate(head.parameters()):
+            p.copy_(torch.arange(p.numel(), dtype=torch.float32).view_as(p) / 100 + i)
+    built = {name: p.detach().clone() for name, p in head.state_dict().items()}
+    module.head = head
+    init_warnings = fit_recording_warnings(trainer, module)
+    return {"head_mismatched": [n for n, t in built.items() if not torch.equal(capture.head[n], t)],
+            "named": capture.named, "error": capture.error, "warnings": init_warnings}
+
+
 def main() -> None:
     args, root = start_script("", "init")
     dirs = save_checkpoints(str(root))
@@ -266,6 +301,7 @@ def main() -> None:
         "pretrained_policy_and_reference": lambda: scenario_policy_and_reference_pretrained(dirs["qwen2_bf16"]),
         "plain_module": scenario_plain_module,
         "several_models": scenario_several_models,
+        "meta_policy_beside_a_built_head": lambda: scenario_meta_policy_beside_a_built_head(dirs["qwen2_bf16"]),
     }
     names = args.only.split(",") if args.only else list(scenarios)
     results = run_scenarios(scenarios, names)
