@@ -17,12 +17,14 @@ from lightning_fsdp_export.fabric import strategy as _fabric_strategy  # noqa: E
 from lightning_fsdp_export.rollouts import AsyncRollouts, RolloutBatch, RolloutError  # noqa: E402
 from lightning_fsdp_export.strategy import LazyExportFSDP2  # noqa: E402
 from lightning_fsdp_export.sync.callback import VLLMWeightSync  # noqa: E402
+from lightning_fsdp_export.sync.options import Drafter  # noqa: E402
 from lightning_fsdp_export.targets import ColocatedVLLM, DirectoryTarget, InMemoryTarget, RemoteVLLM, WeightTarget  # noqa: E402
 
 __all__ = [
     "AsyncRollouts",
     "ColocatedVLLM",
     "DirectoryTarget",
+    "Drafter",
     "ExportReport",
     "InMemoryTarget",
     "LazyExportFSDP2",

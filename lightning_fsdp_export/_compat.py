@@ -443,6 +443,40 @@ def install_reload_fixes() -> dict[str, bool]:
             "amx_mla": install_amx_mla_reload_fix(), "loader_errors": install_loader_error_names()}
 
 
+def draft_model_config(llm: Any) -> Any:
+    """The model config of the in-process engine's speculative-decoding drafter (``speculative_config``), or
+    ``None`` when it drafts with none (vLLM 0.32: ``LLMEngine.vllm_config.speculative_config.draft_model_config``)."""
+    speculative = getattr(llm.llm_engine.vllm_config, "speculative_config", None)
+    return None if speculative is None else speculative.draft_model_config
+
+
+def load_draft_weights(llm: Any, weights: Any) -> list[str]:
+    """Load ``weights`` (checkpoint names) into the in-process engine's draft model, as vLLM's own
+    ``start_draft_weight_update`` does for a weight-transfer engine (``set_weight_update_target(draft_model,
+    draft_model_config)``, then the layerwise reload): ``initialize_layerwise_reload`` on the worker's
+    ``get_draft_model()``, its ``load_weights``, ``finalize_layerwise_reload`` with the draft's model config. The
+    draft model's parameters it shares with the target (an MTP layer's embedding and head) are restored as they
+    were where no pushed tensor reached them. Returns the draft model's parameter names the weights loaded."""
+
+    def load(worker: Any, weights: Any) -> list[str]:
+        from vllm.config import set_current_vllm_config
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
+
+        model = worker.model_runner.get_draft_model()
+        speculative = worker.vllm_config.speculative_config
+        if model is None or speculative is None or speculative.draft_model_config is None:
+            raise RuntimeError("the engine drafts with no model (build it with speculative_config={...}).")
+        with set_current_vllm_config(worker.vllm_config):
+            initialize_layerwise_reload(model)
+            try:
+                loaded = model.load_weights(weights)
+            finally:
+                finalize_layerwise_reload(model, speculative.draft_model_config)
+        return sorted(loaded or ())
+
+    return [name for names in llm.collective_rpc(load, kwargs={"weights": weights}) for name in names]
+
+
 def attention_backends(llm: Any) -> list[str]:
     """The attention implementation classes of an in-process ``LLM``'s model (``"AMXMLAImpl"``, ...), sorted.
 

@@ -90,6 +90,8 @@ class LazyExportCore:
     _preparation: ModelPreparation
     _phases: ComputePhases
     _export: ModelExport
+    _root: nn.Module | None = None  # the LightningModule (Fabric: the module), set up by _prepare
+    _module_exports: dict[str, ModelExport] | None = None  # module_source's, by attribute path and prefix
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -126,6 +128,7 @@ class LazyExportCore:
         to export inside ``root`` (the LightningModule, or Fabric's module itself: ``called``, its forward is the
         loop's); hook the first forward."""
         self._export.bind(None, None)
+        self._root, self._module_exports = root, {}
         found = self._preparation.prepare(model, root, mesh=self.device_mesh, device=self.root_device, called=called)
         self._export.bind(*found)
         self._phases.hook_first_forward(model)
@@ -250,6 +253,44 @@ class LazyExportCore:
         """
         return self._export.source_for(self._export.kind(lora), SourceLayout.parse(layout), dtype=dtype,
                                        device=self.root_device, show_progress=show_progress)
+
+    def module_source(self, path: str, *, prefix: str = "", dtype: torch.dtype | None = None,
+                      show_progress: bool = False) -> ExportSource:
+        """The weights of another module of the model, such as a speculative-decoding drafter trained beside the
+        policy, as a full-tensor :class:`~lightning_fsdp_export.export.source.ExportSource` of kind ``"draft"``:
+        each named ``prefix`` + its name in the module, then converted by the exported model's
+        :attr:`checkpoint_format` (a fused MoE expert tensor split per expert, as the policy's); a collective pass
+        per ``iter()``.
+
+        Args:
+            path: its attribute path in the LightningModule (Fabric: the module), e.g. ``"mtp"``.
+            prefix: put before every name (the engine's checkpoint's names for it, e.g. ``"model.layers.46."``).
+            dtype: as in :meth:`export_weights`.
+            show_progress: a progress bar on this rank for passes longer than ~2 s.
+
+        Raises:
+            ValueError: no such submodule (the message lists the top-level ones), or it holds no parameters.
+        """
+        if self._root is None or self._module_exports is None:
+            raise RuntimeError(f"{type(self).__name__}.module_source() was called before the strategy was set up.")
+        key = f"{path}\0{prefix}"
+        export = self._module_exports.get(key)
+        if export is None:
+            try:
+                module = self._root.get_submodule(path)
+            except AttributeError:
+                children = [name for name, _ in self._root.named_children()]
+                raise ValueError(f"{type(self._root).__name__} has no submodule {path!r} to export as a drafter; its"
+                                 f" submodules: {children}.") from None
+            if next(module.parameters(), None) is None:
+                raise ValueError(f"{type(self._root).__name__}.{path} ({type(module).__name__}) holds no parameters"
+                                 " to export.")
+            export = ModelExport(type(self).__name__, bucket_bytes=self._export.bucket_bytes,
+                                 prefetch=self._export.prefetch, device=lambda: self.root_device,
+                                 stage=self._phases.stage, unstage=self._phases.offload)
+            export.bind(module, None, prefix=prefix, checkpoint_format=self.checkpoint_format)
+            self._module_exports[key] = export
+        return export.source("merged", dtype=dtype, show_progress=show_progress, kind="draft")
 
     def weight_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged",
                       layout: SourceLayout | str = SourceLayout.FULL) -> Any:

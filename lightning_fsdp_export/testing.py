@@ -239,6 +239,54 @@ def add_mtp_layer(path: str | os.PathLike[str], seed: int = 1) -> list[str]:
     return sorted(added)
 
 
+def mtp_layer(path: str | os.PathLike[str]) -> torch.nn.Module:
+    """The multi-token-prediction layer of a DeepSeek-style checkpoint (``add_mtp_layer``'s, GLM-4.5's), as a module to
+    train beside the policy: the family's decoder layer ``N`` (loaded by ``transformers`` from the checkpoint's
+    ``model.layers.{N}.*``, its experts fused as the policy's) with ``enorm``, ``hnorm``, ``eh_proj`` and
+    ``shared_head.norm``, fp32; its names under ``model.layers.{N}.`` are the checkpoint's
+    (``Drafter(module, prefix=f"model.layers.{N}.")``). Its ``forward(embeds, states)`` drafts as vLLM's MTP drafter
+    does, so FSDP2 gathers every one of its parameters in one unit; :func:`mtp_loss` trains it."""
+    config = json.loads((Path(path) / "config.json").read_text())
+    layers, hidden, eps = config["num_hidden_layers"], config["hidden_size"], config["rms_norm_eps"]
+    model = T.AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=layers + 1, dtype=torch.float32)
+    block = model.model.layers[layers]
+    norm = type(block.input_layernorm)
+    block.enorm, block.hnorm = norm(hidden, eps=eps), norm(hidden, eps=eps)
+    block.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
+    block.shared_head = torch.nn.Module()
+    block.shared_head.norm = norm(hidden, eps=eps)
+    prefix, extras = f"model.layers.{layers}.", ("enorm", "hnorm", "eh_proj", "shared_head")
+    tensors = {name[len(prefix):]: t.float() for file in sorted(Path(path).glob("*.safetensors"))
+               for name, t in load_file(str(file)).items()
+               if name.startswith(prefix) and name[len(prefix):].split(".")[0] in extras}
+    missing = {n for n, _ in block.named_parameters() if n.split(".")[0] in extras} - set(tensors)
+    if missing:
+        raise ValueError(f"mtp_layer({str(path)!r}): the checkpoint holds no {sorted(missing)} under {prefix!r}.")
+    block.load_state_dict(tensors, strict=False)
+    block.rotary = model.model.rotary_emb  # the positions' rotation (buffers only: nothing exported)
+    layer = type(block)
+
+    def forward(self: torch.nn.Module, embeds: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+        """vLLM's MTP draft step: from the policy's output state at ``t`` and the embedding of token ``t + 1``, the
+        normed state its head turns into token ``t + 2``."""
+        x = self.eh_proj(torch.cat([self.enorm(embeds[:, 1:]), self.hnorm(states[:, :-1])], dim=-1))
+        positions = torch.arange(1, embeds.shape[1], device=x.device)[None]
+        out = layer.forward(self, x, attention_mask=None, position_ids=positions,
+                            position_embeddings=self.rotary(x, positions))
+        return self.shared_head.norm(out[0] if isinstance(out, tuple) else out)
+
+    block.__class__ = type(layer.__name__.replace("DecoderLayer", "") + "MTPLayer", (layer,), {"forward": forward})
+    return block
+
+
+def mtp_loss(block: torch.nn.Module, hidden: list[torch.Tensor] | tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """The loss that trains :func:`mtp_layer`'s ``block`` to draft as the policy would (EAGLE-style, on features): its
+    state for position ``t`` must be the policy's output state at ``t + 1``. ``hidden``: the policy's
+    ``output_hidden_states`` (``[0]`` the embeddings, ``[-1]`` the final normed states), without gradients to it."""
+    embeds, states = hidden[0].detach(), hidden[-1].detach()
+    return torch.nn.functional.mse_loss(block(embeds, states), states[:, 1:])
+
+
 def tiny_family(arch: str, seed: int = 0) -> torch.nn.Module:
     """A randomly initialised model of :func:`family_config`'s architecture (its causal-LM class)."""
     classes = {"qwen3": T.Qwen3ForCausalLM, "gemma3": T.Gemma3ForCausalLM, "qwen3_moe": T.Qwen3MoeForCausalLM,

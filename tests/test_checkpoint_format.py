@@ -284,3 +284,36 @@ def test_a_checkpoint_with_an_mtp_layer_is_no_refusal_and_its_layer_is_the_draft
         "mtp.fc.weight"]  # past the layers only with num_nextn_predict_layers
     missing = CheckpointCheck(tmp_path).problems([s for s in exported if s[0] != "model.norm.weight"])
     assert missing == ["missing from the trainer's export (1): model.norm.weight"]  # a real one still is
+
+
+def test_a_drafter_trained_beside_the_policy_exports_as_the_checkpoints_mtp_layer(tmp_path: Path) -> None:
+    # VLLMWeightSync(drafter=Drafter("mtp", prefix="model.layers.2.")): the drafter's names under the prefix, converted
+    # by the policy's rules (its fused experts split per expert, as save_pretrained writes the policy's), are exactly
+    # the checkpoint's MTP tensors, shape for shape; a wrong prefix or shape is named before any gather.
+    from safetensors.torch import load_file
+
+    from lightning_fsdp_export.export.model_export import ModelExport
+    from lightning_fsdp_export.targets.directory import CheckpointCheck
+    from lightning_fsdp_export.testing import add_mtp_layer, mtp_layer
+
+    model = tiny_family("glm4_moe")
+    model.save_pretrained(tmp_path)
+    added = add_mtp_layer(tmp_path)
+    block = mtp_layer(tmp_path)
+    export = ModelExport("test", bucket_bytes=0, prefetch=0, device=lambda: torch.device("cpu"), stage=lambda: False,
+                         unstage=lambda: None)
+    export.bind(block, None, prefix="model.layers.2.", checkpoint_format=CheckpointFormat(model))
+    source = export.source("merged", dtype=None, kind="draft")
+    shapes = [(m.name, tuple(m.shape)) for m in source.metadata()]
+    tensors = dict(source)
+    assert source.kind == "draft" and sorted(tensors) == sorted(n for n, _ in shapes) == added
+    assert "model.layers.2.mlp.experts.3.down_proj.weight" in tensors  # split per expert
+    files = {n: t for n, t in load_file(str(next(tmp_path.glob("*.safetensors")))).items() if n in tensors}
+    assert all(torch.equal(tensors[n], files[n]) for n in added)  # loaded from the checkpoint's MTP layer
+    check = CheckpointCheck(tmp_path)
+    assert check.draft_problems(shapes) == []
+    wrong = check.draft_problems([("model.layers.3." + n[len("model.layers.2."):], s) for n, s in shapes[:2]])
+    assert len(wrong) == 1 and "not among the checkpoint's drafter tensors (2)" in wrong[0], wrong
+    assert "['model.layers.2.']" in wrong[0] and "Drafter(prefix=...)" in wrong[0]
+    bad = check.draft_problems([("model.layers.2.enorm.weight", (3,))])
+    assert bad == ["shapes differ (1): model.layers.2.enorm.weight: trainer [3] vs engine [256]"], bad

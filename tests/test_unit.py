@@ -341,6 +341,26 @@ def test_when_busy_skip_is_offered_only_where_pushes_travel_in_the_background() 
         VLLMWeightSync(background, when_busy="later")  # type: ignore[arg-type]
 
 
+def test_a_drafter_is_named_by_its_path_and_offered_only_where_the_target_loads_drafts() -> None:
+    # issue 47: VLLMWeightSync(drafter=Drafter(...)) pushes a speculative-decoding drafter trained beside the policy
+    from lightning_fsdp_export import ColocatedVLLM, Drafter, InMemoryTarget, RemoteVLLM, VLLMWeightSync
+    from lightning_fsdp_export.fabric import WeightSync
+
+    drafter = Drafter("mtp", prefix="model.layers.46.")
+    assert VLLMWeightSync(ColocatedVLLM("ckpt"), drafter=drafter).engine._drafter is drafter  # no engine built yet
+    assert WeightSync(ColocatedVLLM("ckpt"), drafter=drafter)._drafter is drafter
+    for target in (InMemoryTarget(), RemoteVLLM(["http://127.0.0.1:9"])):
+        with pytest.raises(TypeError, match=rf"VLLMWeightSync\(drafter=...\) needs .* {type(target).__name__}"):
+            VLLMWeightSync(target, drafter=drafter)
+    with pytest.raises(TypeError, match=r"VLLMWeightSync\(drafter='mtp'\) must be a .*Drafter"):
+        VLLMWeightSync(ColocatedVLLM("ckpt"), drafter="mtp")  # type: ignore[arg-type]
+    for module in ("", ".mtp", "mtp."):
+        with pytest.raises(ValueError, match="must name a submodule of the LightningModule by its attribute path"):
+            Drafter(module)
+    with pytest.raises(TypeError, match="must be a string such as"):
+        Drafter("mtp", prefix=46)  # type: ignore[arg-type]
+
+
 def test_lazy_fsdp2_names_each_frameworks_strategy() -> None:
     from lightning.fabric import Fabric
     from lightning.pytorch import Trainer

@@ -65,11 +65,16 @@ class ModelExport:
         self._module: nn.Module | None = None
         self._error: ValueError | None = None
         self._format: CheckpointFormat | None = None
+        self._prefix = ""
         self.last: ExportReport | None = None
 
-    def bind(self, module: nn.Module | None, error: ValueError | None) -> None:
-        """The model found at setup (or why there is none: raised once something exports)."""
-        self._module, self._error, self._format = module, error, None
+    def bind(self, module: nn.Module | None, error: ValueError | None, *, prefix: str = "",
+             checkpoint_format: CheckpointFormat | None = None) -> None:
+        """The model found at setup (or why there is none: raised once something exports). A module that is part of
+        a larger model (a drafter beside the policy): ``prefix`` goes before each of its names, and
+        ``checkpoint_format`` (the larger model's) converts the names so made (default: the module's own,
+        :meth:`CheckpointFormat.of`)."""
+        self._module, self._error, self._format, self._prefix = module, error, checkpoint_format, prefix
 
     @property
     def module(self) -> nn.Module:
@@ -113,12 +118,14 @@ class ModelExport:
                            entries=reorder(entries) if reorder else entries, bucket_bytes=self.bucket_bytes,
                            prefetch=self.prefetch, checkpoint_format=fmt)
 
-    def source(self, mode: LoraMode, *, dtype: torch.dtype | None, show_progress: bool = False) -> ExportSource:
-        """The weights of kind ``mode`` as a re-iterable source, in vLLM's layerwise order."""
+    def source(self, mode: LoraMode, *, dtype: torch.dtype | None, show_progress: bool = False,
+               kind: str | None = None) -> ExportSource:
+        """The weights of kind ``mode`` as a re-iterable source, in vLLM's layerwise order (``kind``: what the
+        source says it is, default ``mode``; a drafter's is ``"draft"``)."""
         return ExportSource(lambda: layerwise_entries(self._entries(mode)),
                             lambda: self.weights(mode, dtype=dtype, reorder=layerwise_entries),
                             dtype=dtype, show_progress=show_progress, checkpoint_format=self._format_for(mode),
-                            kind=mode)
+                            kind=kind or mode)
 
     def shard_source(self, mode: LoraMode, *, dtype: torch.dtype | None, even: bool = False,
                      device: torch.device | str | None = None, show_progress: bool = False) -> ShardSource:
@@ -169,6 +176,8 @@ class ModelExport:
     def _entries(self, mode: LoraMode) -> Entries:
         """The planned entries of an export of kind ``mode``; adapters vLLM could not load are refused here."""
         entries = entries_for(self.module, mode)
+        if self._prefix:
+            entries = [([self._prefix + name for name in names], tensor) for names, tensor in entries]
         if mode == "adapter":
             check_adapters_loadable(entries_for(self.module, "base"), entries, self.checkpoint_format)
         return entries

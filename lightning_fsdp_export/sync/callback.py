@@ -20,7 +20,7 @@ from lightning_fsdp_export._common import WeightSyncError
 from lightning_fsdp_export.strategy import LazyExportFSDP2
 from lightning_fsdp_export.sync.engine import SyncEngine
 from lightning_fsdp_export.sync.exact import ExactCheck
-from lightning_fsdp_export.sync.options import OnError, SyncLora, parse_option
+from lightning_fsdp_export.sync.options import Drafter, OnError, SyncLora, parse_option
 from lightning_fsdp_export.sync.triggers import SyncTriggers
 from lightning_fsdp_export.targets.base import SleepsDuringCompute, WeightTarget
 
@@ -93,6 +93,13 @@ class VLLMWeightSync(SyncTriggers):
             sync does while the previous version still travels: ``"wait"`` for it (the default), or ``"skip"``: push
             nothing this time, count it in ``skipped`` (and ``weight_sync/skipped``), and try again at the next
             trigger (the ranks agree, so every rank skips or none). Refused for other targets.
+        drafter: a speculative-decoding drafter the LightningModule trains beside the policy
+            (:class:`~lightning_fsdp_export.sync.options.Drafter`: its attribute path and the prefix of its names in
+            the engine's checkpoint, e.g. ``Drafter("mtp", prefix="model.layers.46.")`` for GLM-4.5's MTP layer),
+            pushed by every sync after the policy into the engine's draft model (``ColocatedVLLM`` built with a
+            ``speculative_config``); its names and shapes are checked against the checkpoint's drafter tensors
+            before any gather. Without it, the drafter keeps its checkpoint's weights (only the tensors it shares
+            with the target, such as an MTP layer's embedding and head, follow the policy).
     """
 
     def __init__(self, target: WeightTarget, *, every_n_train_steps: int | None = None,
@@ -102,7 +109,7 @@ class VLLMWeightSync(SyncTriggers):
                  adapter_dir: str | os.PathLike[str] | None = None, on_error: Literal["raise", "warn"] = "raise",
                  check_finite: bool = True, timeout: timedelta | float | None = None,
                  exact_first_sync: bool = False, name: str | None = None,
-                 when_busy: Literal["wait", "skip"] = "wait") -> None:
+                 when_busy: Literal["wait", "skip"] = "wait", drafter: Drafter | None = None) -> None:
         _validate_triggers(every_n_train_steps, every_n_epochs)
         _validate_sleep(target, every_n_train_steps, every_n_epochs, parse_option(SyncLora, lora, "lora"),
                         parse_option(OnError, on_error, "on_error"))
@@ -111,7 +118,8 @@ class VLLMWeightSync(SyncTriggers):
                              " still holds the engine's checkpoint: it needs sync_on_train_start=True.")
         engine = SyncEngine(target, dtype=dtype, verify=verify, verify_tolerance=verify_tolerance, lora=lora,
                             adapter_dir=adapter_dir, on_error=on_error, check_finite=check_finite, timeout=timeout,
-                            exact_first_sync=exact_first_sync, name=name, when_busy=when_busy, owner="VLLMWeightSync")
+                            exact_first_sync=exact_first_sync, name=name, when_busy=when_busy, drafter=drafter,
+                            owner="VLLMWeightSync")
         super().__init__(engine, every_n_train_steps=every_n_train_steps, every_n_epochs=every_n_epochs,
                          sync_on_train_start=sync_on_train_start)
         self._in_trainer = False  # set at setup(): from then on state_key is the checkpoint's key

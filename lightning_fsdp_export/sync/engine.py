@@ -26,12 +26,13 @@ from lightning_fsdp_export.export.source import ExportSource
 from lightning_fsdp_export.strategy_core import LazyExportCore
 from lightning_fsdp_export.sync.agreement import FAILED, agree_after, agree_arrived, agree_before
 from lightning_fsdp_export.sync.exact import EXACT_FAILED, ExactCheck, check_precondition, exact_verdict
-from lightning_fsdp_export.sync.options import OnError, SyncLora, Verify, WhenBusy, parse_option
+from lightning_fsdp_export.sync.options import Drafter, OnError, SyncLora, Verify, WhenBusy, parse_option
 from lightning_fsdp_export.sync.pushes import consume, plan_pushes, refusals, temporary_adapter_dir
 from lightning_fsdp_export.sync.verify import check_logprobs
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,
     LoadsAdapters,
+    PushesDrafts,
     ScoresLogprobs,
     SendsPatches,
     SleepsDuringCompute,
@@ -66,7 +67,7 @@ class SyncEngine:
                  on_error: Literal["raise", "warn"] = "raise", check_finite: bool = True,
                  timeout: timedelta | float | None = None, exact_first_sync: bool = False,
                  name: str | None = None, when_busy: Literal["wait", "skip"] = "wait",
-                 owner: str | None = None) -> None:
+                 drafter: Drafter | None = None, owner: str | None = None) -> None:
         owner = owner or type(self).__name__
         self._owner = owner
         """The class a user built, named in messages (``VLLMWeightSync`` holds an engine; ``WeightSync`` is one)."""
@@ -75,6 +76,7 @@ class SyncEngine:
         check = None if verify is None else parse_option(Verify, verify, "verify", owner)
         _validate_checks(target, verify=check, verify_tolerance=verify_tolerance, lora=mode,
                          exact_first_sync=exact_first_sync, owner=owner)
+        _validate_drafter(target, drafter, owner)
         busy = parse_option(WhenBusy, when_busy, "when_busy", owner)
         if busy is WhenBusy.SKIP and not target.pushes_in_background:
             raise ValueError(f"{owner}(when_busy='skip') skips a push while the previous one still travels, which"
@@ -89,6 +91,7 @@ class SyncEngine:
         self._lora = mode
         self._on_error = errors
         self._when_busy = busy
+        self._drafter = drafter
         self.skipped = 0
         """Pushes skipped because the previous version was still travelling (``when_busy="skip"``)."""
         self._check_finite = bool(check_finite)
@@ -153,6 +156,8 @@ class SyncEngine:
         """Every rank, before the first push: the target set up, the exact check's precondition, the phase listener."""
         strategy = _require_strategy(run.strategy, self._owner)
         strategy.export_module  # noqa: B018 - no or several models to export: fail before the first step
+        if self._drafter is not None:  # no such module: fail before the first step too
+            strategy.module_source(self._drafter.module, prefix=self._drafter.prefix)
         self._ensure_target(run, strategy)
         if self._exact_pending:
             assert isinstance(self.target, ExactCheckable)  # refused in __init__ otherwise
@@ -246,7 +251,8 @@ class SyncEngine:
         self.target.agree(self._ranks)  # (RemoteVLLM's pool: which servers serve, on every rank)
         pushes = plan_pushes(strategy, self.target, lora=self._lora, base_pushed=self._base_pushed,
                              dtype=self._dtype or self.target.dtype, version=self.version, rank=run.global_rank,
-                             adapter_dir=self._adapter_root, show_progress=run.is_global_zero)
+                             adapter_dir=self._adapter_root, show_progress=run.is_global_zero,
+                             drafter=self._drafter)
         agree_before(self._ranks, self.version, [p.source for p in pushes], partial(refusals, self.target),
                      check_finite=self._check_finite)
         exact, self._exact_pending = self._exact_pending, False
@@ -350,6 +356,17 @@ def _validate_checks(target: WeightTarget, *, verify: Verify | None, verify_tole
         raise TypeError(f"{owner}(exact_first_sync=True) needs a target with weight_checksums and"
                         f" reset_weights() (an ExactCheckable); {type(target).__name__} has none (ColocatedVLLM and"
                         " RemoteVLLM have).")
+
+
+def _validate_drafter(target: WeightTarget, drafter: Any, owner: str) -> None:
+    if drafter is None:
+        return
+    if not isinstance(drafter, Drafter):
+        raise TypeError(f"{owner}(drafter={drafter!r}) must be a lightning_fsdp_export.sync.options.Drafter, e.g."
+                        " Drafter('mtp', prefix='model.layers.46.'), or None.")
+    if not isinstance(target, PushesDrafts):
+        raise TypeError(f"{owner}(drafter=...) needs a target that loads a drafter into its engine's draft model (a"
+                        f" PushesDrafts: ColocatedVLLM); {type(target).__name__} cannot yet.")
 
 
 def _as_timedelta(timeout: timedelta | float | None, owner: str) -> timedelta | None:

@@ -1,15 +1,17 @@
 """``VLLMWeightSync``'s mode options, parsed once in its ``__init__`` and passed on typed.
 
-Each is a ``StrEnum``: users keep passing the strings (``lora="adapter"``), a member still compares equal to its
-string, and a wrong value fails at construction with a ``ValueError`` listing the accepted ones.
+Each mode is a ``StrEnum``: users keep passing the strings (``lora="adapter"``), a member still compares equal to its
+string, and a wrong value fails at construction with a ``ValueError`` listing the accepted ones. :class:`Drafter`
+names a speculative-decoding drafter the sync pushes too (``drafter=``).
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from enum import Enum
 from typing import Any, TypeVar
 
-__all__ = ["OnError", "SyncLora", "Verify", "WhenBusy", "parse_option"]
+__all__ = ["Drafter", "OnError", "SyncLora", "Verify", "WhenBusy", "parse_option"]
 
 
 class SyncLora(str, Enum):
@@ -69,3 +71,28 @@ def parse_option(kind: type[E], value: Any, name: str, owner: str = "VLLMWeightS
     except ValueError:
         accepted = ", ".join(repr(member.value) for member in kind)
         raise ValueError(f"{owner}({name}={value!r}) must be one of {accepted}.") from None
+
+
+@dataclass(frozen=True)
+class Drafter:
+    """``drafter=``: a speculative-decoding drafter the LightningModule trains beside the policy, which every sync also
+    pushes into the engine's draft model (vLLM's ``speculative_config``: GLM-4.5's or DeepSeek-V3's MTP layer, ...).
+
+    Args:
+        module: where it is in the LightningModule (or Fabric's module): an attribute path such as ``"mtp"`` or
+            ``"heads.mtp"``. It is exported as the policy is (FSDP2 shards gathered one tensor at a time).
+        prefix: put before each of its parameter names to name it as the engine's checkpoint does (GLM-4.5's and
+            DeepSeek-V3's MTP layer ``N``, ``N`` the number of decoder layers: ``"model.layers.N."``). The names
+            it gives must be the checkpoint's drafter tensors, or the sync is refused before any gather.
+    """
+
+    module: str
+    prefix: str = ""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.module, str) or not self.module or self.module.startswith(".") \
+                or self.module.endswith("."):
+            raise ValueError(f"Drafter(module={self.module!r}) must name a submodule of the LightningModule by its"
+                             " attribute path, e.g. 'mtp' or 'heads.mtp'.")
+        if not isinstance(self.prefix, str):
+            raise TypeError(f"Drafter(prefix={self.prefix!r}) must be a string such as 'model.layers.46.'.")

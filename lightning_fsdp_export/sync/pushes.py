@@ -1,8 +1,9 @@
 """What one sync pushes: sources of the strategy, each paired with how the target consumes it.
 
 ``VLLMWeightSync`` chooses the kinds once per sync (:func:`plan_pushes`): ``lora="merged"`` is one
-merged source; ``lora="adapter"`` is the base weights (first sync only) then the adapter. Every rank
-builds the same list, in the same order (each pass is a collective).
+merged source; ``lora="adapter"`` is the base weights (first sync only) then the adapter; a ``drafter=`` adds its
+module's source last, into the engine's draft model. Every rank builds the same list, in the same order (each pass
+is a collective).
 """
 
 from __future__ import annotations
@@ -17,8 +18,8 @@ import torch
 
 from lightning_fsdp_export.export.lora import write_adapter
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
-from lightning_fsdp_export.sync.options import SyncLora
-from lightning_fsdp_export.targets.base import ExactCheckable, LoadsAdapters, WeightTarget
+from lightning_fsdp_export.sync.options import Drafter, SyncLora
+from lightning_fsdp_export.targets.base import ExactCheckable, LoadsAdapters, PushesDrafts, WeightTarget
 from lightning_fsdp_export.transfer.adapters import prune_versions
 
 if TYPE_CHECKING:
@@ -36,9 +37,9 @@ class Push:
 
 
 def plan_pushes(strategy: LazyExportFSDP2, target: WeightTarget, *, lora: SyncLora, base_pushed: bool,
-                dtype: torch.dtype | None,
-                version: int, rank: int, adapter_dir: Callable[[], Path], show_progress: bool) -> list[Push]:
-    """The sources this sync pushes, in the order every rank runs them.
+                dtype: torch.dtype | None, version: int, rank: int, adapter_dir: Callable[[], Path],
+                show_progress: bool, drafter: Drafter | None = None) -> list[Push]:
+    """The sources this sync pushes, in the order every rank runs them (a drafter's last).
 
     Args:
         strategy: the ``LazyExportFSDP2`` giving the sources.
@@ -50,6 +51,7 @@ def plan_pushes(strategy: LazyExportFSDP2, target: WeightTarget, *, lora: SyncLo
         rank: this trainer rank (adapter directories are per rank).
         adapter_dir: where ``"adapter"`` writes peft directories.
         show_progress: a progress bar for long passes.
+        drafter: a speculative-decoding drafter beside the policy, pushed into the engine's draft model.
     """
     def source(kind: Any) -> ExportSource:  # a shard-direct target takes every rank's own shards
         return strategy.export_source(dtype=dtype, lora=kind, show_progress=show_progress,
@@ -58,13 +60,19 @@ def plan_pushes(strategy: LazyExportFSDP2, target: WeightTarget, *, lora: SyncLo
     def to_target(src: ExportSource) -> None:
         target.push_source(src, version=version)
 
+    drafts = []
+    if drafter is not None:
+        assert isinstance(target, PushesDrafts), "VLLMWeightSync(drafter=...) refuses other targets"
+        drafts = [Push(strategy.module_source(drafter.module, prefix=drafter.prefix, dtype=dtype,
+                                              show_progress=show_progress),
+                       lambda src, drafts=target: drafts.push_draft(src, version=version))]
     if lora is SyncLora.MERGED:
-        return [Push(source("merged"), to_target)]
+        return [Push(source("merged"), to_target), *drafts]
     assert isinstance(target, LoadsAdapters), "VLLMWeightSync(lora='adapter') refuses other targets"
     loader, module = target, strategy.export_module
     pushes = [] if base_pushed else [Push(source("base"), lambda src: loader.push_base(src, version=version))]
     return pushes + [Push(source("adapter"), lambda src: _push_adapter(src, loader, module, adapter_dir() /
-                                                                       f"rank{rank}", version))]
+                                                                       f"rank{rank}", version)), *drafts]
 
 
 def _push_adapter(source: ExportSource, target: LoadsAdapters, module: Any, rank_dir: Path, version: int) -> None:
@@ -82,6 +90,8 @@ def temporary_adapter_dir() -> Path:
 
 def refusals(target: WeightTarget, kind: str, shapes: list[tuple[str, tuple[int, ...]]]) -> list[str]:
     """What ``target`` would refuse of one source of kind ``kind`` (names and full shapes), before any gather."""
+    if kind == "draft":
+        return target.check_draft(shapes) if isinstance(target, PushesDrafts) else []
     if kind != "adapter":
         return target.check_weights(shapes)
     return target.check_adapter(shapes) if isinstance(target, LoadsAdapters) else []

@@ -1,7 +1,8 @@
 """Where a weight sync sends the exported weights: a colocated engine, servers, a directory, memory.
 
 A target subclasses :class:`WeightTarget` (and the capabilities it has: :class:`ScoresLogprobs`,
-:class:`ExactCheckable`, :class:`LoadsAdapters`, :class:`SleepsDuringCompute`, :class:`SendsPatches`; see
+:class:`ExactCheckable`, :class:`LoadsAdapters`, :class:`SleepsDuringCompute`, :class:`SendsPatches`,
+:class:`PushesDrafts`; see
 :mod:`.base`). How a push reaches servers is the next room, :mod:`lightning_fsdp_export.transfer`; ``RemoteVLLM``'s
 transports are its options objects (``Gloo(shard_direct=True)``, ``Directory(path)``), re-exported here.
 """
@@ -12,6 +13,7 @@ from lightning_fsdp_export._moved import forward_old_attribute
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,
     LoadsAdapters,
+    PushesDrafts,
     ScoresLogprobs,
     SendsPatches,
     SleepsDuringCompute,
@@ -25,8 +27,8 @@ from lightning_fsdp_export.transfer.clients import LLMClient
 from lightning_fsdp_export.transfer.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL, StagedNCCL
 
 __all__ = ["IPC", "NCCL", "NCCLM2N", "ColocatedVLLM", "Directory", "DirectoryTarget", "ExactCheckable", "Gloo",
-           "InMemoryTarget", "LLMClient", "LoadsAdapters", "RemoteVLLM", "ScoresLogprobs", "SendsPatches",
-           "SleepsDuringCompute", "SparseNCCL", "StagedNCCL", "WeightTarget"]
+           "InMemoryTarget", "LLMClient", "LoadsAdapters", "PushesDrafts", "RemoteVLLM", "ScoresLogprobs",
+           "SendsPatches", "SleepsDuringCompute", "SparseNCCL", "StagedNCCL", "WeightTarget"]
 
 
 def __getattr__(name: str) -> Any:

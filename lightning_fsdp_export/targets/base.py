@@ -12,7 +12,9 @@ target lacks is refused there, naming both):
 - :class:`SleepsDuringCompute` (``before_compute``, ``after_compute``, ``weights_discarded``,
   ``sleep_level``): told of the strategy's compute phases (a colocated engine sleeps through them);
 - :class:`SendsPatches` (``confirm``): told, before each sync, which version the engine holds as every rank
-  agreed (a sparse sync patches only that version).
+  agreed (a sparse sync patches only that version);
+- :class:`PushesDrafts` (``push_draft``, ``check_draft``): for ``drafter=`` (a speculative-decoding drafter trained
+  beside the policy, pushed into the engine's draft model).
 
 A sync calls, on every rank::
 
@@ -38,7 +40,8 @@ from lightning_fsdp_export.export.source import ExportSource, SourceLayout
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["ExactCheckable", "LoadsAdapters", "ScoresLogprobs", "SendsPatches", "SleepsDuringCompute", "WeightTarget"]
+__all__ = ["ExactCheckable", "LoadsAdapters", "PushesDrafts", "ScoresLogprobs", "SendsPatches", "SleepsDuringCompute",
+           "WeightTarget"]
 
 
 class WeightTarget(ABC):
@@ -201,3 +204,19 @@ class SendsPatches(ABC):
     def confirm(self, version: int | None) -> None:
         """Before each sync, every rank: the version every rank agreed the engine holds; ``None`` at the first
         sync and after a failed one or a resume (the next push is then dense)."""
+
+
+class PushesDrafts(ABC):
+    """A target whose engine drafts with a speculative-decoding model that a sync can load
+    (``VLLMWeightSync(drafter=...)``)."""
+
+    @abstractmethod
+    def push_draft(self, source: ExportSource, *, version: int) -> None:
+        """Load the drafter's tensors (named as the engine's checkpoint names them) into the engine's draft model,
+        after this version's weights; the draft model's other tensors (those it shares with the target) are
+        left as they are."""
+
+    @abstractmethod
+    def check_draft(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
+        """Where the drafter's ``exported`` names and shapes disagree with the engine's drafter (empty: they agree),
+        before any gather."""

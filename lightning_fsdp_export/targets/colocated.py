@@ -16,18 +16,22 @@ from typing_extensions import override
 
 from lightning_fsdp_export._compat import (
     add_lora,
+    draft_model_config,
     engine_dtype,
     engine_model_path,
     engine_runs_in_process,
     import_vllm,
     install_reload_fixes,
+    load_draft_weights,
     released_mla_weights,
     remove_lora,
     set_weight_version,
 )
+from lightning_fsdp_export.export.source import ExportSource
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,
     LoadsAdapters,
+    PushesDrafts,
     ScoresLogprobs,
     SleepsDuringCompute,
     WeightTarget,
@@ -39,7 +43,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 
-class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, SleepsDuringCompute):
+class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, SleepsDuringCompute, PushesDrafts):
     """An ``LLM`` built on every rank at setup (``external_launcher``), exposed as ``.llm`` for rollouts.
 
     Each sync is one call per rank: ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator":
@@ -225,6 +229,28 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
         self._wake("kv_cache")
         self._engine.reset_prefix_cache()
         set_weight_version(self._engine, str(version))  # outputs' weight_versions name it, as on the servers
+
+    @override
+    def push_draft(self, source: ExportSource, *, version: int) -> None:
+        """The drafter's tensors into the engine's draft model (vLLM's layerwise reload of it, in this process:
+        :func:`~lightning_fsdp_export._compat.load_draft_weights`), after the version's weights; then the prefix
+        cache is dropped again (drafts are made from it)."""
+        if self._engine is None:
+            raise RuntimeError("ColocatedVLLM.push_draft() before setup(): the engine is built when the fit starts.")
+        if not load_draft_weights(self._engine, iter(source)):
+            raise RuntimeError(f"the engine's draft model loaded none of the drafter's tensors of version {version}.")
+        self._engine.reset_prefix_cache()
+
+    @override
+    def check_draft(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
+        """Where the drafter's ``exported`` names and shapes disagree with the checkpoint's drafter tensors (its MTP
+        layers); that the engine drafts with no model, if it does not."""
+        if self._engine is not None and draft_model_config(self._engine) is None:
+            return ["the engine drafts with no model: build ColocatedVLLM(..., speculative_config={'method': 'mtp',"
+                    " 'num_speculative_tokens': 1}) (or your drafter's method), or drop VLLMWeightSync(drafter=...)"]
+        if self._checkpoint is None:
+            self._checkpoint = CheckpointCheck(self._model or engine_model_path(self._engine))
+        return self._checkpoint.draft_problems(exported)
 
     @override
     def check_weights(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:

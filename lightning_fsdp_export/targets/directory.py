@@ -154,25 +154,50 @@ class CheckpointCheck:
         self._tied = False
         self.drafter: list[str] = []
         """The checkpoint's MTP tensors (a speculative-decoding drafter's), left out of the comparison."""
+        self._drafter_shapes: dict[str, tuple[int, ...]] = {}
 
     @property
     def readable(self) -> bool:
         return self.path.is_dir() and any(self.path.glob("*.safetensors"))
 
-    def problems(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
-        """Where ``exported`` disagrees with the checkpoint; empty when they agree or it is not readable. The
-        checkpoint's multi-token-prediction layers (:func:`drafter_names`) are the engine's drafter's, not missing."""
+    def _read(self) -> dict[str, tuple[int, ...]]:
+        """The checkpoint's tensors (names: shapes) but its drafter's, read once."""
         if self._expected is None:
             self._expected = checkpoint_shapes(self.path) if self.readable else {}
             config = self.path / "config.json"
             settings = json.loads(config.read_text()) if config.is_file() else {}
             self._tied = bool(settings.get("tie_word_embeddings", False))
             self.drafter = drafter_names(self._expected, settings)
-            for name in self.drafter:
-                del self._expected[name]
-        if not self._expected:
+            self._drafter_shapes = {name: self._expected.pop(name) for name in self.drafter}
+        return self._expected
+
+    def problems(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
+        """Where ``exported`` disagrees with the checkpoint; empty when they agree or it is not readable. The
+        checkpoint's multi-token-prediction layers (:func:`drafter_names`) are the engine's drafter's, not missing."""
+        expected = self._read()
+        if not expected:
             return []
-        return compare_shapes(exported, self._expected, may_be_absent={"lm_head.weight"} if self._tied else set())
+        return compare_shapes(exported, expected, may_be_absent={"lm_head.weight"} if self._tied else set())
+
+    def draft_problems(self, exported: list[tuple[str, tuple[int, ...]]], limit: int = 5) -> list[str]:
+        """Where a drafter's ``exported`` tensors disagree with the checkpoint's drafter tensors (its MTP layers):
+        names it does not hold there, other shapes. Empty when they agree, or when the checkpoint holds no drafter
+        (an EAGLE head has a checkpoint of its own). Drafter tensors not exported are not missing: the engine's
+        drafter keeps them (published MTP layers hold copies of the embedding and head, which vLLM shares with the
+        target instead)."""
+        self._read()
+        if not self._drafter_shapes:
+            return []
+        unknown = [n for n, _ in exported if n not in self._drafter_shapes]
+        wrong = [f"{n}: trainer {list(s)} vs engine {list(self._drafter_shapes[n])}" for n, s in exported
+                 if n in self._drafter_shapes and tuple(self._drafter_shapes[n]) != tuple(s)]
+        lines = [f"shapes differ ({len(wrong)}): " + "; ".join(wrong[:limit])] if wrong else []
+        if unknown:
+            layers = sorted({".".join(n.split(".")[:3]) + "." for n in self._drafter_shapes if n.startswith("model.")}
+                            | {"mtp." for n in self._drafter_shapes if n.startswith("mtp.")})
+            lines.append(f"not among the checkpoint's drafter tensors ({len(unknown)}): " + ", ".join(unknown[:limit])
+                         + f"; its drafter's names start with {layers} (Drafter(prefix=...))")
+        return lines
 
 
 def drafter_names(names: dict[str, object] | list[str], config: dict[str, object]) -> list[str]:

