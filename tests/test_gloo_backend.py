@@ -43,7 +43,8 @@ class Model(torch.nn.Module):
 
 def worker_engine(model: Model) -> gloo.GlooWeightTransferEngine:
     engine = gloo.GlooWeightTransferEngine.__new__(gloo.GlooWeightTransferEngine)  # no vLLM config needed here
-    engine.model = model
+    engine.model = engine.policy_model = model
+    engine.draft_model = Model()  # where a drafter's round goes (start_draft_weight_update)
     engine.group = None
     engine._store = None
     engine._reloading = False
@@ -92,12 +93,20 @@ class InProcessClient:
     def start_weight_update(self) -> None:
         self.calls.append("start")
 
+    def start_draft_weight_update(self) -> None:
+        """As vLLM's worker does: its weight-transfer engine is pointed at the draft model for this session."""
+        self.calls.append("start_draft")
+        for engine in self.engines:
+            engine.model = engine.draft_model
+
     def update_weights(self, update_info: dict[str, Any]) -> None:
         self.calls.append("update")
         self._each(lambda engine: engine.update_weights(update_info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         self.calls.append("finish")
+        for engine in self.engines:  # vLLM's reset_weight_update_target
+            engine.model = engine.policy_model
 
 
 def source_of(tensors: dict[str, torch.Tensor], *, fail_at: str | None = None) -> FSDP2WeightSource:
@@ -258,6 +267,9 @@ def test_update_info_is_validated() -> None:
     with pytest.raises(ValueError, match="stage_as='s': an adapter round is written to files, never staged"):
         gloo.GlooWeightTransferUpdateInfo(names=[], dtype_names=[], shapes=[], stage_as="s", adapter_dir="/a",
                                           adapter_config="{}")
+    for extra in ({"keep_as": "k"}, {"patch_of": "p", "keep_as": "k"}, {"stage_as": "s"}):  # a drafter's is dense
+        with pytest.raises(ValueError, match="a drafter's round \\(draft=True\\) is a plain dense round"):
+            gloo.GlooWeightTransferUpdateInfo(names=["a"], dtype_names=["float32"], shapes=[[1]], draft=True, **extra)
 
 
 # -- shard-direct: two trainer ranks (threads), each sending its own rows ------------------------------------
@@ -425,16 +437,22 @@ def test_sparse_rounds_patch_each_workers_copy_bit_exact_and_send_a_fraction() -
     assert all(torch.equal(m.loaded["lm_head.weight"], tensors["lm_head.weight"]) for m in models)
 
 
-def test_coded_sparse_rounds_patch_each_workers_copy_bit_exact_in_fewer_bytes() -> None:
+def test_coded_sparse_rounds_patch_each_workers_copy_bit_exact_in_fewer_bytes_with_a_drafters_round_between() -> None:
     # As RemoteVLLM builds the copies for gloo (bitmaps and coded patches): elements moved by a step or two go as
     # gaps and int8 steps, a NaN (no step reaches it) as gaps and values; every worker's copy stays bit for bit.
     from lightning_fsdp_export.export.patches import PatchBase
 
     tensors = uneven()
-    engines, models, _ = connect_shards(2, tensors, buffer_bytes=700)
+    engines, models, client = connect_shards(2, tensors, buffer_bytes=700)
     bases = [PatchBase(bitmaps=True, coded=True), PatchBase(bitmaps=True, coded=True)]
     assert sparse_round(engines, bases, 1, (None, "v1"), sparse=False) == [None, None]
     dense_sent = [e.sent_bytes for e in engines]
+    # a drafter's round between two sparse ones (the same tensors, as a drafter's): into each worker's draft model,
+    # dense; the policy's model and the copy the next sparse round patches stay as they were
+    policy = [dict(m.loaded) for m in models]
+    assert both(lambda rank: engines[rank].send_weights(GlooRound(draft=True))) == [None, None]
+    assert all(w.draft_model.loaded.keys() == tensors.keys() and w._kept == "v1" for w in client.engines)
+    assert [m.loaded for m in models] == policy
     flat = tensors["model.embed_tokens.weight"].view(-1).view(torch.int16)
     flat[[3, 40, 41, 300]] += 1  # rank 0's rows: one step up
     flat[-5:] -= 2  # rank 1's rows: two steps

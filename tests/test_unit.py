@@ -345,13 +345,19 @@ def test_a_drafter_is_named_by_its_path_and_offered_only_where_the_target_loads_
     # issue 47: VLLMWeightSync(drafter=Drafter(...)) pushes a speculative-decoding drafter trained beside the policy
     from lightning_fsdp_export import ColocatedVLLM, Drafter, InMemoryTarget, RemoteVLLM, VLLMWeightSync
     from lightning_fsdp_export.fabric import WeightSync
+    from lightning_fsdp_export.targets import NCCL, Gloo
 
     drafter = Drafter("mtp", prefix="model.layers.46.")
     assert VLLMWeightSync(ColocatedVLLM("ckpt"), drafter=drafter).engine._drafter is drafter  # no engine built yet
     assert WeightSync(ColocatedVLLM("ckpt"), drafter=drafter)._drafter is drafter
-    for target in (InMemoryTarget(), RemoteVLLM(["http://127.0.0.1:9"])):
-        with pytest.raises(TypeError, match=rf"VLLMWeightSync\(drafter=...\) needs .* {type(target).__name__}"):
-            VLLMWeightSync(target, drafter=drafter)
+    for transport in (Gloo(), Gloo(shard_direct=True, sparse=True)):  # over our backend's rounds
+        assert VLLMWeightSync(RemoteVLLM(["http://127.0.0.1:9"], transport=transport), drafter=drafter).engine._drafter
+    with pytest.raises(TypeError, match=r"VLLMWeightSync\(drafter=...\) needs .* InMemoryTarget cannot"):
+        VLLMWeightSync(InMemoryTarget(), drafter=drafter)
+    for transport in (NCCL(master_address="10.0.0.1"), Gloo(shard_direct=True, background=True)):
+        with pytest.raises(ValueError, match=r"drafter=...\) with RemoteVLLM: its transport .* carries no drafter"):
+            VLLMWeightSync(RemoteVLLM(["http://127.0.0.1:9"], transport=transport, pause_mode="keep"),
+                           drafter=drafter)
     with pytest.raises(TypeError, match=r"VLLMWeightSync\(drafter='mtp'\) must be a .*Drafter"):
         VLLMWeightSync(ColocatedVLLM("ckpt"), drafter="mtp")  # type: ignore[arg-type]
     for module in ("", ".mtp", "mtp."):

@@ -102,6 +102,9 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     swap_to: str | None = None
     """A swap round (no tensors): load the round staged as ``swap_to`` into the model (inside vLLM's layerwise reload,
     under the servers' pause), then drop the staging."""
+    draft: bool = False
+    """A drafter's round: vLLM's ``/start_draft_weight_update`` pointed this engine at the speculative-decoding draft
+    model, which the tensors are loaded into; the worker's host copy of the policy (sparse rounds) stays as it is."""
     check_only: bool = False
     """With ``swap_to``: only wait for the staged round and check it is complete (its thread joined, every digest
     matched); the model is not touched. The server-side swap (:mod:`.server_swap`) runs it before pausing, so a
@@ -134,3 +137,7 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
                              " and stages nothing.")
         if self.check_only and self.swap_to is None:
             raise ValueError("gloo update_info: check_only=True checks a staged round: it needs swap_to.")
+        if self.draft and any(v is not None for v in (self.adapter_dir, self.keep_as, self.patch_of, self.stage_as,
+                                                        self.swap_to)):
+            raise ValueError("gloo update_info: a drafter's round (draft=True) is a plain dense round: no adapter,"
+                             " copy, patches or staging.")

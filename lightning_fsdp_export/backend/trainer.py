@@ -61,6 +61,8 @@ class GlooRound:
         stage_as: a staged round (``Gloo(background=True)``): the workers receive it in a thread under this id while
             their engines go on generating, and load it only at a swap round (``swap_update_info``); every member
             checks each trainer rank's bytes and CRC-32 before the round succeeds. Every rank of the group gives it.
+        draft: rank 0: the source is a speculative-decoding drafter's, loaded into each server's draft model (the
+            session starts with ``/start_draft_weight_update``).
     """
 
     adapter: tuple[str, str] | None = None
@@ -68,6 +70,7 @@ class GlooRound:
     patch_of: str | None = None
     keep_as: str | None = None
     stage_as: str | None = None
+    draft: bool = False
 
 
 DENSE = GlooRound()
@@ -161,7 +164,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                                             adapter_config=adapter[1] if adapter else None,
                                             patch_of=payload.patch_of if patching else None,
                                             keep_as=payload.keep_as if patching else None,
-                                            stage_as=payload.stage_as)
+                                            stage_as=payload.stage_as, draft=payload.draft)
         with self._sending():
             return self._send(payload, source, meta, info)
 
@@ -177,7 +180,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         if self.rank != 0:
             self._stream(plan, self._checked(source, meta), None, payload.patches, staged)
             return self.sent_bytes
-        self.client.start_weight_update()
+        if payload.draft:
+            self.client.start_draft_weight_update()
+        else:
+            self.client.start_weight_update()
         if staged:  # the workers' threads receive it; their engines generate on, out of any update session
             try:
                 self.client.update_weights(asdict(info))

@@ -268,11 +268,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         error: BaseException | None = None
         held: _Received | None = None  # the last chunk received: loaded while the next one arrives
         adapter = update_info.adapter_dir is not None
-        if not adapter and staging is None and update_info.patch_of is None:
+        policy = not adapter and not update_info.draft  # a round into the policy's weights (the copy follows them)
+        if policy and staging is None and update_info.patch_of is None:
             self._base = {}  # the model's weights change: the copy is valid only if this round succeeds
-        r = _Round(update_info, self.group, self._base if staging is None else staging.base,
-                   adapter={} if adapter else None, staging=staging)
-        if not adapter:
+        base = {} if update_info.draft else self._base if staging is None else staging.base  # a drafter's: no copy
+        r = _Round(update_info, self.group, base, adapter={} if adapter else None, staging=staging)
+        if policy:
             if update_info.patch_of is not None and update_info.patch_of != self._kept:
                 error = RuntimeError(f"sparse round against the copy {update_info.patch_of!r}, but this worker keeps"
                                      f" {self._kept!r} (restarted, or its last round failed); the next sync pushes"
@@ -311,7 +312,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             error = error or _digest_mismatch(sent, r.digests)
         failed = exchange_status(r.group, error is not None, device=self.wire_device, timeout=self.timeout)
         current = staging is None or staging is self._staging  # a staged round replaced since writes nothing more
-        if r.adapter is None and current:
+        if policy and current:
             self._base = {} if failed or update_info.keep_as is None else r.base
             self._kept = None if failed else update_info.keep_as
         if current:
@@ -324,7 +325,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                        "staging" if staging is not None else "loading", times["loading"],
                        (", failed" if failed else "") + (
                            f", {'patched' if update_info.patch_of else 'kept'} a host copy of {kept / 1e6:.1f} MB"
-                           if kept else ""))
+                           if kept else "") + (f", into the draft model {type(self.model).__name__}"
+                                               if update_info.draft else ""))
         if failed:
             raise error or RuntimeError("another member of the weight-transfer group failed this round")
 

@@ -128,7 +128,8 @@ class ModelExport:
                             kind=kind or mode)
 
     def shard_source(self, mode: LoraMode, *, dtype: torch.dtype | None, even: bool = False,
-                     device: torch.device | str | None = None, show_progress: bool = False) -> ShardSource:
+                     device: torch.device | str | None = None, show_progress: bool = False,
+                     kind: str | None = None) -> ShardSource:
         """The weights of kind ``mode`` for a shard-direct consumer (:mod:`~lightning_fsdp_export.export.shards`).
 
         ``even=True`` sends uneven shards whole (vLLM's ``nccl_m2n`` needs rows that divide by the ranks);
@@ -150,16 +151,18 @@ class ModelExport:
                                 device=device, gather_device=self._device(), on_finish=self._record)
 
         return ShardSource(lambda: layerwise_entries(self._entries(mode)), export, layout=layout, world=world,
-                           dtype=dtype, show_progress=show_progress, checkpoint_format=fmt, kind=mode)
+                           dtype=dtype, show_progress=show_progress, checkpoint_format=fmt, kind=kind or mode)
 
     def source_for(self, mode: LoraMode, layout: SourceLayout, *, dtype: torch.dtype | None,
-                   device: torch.device | str | None, show_progress: bool = False) -> ExportSource:
-        """The source of kind ``mode`` in ``layout``; ``M2N`` rows are staged on ``device`` (the strategy's)."""
+                   device: torch.device | str | None, show_progress: bool = False,
+                   kind: str | None = None) -> ExportSource:
+        """The source of kind ``mode`` in ``layout``; ``M2N`` rows are staged on ``device`` (the strategy's);
+        ``kind``: what the source says it is (default ``mode``)."""
         if layout is SourceLayout.FULL:
-            return self.source(mode, dtype=dtype, show_progress=show_progress)
+            return self.source(mode, dtype=dtype, show_progress=show_progress, kind=kind)
         m2n = layout is SourceLayout.M2N
         return self.shard_source(mode, dtype=dtype, even=m2n, device=device if m2n else None,
-                                 show_progress=show_progress)
+                                 show_progress=show_progress, kind=kind)
 
     def weight_source(self, mode: LoraMode, layout: SourceLayout, *, dtype: torch.dtype | None,
                       device: torch.device | str | None) -> Any:

@@ -366,7 +366,9 @@ def _validate_drafter(target: WeightTarget, drafter: Any, owner: str) -> None:
                         " Drafter('mtp', prefix='model.layers.46.'), or None.")
     if not isinstance(target, PushesDrafts):
         raise TypeError(f"{owner}(drafter=...) needs a target that loads a drafter into its engine's draft model (a"
-                        f" PushesDrafts: ColocatedVLLM); {type(target).__name__} cannot yet.")
+                        f" PushesDrafts: ColocatedVLLM, RemoteVLLM over Gloo); {type(target).__name__} cannot.")
+    if why := target.cannot_push_drafts():
+        raise ValueError(f"{owner}(drafter=...) with {type(target).__name__}: {why}.")
 
 
 def _as_timedelta(timeout: timedelta | float | None, owner: str) -> timedelta | None:

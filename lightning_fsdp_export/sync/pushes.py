@@ -64,7 +64,7 @@ def plan_pushes(strategy: LazyExportFSDP2, target: WeightTarget, *, lora: SyncLo
     if drafter is not None:
         assert isinstance(target, PushesDrafts), "VLLMWeightSync(drafter=...) refuses other targets"
         drafts = [Push(strategy.module_source(drafter.module, prefix=drafter.prefix, dtype=dtype,
-                                              show_progress=show_progress),
+                                              show_progress=show_progress, layout=target.source_layout),
                        lambda src, drafts=target: drafts.push_draft(src, version=version))]
     if lora is SyncLora.MERGED:
         return [Push(source("merged"), to_target), *drafts]

@@ -220,3 +220,8 @@ class PushesDrafts(ABC):
     def check_draft(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
         """Where the drafter's ``exported`` names and shapes disagree with the engine's drafter (empty: they agree),
         before any gather."""
+
+    def cannot_push_drafts(self) -> str | None:
+        """Why this target, as configured, cannot push drafters (``VLLMWeightSync`` refuses ``drafter=`` saying it), or
+        ``None``."""
+        return None

@@ -25,6 +25,7 @@ from lightning_fsdp_export.export.source import ExportSource, SourceLayout
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,
     LoadsAdapters,
+    PushesDrafts,
     ScoresLogprobs,
     SendsPatches,
     WeightTarget,
@@ -51,7 +52,7 @@ _MOVED = {"directory": ("Directory", "path"), "shard_bytes": ("Directory", "shar
           "buffer_bytes": ("NCCL / IPC / Gloo", "buffer_bytes"), "packed": ("NCCL / IPC", "packed")}
 
 
-class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
+class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, PushesDrafts):
     """Push each version to one or several running vLLM servers (replicas), all in the same sync.
 
     Transports (``transport=``: an options object of :mod:`~lightning_fsdp_export.transfer.transports`, whose
@@ -233,18 +234,24 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
     def check_weights(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
         """Names and shapes the servers' checkpoints (their ``/v1/models`` roots' safetensors headers, where rank 0 can
         read them) would refuse; ``precheck_skipped`` lists the servers whose checkpoint was not readable."""
-        if not self._is_rank_zero:
-            return []
-        new = [s for s in self.servers if s.url not in self._checks]  # (servers may join a running fit)
-        if new:
-            roots = on_all(new, lambda s: s.request("GET", "/v1/models")["data"][0].get("root", ""))
-            self._checks.update((s.url, CheckpointCheck(root)) for s, root in zip(new, roots))
-            skipped = [s.url for s in new if not self._checks[s.url].readable]
-            self.precheck_skipped += skipped
-            if skipped:
-                rank_zero_info(f"RemoteVLLM: the checkpoints of {skipped} are not readable here; names and shapes"
-                               " are not checked before sending (the servers' load checks them).")
-        return [f"{s.url}: {line}" for s in self.servers for line in self._checks[s.url].problems(exported)]
+        return _precheck(self, lambda check: check.problems(exported)) if self._is_rank_zero else []
+
+    @override
+    def check_draft(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
+        """Rank 0: where the drafter's names and shapes disagree with the servers' checkpoints' drafter tensors."""
+        return _precheck(self, lambda check: check.draft_problems(exported)) if self._is_rank_zero else []
+
+    @override
+    def cannot_push_drafts(self) -> str | None:
+        """Drafters travel over our backends' own rounds (``Gloo``), never in the background."""
+        if self.options.draft_round is None or self.options.stages:
+            return f"its transport {self.options!r} carries no drafter (use Gloo() or Gloo(shard_direct=True))"
+        return None
+
+    @override
+    def push_draft(self, source: ExportSource, *, version: int) -> None:
+        """The drafter into every server's draft model (``/start_draft_weight_update``): a dense round of its own."""
+        self._round.push(source, version=version, draft=True)
 
     @override
     def check_adapter(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
@@ -275,16 +282,8 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters):
         with the adapter once loaded; rank 0 only (``{}`` elsewhere). Not with ``--skip-tokenizer-init`` (HTTP 400)."""
         if not self._is_rank_zero:
             return {}
-
-        def score(server: Server) -> list[float]:
-            model = self.adapter_name if self.adapter_version is not None else (
-                server.request("GET", "/v1/models")["data"][0]["id"])
-            body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0,
-                    "cache_salt": uuid.uuid4().hex}  # never a cached prefix of older weights (keep_old_kv)
-            rows = server.request("POST", "/v1/completions", body)["choices"][0]["prompt_logprobs"][1:]
-            return [row[str(token)]["logprob"] for row, token in zip(rows, token_ids[1:])]
-
-        return dict(zip((s.url for s in self.servers), on_all(self.servers, score)))
+        adapter = self.adapter_name if self.adapter_version is not None else None
+        return dict(zip((s.url for s in self.servers), on_all(self.servers, lambda s: _score(s, adapter, token_ids))))
 
     @override
     def checkpoint_path(self) -> str:
@@ -395,6 +394,30 @@ def _check_min_servers(min_servers: Any, given: int, options: Transport) -> None
     if isinstance(options, Directory):
         raise ValueError("RemoteVLLM(min_servers=...) needs a network transport (Gloo(), NCCL(), ...): a Directory"
                          " reload sets no server aside.")
+
+
+def _precheck(target: RemoteVLLM, problems: Any) -> list[str]:
+    """Rank 0: ``problems(check)`` of every server's checkpoint (read once per server: servers may join a running
+    fit), each line naming the server; servers whose checkpoint is not readable here are skipped, and named once."""
+    new = [s for s in target.servers if s.url not in target._checks]
+    if new:
+        roots = on_all(new, lambda s: s.request("GET", "/v1/models")["data"][0].get("root", ""))
+        target._checks.update((s.url, CheckpointCheck(root)) for s, root in zip(new, roots))
+        skipped = [s.url for s in new if not target._checks[s.url].readable]
+        target.precheck_skipped += skipped
+        if skipped:
+            rank_zero_info(f"RemoteVLLM: the checkpoints of {skipped} are not readable here; names and shapes"
+                           " are not checked before sending (the servers' load checks them).")
+    return [f"{s.url}: {line}" for s in target.servers for line in problems(target._checks[s.url])]
+
+
+def _score(server: Server, adapter: str | None, token_ids: list[int]) -> list[float]:
+    """``server``'s logprob of each token of ``token_ids`` given the ones before (with ``adapter``, if loaded)."""
+    model = adapter or server.request("GET", "/v1/models")["data"][0]["id"]
+    body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0,
+            "cache_salt": uuid.uuid4().hex}  # never a cached prefix of older weights (keep_old_kv)
+    rows = server.request("POST", "/v1/completions", body)["choices"][0]["prompt_logprobs"][1:]
+    return [row[str(token)]["logprob"] for row, token in zip(rows, token_ids[1:])]
 
 
 def _reload_checkpoint(server: Server) -> None:

@@ -39,6 +39,10 @@ class FanOutClient:
     def start_weight_update(self) -> None:
         self._all("start_weight_update", lambda s: s.request("POST", "/start_weight_update"))
 
+    def start_draft_weight_update(self) -> None:
+        """The session's updates go to each server's speculative-decoding draft model (vLLM's dev-mode route)."""
+        self._all("start_draft_weight_update", lambda s: s.request("POST", "/start_draft_weight_update"))
+
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         body = {"update_info": json_safe_update_info(update_info)}
         self._all("update_weights", lambda s: s.request("POST", "/update_weights", body))
@@ -73,6 +77,9 @@ class LLMClient:
 
     def start_weight_update(self) -> None:
         self.llm.start_weight_update()
+
+    def start_draft_weight_update(self) -> None:
+        self.llm.start_draft_weight_update()
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
         self.llm.update_weights({"update_info": update_info})

@@ -90,8 +90,7 @@ class NativeTransfer(Transfer):
 
     def __init__(self, servers: Sequence[Server], transport: NetworkTransport, *, timeout: float,
                  pause_mode: PauseMode, pool: ServerPool | None = None) -> None:
-        super().__init__(servers, pause_mode=pause_mode,
-                         background=transport.every_rank and transport.stages)
+        super().__init__(servers, pause_mode=pause_mode, background=transport.every_rank and transport.stages)
         self.options = transport
         self.transport = transport.name
         self.timeout = timeout
@@ -212,7 +211,7 @@ class NativeTransfer(Transfer):
                         " VLLMWeightSync does.")
 
     def push(self, source: ExportSource | AdapterTensors, *, version: int, resume: bool = True,
-             adapter: tuple[str, str] | None = None) -> None:
+             adapter: tuple[str, str] | None = None, draft: bool = False) -> None:
         """Send ``source`` as ``version`` to every server: one round; every rank calls it (rank 0 drives the servers).
 
         Args:
@@ -221,27 +220,28 @@ class NativeTransfer(Transfer):
             resume: resume the servers at the end (``False``: held paused for the adapter round that follows).
             adapter: ``(name, adapter_config text)``: ``source`` is a peft adapter, sent in the transport's
                 ``adapter_round``, which every server then loads as ``name``.
+            draft: ``source`` is a drafter's, for each server's draft model (``draft_round``; never in the background).
         """
         if self.options.layout is not SourceLayout.FULL and not isinstance(source, (ShardSource, AdapterTensors)):
             raise TypeError(f"RemoteVLLM(transport={self.transport!r}) sends every rank's own shards: give it a"
                             f" ShardSource (strategy.export_source(layout={self.options.layout.value!r})), as"
                             " VLLMWeightSync does.")
         self.background.wait()  # at most one push in flight: the previous one ends (or raises) first
-        if self.background.enabled and adapter is None:
+        if self.background.enabled and adapter is None and not draft:
             snapshot = self.background.snapshot(source, version, self.control)
             self.background.start(lambda: self._round_now(snapshot, version=version, resume=resume, adapter=None),
                                    name=f"lfe-sync-v{version}")
             return
-        self._round_now(source, version=version, resume=resume, adapter=adapter)
+        self._round_now(source, version=version, resume=resume, adapter=adapter, draft=draft)
 
     def _round_now(self, source: ExportSource | AdapterTensors, *, version: int, resume: bool,
-                   adapter: tuple[str, str] | None) -> None:
+                   adapter: tuple[str, str] | None, draft: bool = False) -> None:
         """One round of ``source``, in this thread."""
         self.source.export = source  # the engine was built with this WeightSource once
         if not self.every_rank and self.rank != 0 and not self.options.sends_patch_lists:
             self.engine.send_weights()  # iterates the source: this rank's part of the gathers
             return
-        this = _round_of(self.options, version, adapter, run=self._run)
+        this = _round_of(self.options, version, adapter, run=self._run, draft=draft)
         own_pause = self.pauses.held_since is None  # else a base round paused them for this adapter round
         plan, paused, paused_at, sparse = self._start_round(this.plan_key(self._inputs()), pause=this.pauses_for_data)
         sent = False  # from the send on, a failure may leave a server's model half-loaded
@@ -381,9 +381,13 @@ def _digest(transport: NetworkTransport, source: Any) -> str:
     return repr(source_metadata(source)) if transport.layout is SourceLayout.M2N else ""
 
 
-def _round_of(transport: NetworkTransport, version: int, adapter: tuple[str, str] | None, *, run: str) -> Round:
-    """A push's round: the transport's ``adapter_round`` for an adapter (written under this fit's ``run`` directory on
-    the servers' hosts), else its ``weights_round``."""
+def _round_of(transport: NetworkTransport, version: int, adapter: tuple[str, str] | None, *, run: str,
+              draft: bool = False) -> Round:
+    """A push's round: the transport's ``draft_round`` for a drafter, its ``adapter_round`` for an adapter (written
+    under this fit's ``run`` directory on the servers' hosts), else its ``weights_round``."""
+    if draft:
+        assert transport.draft_round is not None, "RemoteVLLM refuses drafters over this transport"
+        return round_for(transport.draft_round)
     if adapter is None:
         return round_for(transport.weights_round)
     assert transport.adapter_round is not None, "push_adapter reads the adapter from a directory instead"

@@ -11,6 +11,8 @@ sent and what the servers are told after it, which is all a round class says:
 - :class:`PatchListRound`: vLLM 0.33's ``sparse_nccl`` engine, fed lists of patches rank 0 collects;
 - :class:`AdapterRound`: a peft adapter's tensors through our gloo engine, written by the workers on their hosts,
   then loaded by every server under one name;
+- :class:`DraftRound`: a speculative-decoding drafter's tensors through our gloo engine into each server's draft
+  model;
 - :class:`StagedRound` / :class:`StagedPatchRound` (``Gloo(background=True)``): the dense or sparse round received by
   the workers into a staging area while the servers go on generating; only the swap (load from the staging, set the
   version) runs under the pause, and a failed transfer leaves every server serving the previous version, unpaused.
@@ -51,9 +53,10 @@ SWAP_ROUTE = "/lfe/swap"
 SWAP_PROTOCOL = 1
 """The body of ``/lfe/swap`` this trainer sends (``backend.server_swap.PROTOCOL``)."""
 
-__all__ = ["ROUNDS", "AdapterRound", "DenseRound", "PatchListRound", "PatchRound", "PauseMode", "Round", "RoundInputs",
-           "RoundKind", "RoundResult", "SWAP_ROUTE", "Staged", "StagedPatchRound", "StagedRound", "pause_route",
-           "reset_prefix_caches", "round_for", "set_versions", "swap_on_server", "swap_routes", "swap_staged"]
+__all__ = ["ROUNDS", "AdapterRound", "DenseRound", "DraftRound", "PatchListRound", "PatchRound", "PauseMode", "Round",
+           "RoundInputs", "RoundKind", "RoundResult", "SWAP_ROUTE", "Staged", "StagedPatchRound", "StagedRound",
+           "pause_route", "reset_prefix_caches", "round_for", "set_versions", "swap_on_server", "swap_routes",
+           "swap_staged"]
 
 
 @dataclass(frozen=True)
@@ -165,6 +168,19 @@ class AdapterRound(Round):
         load_adapter([server], self.name, self.server_dir)
         super().on_server(server, inputs, version=version, mode=mode)
         set_versions([server], version)
+
+
+class DraftRound(Round):
+    """A speculative-decoding drafter's tensors through our gloo engine into each server's draft model (vLLM's
+    ``/start_draft_weight_update`` session), dense, in a round of its own after the policy's; the workers' copy of the
+    policy (sparse rounds) is left as it is. The servers report the version the policy's round set."""
+
+    kind = RoundKind.DRAFT
+
+    @override
+    def run(self, inputs: RoundInputs, *, version: int, sparse: bool) -> RoundResult:
+        inputs.engine.send_weights(inputs.transport.payload(draft=True))
+        return self.result
 
 
 class _CopyRound(Round):
@@ -292,8 +308,9 @@ class StagedPatchRound(Staged, PatchRound):
 
 ROUNDS: dict[RoundKind, type[Round]] = {RoundKind.DENSE: DenseRound, RoundKind.PATCHES: PatchRound,
                                         RoundKind.PATCH_LISTS: PatchListRound, RoundKind.ADAPTER: AdapterRound,
-                                        RoundKind.STAGED: StagedRound, RoundKind.STAGED_PATCHES: StagedPatchRound}
-"""Each kind's class: what a transport's ``weights_round`` / ``adapter_round`` names."""
+                                        RoundKind.STAGED: StagedRound, RoundKind.STAGED_PATCHES: StagedPatchRound,
+                                        RoundKind.DRAFT: DraftRound}
+"""Each kind's class: what a transport's ``weights_round`` / ``adapter_round`` / ``draft_round`` names."""
 
 
 def round_for(kind: RoundKind, **arguments: Any) -> Round:

@@ -40,6 +40,7 @@ class RoundKind(str, Enum):
     ADAPTER = "adapter"
     STAGED = "staged"
     STAGED_PATCHES = "staged_patches"
+    DRAFT = "draft"
 
 
 def _is_bytes(value: object) -> bool:
@@ -71,6 +72,9 @@ class NetworkTransport:
     closes_failed_rounds: ClassVar[bool] = False
     """The servers' workers end a round that failed on their side themselves (our gloo backend); vLLM's engines leave
     the layerwise reload open, and the round closes it empty."""
+    draft_round: ClassVar[RoundKind | None] = None
+    """The round a speculative-decoding drafter travels in, into each server's draft model (``DRAFT``: our backends,
+    whose trainer engine starts the session with ``/start_draft_weight_update``); ``None``: drafters are not pushed."""
 
     @property
     def weights_round(self) -> RoundKind:
@@ -201,6 +205,7 @@ class _OwnBackend(RendezvousTransport):
 
     adapter_round: ClassVar[RoundKind | None] = RoundKind.ADAPTER
     closes_failed_rounds: ClassVar[bool] = True
+    draft_round: ClassVar[RoundKind | None] = RoundKind.DRAFT
     buffer_bytes: int | None = None
     shard_direct: bool = False
     sparse: bool = False

