@@ -5,6 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -365,6 +366,31 @@ def test_a_drafter_is_named_by_its_path_and_offered_only_where_the_target_loads_
             Drafter(module)
     with pytest.raises(TypeError, match="must be a string such as"):
         Drafter("mtp", prefix=46)  # type: ignore[arg-type]
+
+
+def test_a_server_that_drafts_with_no_model_is_named_before_a_drafter_is_sent(monkeypatch: pytest.MonkeyPatch) -> None:
+    # RemoteVLLM.check_draft (the sync's precheck, before any gather): each server's dev-mode /server_info must name a
+    # speculative_config, asked once per server; otherwise the drafter's round would fail after the policy's
+    from lightning_fsdp_export import RemoteVLLM
+
+    class FakeServer:
+        def __init__(self, url: str, speculative: Any) -> None:
+            self.url, self.speculative, self.asked = url, speculative, 0
+
+        def request(self, method: str, route: str, body: Any = None) -> Any:
+            if route.startswith("/server_info"):
+                self.asked += 1
+                return {"vllm_config": {"speculative_config": self.speculative}}
+            return {"data": [{"root": ""}]}  # /v1/models: a checkpoint not readable here (names not checked)
+
+    servers = [FakeServer("http://a:1", {"method": "mtp"}), FakeServer("http://b:2", None)]
+    monkeypatch.setattr(RemoteVLLM, "servers", property(lambda self: servers))
+    target = RemoteVLLM(["http://a:1", "http://b:2"])
+    for _ in range(2):
+        problems = target.check_draft([("model.layers.2.eh_proj.weight", (256, 512))])
+        assert len(problems) == 1 and problems[0].startswith("http://b:2: drafts with no model"), problems
+        assert "--speculative-config" in problems[0]
+    assert [s.asked for s in servers] == [1, 1]
 
 
 def test_lazy_fsdp2_names_each_frameworks_strategy() -> None:

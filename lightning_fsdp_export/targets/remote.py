@@ -121,6 +121,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
         self._serving: list[str] | None = None  # AsyncRollouts' servers, as every rank agreed (``agree``)
         self._is_rank_zero = True
         self._checks: dict[str, CheckpointCheck] = {}  # by URL
+        self._drafting: dict[str, str | None] = {}  # by URL: why the server cannot take a drafter (None: it can)
         self.precheck_skipped: list[str] = []
         self._round: Transfer = (
             DirectoryReload(self.pool.active, self.options, dtype=dtype, pause_mode=pause_mode)
@@ -238,8 +239,9 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
 
     @override
     def check_draft(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
-        """Rank 0: where the drafter's names and shapes disagree with the servers' checkpoints' drafter tensors."""
-        return _precheck(self, lambda check: check.draft_problems(exported)) if self._is_rank_zero else []
+        """Rank 0: servers that draft with no model, and where the drafter's names and shapes disagree with the
+        servers' checkpoints' drafter tensors."""
+        return _draft_problems(self, exported) if self._is_rank_zero else []
 
     @override
     def cannot_push_drafts(self) -> str | None:
@@ -409,6 +411,19 @@ def _precheck(target: RemoteVLLM, problems: Any) -> list[str]:
             rank_zero_info(f"RemoteVLLM: the checkpoints of {skipped} are not readable here; names and shapes"
                            " are not checked before sending (the servers' load checks them).")
     return [f"{s.url}: {line}" for s in target.servers for line in problems(target._checks[s.url])]
+
+
+def _draft_problems(target: RemoteVLLM, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
+    """Rank 0, before a sync with a drafter: each server must draft with a model (its dev-mode ``/server_info``
+    names a ``speculative_config``; asked once per server), and its checkpoint's drafter tensors take the export."""
+    new = [s for s in target.servers if s.url not in target._drafting]
+    for server, config in zip(new, on_all(new, lambda s: s.request("GET", "/server_info?config_format=json"))):
+        speculative = (config.get("vllm_config") or {}).get("speculative_config")
+        target._drafting[server.url] = None if speculative else (
+            "drafts with no model: start it with --speculative-config '{\"method\": \"mtp\","
+            " \"num_speculative_tokens\": 1}' (or your drafter's), or drop VLLMWeightSync(drafter=...)")
+    lines = [f"{s.url}: {target._drafting[s.url]}" for s in target.servers if target._drafting[s.url]]
+    return lines + _precheck(target, lambda check: check.draft_problems(exported))
 
 
 def _score(server: Server, adapter: str | None, token_ids: list[int]) -> list[float]:
