@@ -17,7 +17,8 @@ receiver takes them (``PatchBase(bitmaps=True, coded=True)``: our gloo wire) and
 part (1 bit per element, then 2 bytes per changed one) or in the coded form (:mod:`.patch_codes`: the gaps between
 changed elements, about a byte each at RL's learning rates, and each value's step from the previous one, a byte):
 each part goes in the smallest form, or whole, so for bf16 a patch pays while under a third of the elements changed
-with indices only, under 94% with bitmaps. A patch is
+with indices only, under 94% with bitmaps (the coded form is tried only where it may save an eighth of the part: over
+7/8 of a bf16 part changed, coding it would cost more CPU than its bytes save). A patch is
 only ever made against the version the engine last confirmed (``confirmed`` is the sync's, every rank
 agreeing); a new plan (another model, dtype, layout) is dense.
 """
@@ -202,14 +203,15 @@ class PatchBase:
         by_index = patch_nbytes(count, itemsize) if numel <= _MAX_ELEMENTS else math.inf
         by_bitmap = bitmap_nbytes(numel, count, itemsize) if self.bitmaps else math.inf
         flat = host.reshape(-1)
-        index = mask.nonzero().squeeze(1)  # (with the gather, 3x faster than masked_select on the host)
-        coded = None
-        if self.coded and count < _MAX_CODED:
-            moved = steps(flat[index], old.reshape(-1)[index])
-            if moved is None:  # values as they are
-                coded = Patch(None, flat[index], positions=encode_positions(index))
-            else:  # int8 steps; the escaped elements' moves after the gaps
-                coded = Patch(None, moved[0], positions=encode_positions(index, moved[1]), stepped=True)
+        index = values = coded = None  # found only where a patch is made (a dense part never needs them)
+        # coding costs ~45 ns an element here: only where it may save an eighth of the part (each element costs at
+        # least a byte of gap and a byte of step), so a part that nearly all changed goes whole without it
+        if self.coded and count < _MAX_CODED and 16 * count <= 7 * numel * itemsize:
+            index = mask.nonzero().squeeze(1)  # (with the gather, 3x faster than masked_select on the host)
+            values = flat[index]
+            moved = steps(values, old.reshape(-1)[index])
+            coded = (Patch(None, values, positions=encode_positions(index)) if moved is None  # values as they are
+                     else Patch(None, moved[0], positions=encode_positions(index, moved[1]), stepped=True))
         by_coded = coded_nbytes(coded.positions.numel(), count, 1 if coded.stepped else itemsize) if coded else math.inf
         old.copy_(host)  # the copy becomes the part whatever goes on the wire
         if min(by_index, by_bitmap, by_coded) >= numel * itemsize:
@@ -221,12 +223,15 @@ class PatchBase:
             stats.coded += 1
             stats.wire_bytes += by_coded
             return coded
+        if index is None or values is None:
+            index = mask.nonzero().squeeze(1)
+            values = flat[index]
         if by_bitmap < by_index:
             stats.bitmaps += 1
             stats.wire_bytes += by_bitmap
-            return Patch(None, flat[index], pack_bits(mask))
+            return Patch(None, values, pack_bits(mask))
         stats.wire_bytes += by_index
-        return Patch(index.to(INDEX_DTYPE), flat[index])
+        return Patch(index.to(INDEX_DTYPE), values)
 
     def succeeded(self) -> None:
         """The round succeeded on every member of the group: the copy is what the engine holds now."""
