@@ -89,14 +89,21 @@ def engine_dtype(llm: Any) -> Any:
 
 
 def set_weight_version(llm: Any, version: str) -> None:
-    """Tag the engine's outputs with ``version`` (``CompletionOutput.weight_versions``), as servers' are by
-    ``/update_weight_version``. vLLM 0.32's ``LLM`` has no method for it; its engine has ``set_weight_version``
-    (``LLM.llm_engine``); an ``LLM.update_weight_version`` of a later vLLM is preferred where it exists."""
+    """Tag the engine's outputs with ``version`` (as ``/update_weight_version`` does a server's): a later vLLM's
+    ``LLM.update_weight_version`` where it exists, else 0.32's ``LLM.llm_engine.set_weight_version``."""
     update = getattr(llm, "update_weight_version", None)
     if callable(update):
         update(version)
     else:
         llm.llm_engine.set_weight_version(version)
+
+
+def reset_caches(llm: Any) -> None:
+    """Drop the prefix and encoder caches: vLLM 0.32's ``reload_weights`` clears the runner's encoder cache, not the
+    scheduler's record, so a later image seen before failed the engine ("Encoder cache miss"). No ``LLM`` method."""
+    llm.reset_prefix_cache()
+    reset = getattr(llm, "reset_encoder_cache", None)
+    (reset if callable(reset) else llm.llm_engine.reset_encoder_cache)()
 
 
 def weight_version(llm: Any) -> str:

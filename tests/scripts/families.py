@@ -30,9 +30,11 @@ from lightning_fsdp_export.testing import (
     add_mtp_layer,
     mtp_layer,
     mtp_loss,
+    save_llava,
     save_vlm_processor,
     save_word_tokenizer,
     tiny_family,
+    tiny_llava,
     tiny_vlm,
 )
 from tests.scripts.common import CausalLM, name_diff, run_scenarios, start_script, token_loader
@@ -44,7 +46,9 @@ def checkpoint(arch: str, vlm: bool = False, mtp: bool = False) -> Path:
     """``save_pretrained`` of the tiny model (bf16; ``vlm``: the vision-language model holding it; ``mtp``: with a
     multi-token-prediction layer, ``add_mtp_layer``), written once by rank 0."""
     path = ROOT / (arch + ("@vlm" if vlm else "@mtp" if mtp else ""))
-    if dist.get_rank() == 0 and not (path / "config.json").exists():
+    if dist.get_rank() == 0 and not (path / "config.json").exists() and arch == "llava":
+        save_llava(tiny_llava().to(torch.bfloat16), path)  # the published layout vLLM loads, its processor beside it
+    elif dist.get_rank() == 0 and not (path / "config.json").exists():
         model = (tiny_vlm(arch) if vlm else tiny_family(arch)).to(torch.bfloat16)
         model.save_pretrained(path)
         if mtp:
@@ -137,13 +141,71 @@ PROMPTS = [[(7 * i + 3 * j) % 512 for j in range(24)] for i in range(1, 3)]
 GEN = 6
 
 
+IMAGE_TEXT = [(11 * j + 2) % 500 for j in range(10)]  # the text after the image of an image prompt
+IMAGE_PROMPT = [5] + [508] * 16 + IMAGE_TEXT  # as LLaVA's processor gives it to the model: 16 tokens for the image
+
+
+def image(seed: int) -> Any:
+    """A random 32x32 RGB picture (the same on every rank)."""
+    from PIL import Image
+
+    g = torch.Generator().manual_seed(seed)
+    return Image.fromarray(torch.randint(0, 256, (32, 32, 3), generator=g, dtype=torch.uint8).numpy())
+
+
+def pixels(path: Path, seeds: list[int]) -> torch.Tensor:
+    """The pictures of ``seeds`` as the checkpoint's own processor gives them to the model (as vLLM's does)."""
+    from transformers import AutoImageProcessor
+
+    return AutoImageProcessor.from_pretrained(path)(images=[image(s) for s in seeds], return_tensors="pt")[
+        "pixel_values"]
+
+
+class ImageLM(CausalLM):
+    """A vision-language model trained on image batches: each sequence is :data:`IMAGE_PROMPT`'s image (a picture of
+    its own) and a text tail of the batch's tokens; the loss on the text, so the tower and projector train too."""
+
+    def __init__(self, build: Any, path: Path, lr: float) -> None:
+        super().__init__(build, lr=lr)
+        self.path = path
+
+    def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
+        (ids,) = batch
+        ids = ids % 500  # no vision token in the text
+        head = torch.tensor(IMAGE_PROMPT[:17]).expand(len(ids), -1)
+        seq = torch.cat([head, ids], 1)
+        labels = torch.cat([torch.full_like(head, -100), ids], 1)
+        values = pixels(self.path, [batch_idx * len(ids) + i for i in range(len(ids))]).to(self.dtype)
+        loss = self.model(input_ids=seq, pixel_values=values, labels=labels).loss
+        self.losses.append(loss.item())
+        return loss
+
+
+def image_gap(llm: Any, pl_module: CausalLM, trainer: Trainer, path: Path) -> float:
+    """The largest gap between the engine's and the trainer's logprobs of :data:`IMAGE_PROMPT`'s text tokens, with a
+    picture (image seed 99) the engine reads through its vision tower and projector."""
+    from vllm import SamplingParams
+
+    out = llm.generate([{"prompt_token_ids": [5, 508] + IMAGE_TEXT, "multi_modal_data": {"image": image(99)}}],
+                       SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)[0]
+    assert list(out.prompt_token_ids) == IMAGE_PROMPT, out.prompt_token_ids  # vLLM expands the one image token
+    engine = [d[t].logprob for d, t in zip(out.prompt_logprobs[17:], IMAGE_PROMPT[17:])]
+    with torch.no_grad(), trainer.strategy.params_on_device():
+        logits = pl_module.model(input_ids=torch.tensor([IMAGE_PROMPT]),
+                                 pixel_values=pixels(path, [99]).to(pl_module.dtype)).logits[0].float()
+    logp = torch.log_softmax(logits, -1)
+    mine = [logp[t - 1, IMAGE_PROMPT[t]].item() for t in range(17, len(IMAGE_PROMPT))]
+    return max(abs(a - b) for a, b in zip(engine, mine))
+
+
 class Compare(pl.Callback):
     """After every sync (this callback runs after VLLMWeightSync): vLLM's prompt logprobs and its own greedy
     continuation, scored by the trainer's own model (an fp32 forward of the sharded model, every rank)."""
 
-    def __init__(self, sync: VLLMWeightSync, drafter: Drafter | None = None) -> None:
+    def __init__(self, sync: VLLMWeightSync, drafter: Drafter | None = None, images: Path | None = None) -> None:
         self.sync = sync
         self.drafter = drafter
+        self.path = images  # a LLaVA checkpoint: an image prompt is compared too
         self.checks: list[dict[str, Any]] = []
 
     def _check(self, trainer: Trainer, pl_module: CausalLM) -> None:
@@ -174,7 +236,8 @@ class Compare(pl.Callback):
         self.checks.append({"version": self.sync.version, "step": trainer.global_step, "max_diff": diff, "moved": moved,
                             "verify_diff": self.sync.last_verify_diff, "stale": self.sync.stale,
                             "exact": exact_record(self.sync, first=not self.checks), "tower": tower(self.sync),
-                            "drafter": drafter(llm, trainer, self.drafter)})
+                            "drafter": drafter(llm, trainer, self.drafter),
+                            "image_diff": image_gap(llm, pl_module, trainer, self.path) if self.path else None})
 
     def on_train_start(self, trainer: Trainer, pl_module: CausalLM) -> None:
         self._check(trainer, pl_module)
@@ -206,12 +269,21 @@ def fit_from(path: Path, callbacks: list[pl.Callback], steps: int, text: bool = 
     trainer = Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(pretrained=path), max_steps=steps,
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       callbacks=callbacks)
+    lr = float(os.environ.get("FAMILY_LR", "3e-3"))
     with trainer.init_module(empty_init=True):
-        module = (DraftingLM if mtp else CausalLM)(build(path, text), lr=float(os.environ.get("FAMILY_LR", "3e-3")))
+        module = (ImageLM(build(path), path, lr) if path.name == "llava" else
+                  (DraftingLM if mtp else CausalLM)(build(path, text), lr=lr))
     if mtp:
         module.mtp = mtp_layer(path)
     trainer.fit(module, token_loader(n=2 * steps))
     return trainer
+
+
+class DroppingVLLM(ColocatedVLLM):
+    """A fault injected for the test: every push leaves out the projector's tensors (``multi_modal_projector.*``)."""
+
+    def push(self, weights: Any, *, version: int) -> None:
+        super().push(((n, t) for n, t in weights if not n.startswith("multi_modal_projector.")), version=version)
 
 
 def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict[str, Any]:
@@ -219,7 +291,9 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
 
     ``backend``: vLLM's ``attention_backend`` (``"CPU_MLA"``, ``"AMX_MLA"``: on a CPU without AMX tiles too, through
     ``tests/scripts/amx_mla.py``), else the one vLLM picks on this CPU; ``"vlm"``: the engine serves the
-    vision-language checkpoint (``tiny_vlm``), the trainer its text model."""
+    vision-language checkpoint (``tiny_vlm``), the trainer its text model; ``"drop"``: every push leaves out the
+    projector (``DroppingVLLM``), one step. ``llava``: the whole VLM trained on image batches (``ImageLM``), an image
+    prompt compared after every sync too."""
     import warnings
 
     from lightning_fsdp_export._compat import attention_backends
@@ -227,21 +301,24 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
     vlm, mtp = backend == "vlm", backend == "mtp"
     path = checkpoint(arch, vlm, mtp)
     seed_everything(0)
-    extra = {} if backend is None or vlm else {"attention_backend": backend}
+    extra = {} if backend in (None, "vlm", "drop") else {"attention_backend": backend}
     if mtp:  # speculative decoding, drafted by the checkpoint's MTP layer
         extra = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}, "disable_log_stats": False}
     if backend == "AMX_MLA":
         from tests.scripts import amx_mla
 
         amx_mla.install()
-    target = ColocatedVLLM(model=str(path), dtype="bfloat16", max_model_len=128, enforce_eager=True, **extra)
+    if arch == "llava":  # the images the engine takes (each costs 16 of the 128 tokens)
+        extra = {"limit_mm_per_prompt": {"image": 1}, "mm_processor_cache_gb": 0}
+    target = (DroppingVLLM if backend == "drop" else ColocatedVLLM)(
+        model=str(path), dtype="bfloat16", max_model_len=128, enforce_eager=True, **extra)
     drafter = mtp_drafter(path) if mtp else None  # the MTP layer, under its names in the checkpoint
     sync = VLLMWeightSync(target, verify="logprobs", verify_tolerance=0.3, exact_first_sync=True, on_error="warn",
                           drafter=drafter)
-    compare = Compare(sync, drafter)
+    compare = Compare(sync, drafter, images=path if arch == "llava" else None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit_from(path, [sync, compare], steps, text=vlm, mtp=mtp)
+        fit_from(path, [sync, compare], 1 if backend == "drop" else steps, text=vlm, mtp=mtp)
     served = target.llm.llm_engine.model_config.architectures
     return {"checks": compare.checks, "backends": attention_backends(target.llm), "served": served,
             "warnings": [str(w.message)[:600] for w in caught if "Weight sync" in str(w.message)
