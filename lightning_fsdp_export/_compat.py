@@ -30,26 +30,20 @@ def import_vllm() -> ModuleType:
 
 
 def json_safe_update_info(update_info: Any) -> Any:
-    """An ``update_weights`` payload ready for JSON: IPC handles pickled the way vLLM's HTTP client does.
-
-    vLLM 0.32 keeps this in a private helper of ``vllm.distributed.weight_transfer.clients`` (its
-    ``HTTPVLLMWeightSyncClient`` calls it); the worker unpickles ``ipc_handles_pickled`` only with
-    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``. Other backends' payloads pass through unchanged.
-    """
+    """An ``update_weights`` payload ready for JSON, IPC handles pickled as vLLM's HTTP client does (vLLM 0.32: a
+    private helper of ``weight_transfer.clients``; the worker unpickles them only with
+    ``VLLM_ALLOW_INSECURE_SERIALIZATION=1``). Other backends' payloads pass through unchanged."""
     from vllm.distributed.weight_transfer.clients import _json_safe_update_payload
 
     return _json_safe_update_payload(update_info)
 
 
 def weight_source_contract() -> str:
-    """Which ``WeightSource`` contract this vLLM has, read from its API (never its version string):
-
-    ``"0.33"`` when ``WeightSource.metadata`` is a property (vLLM 0.33: subclasses must make it a
-    ``functools.cached_property``; engines call ``iter_full()`` / ``iter_local()``; ``ParamMeta`` carries
-    ``owners`` and ``placements``), else ``"0.32"`` (``metadata()`` a method, engines iterate the source, and
-    ``nccl_m2n`` takes ``m2n_source.M2NWeightSource``). Covered by ``tests/test_vllm_contracts.py``, which runs
-    against both (0.33's pure-Python weight-transfer modules taken from its wheel by ``make vllm033``).
-    """
+    """Which ``WeightSource`` contract this vLLM has, read from its API (never its version string): ``"0.33"`` when
+    ``WeightSource.metadata`` is a property (subclasses make it a ``functools.cached_property``; engines call
+    ``iter_full()`` / ``iter_local()``; ``ParamMeta`` carries ``owners`` and ``placements``), else ``"0.32"``
+    (``metadata()`` a method, engines iterate the source, ``nccl_m2n`` takes ``m2n_source.M2NWeightSource``).
+    Covered by ``tests/test_vllm_contracts.py`` against both (0.33's weight-transfer modules: ``make vllm033``)."""
     from vllm.distributed.weight_transfer.base import WeightSource
 
     return "0.33" if isinstance(inspect.getattr_static(WeightSource, "metadata"), property) else "0.32"
@@ -104,6 +98,12 @@ def reset_caches(llm: Any) -> None:
     llm.reset_prefix_cache()
     reset = getattr(llm, "reset_encoder_cache", None)
     (reset if callable(reset) else llm.llm_engine.reset_encoder_cache)()
+
+
+def serves_images(llm: Any) -> bool:
+    """Whether the engine's model reads images (a multimodal model whose ``limit_mm_per_prompt`` allows one)."""
+    config = llm.llm_engine.model_config
+    return bool(config.is_multimodal_model and config.multimodal_config.get_limit_per_prompt("image"))
 
 
 def weight_version(llm: Any) -> str:

@@ -190,41 +190,69 @@ def tiny_vlm(arch: str, seed: int = 0) -> torch.nn.Module:
 
 
 
-def tiny_llava(seed: int = 0) -> torch.nn.Module:
-    """A LLaVA-style vision-language model (``LlavaForConditionalGeneration``): a one-layer CLIP vision tower (32-pixel
-    images, 8-pixel patches: 16 image tokens), a two-layer projector, :func:`tiny_llama`'s text model (head_dim 64);
-    image token ``VOCAB - 4``; random biases. Save it with :func:`save_llava`, in the layout vLLM loads."""
-    text = T.LlamaConfig(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-    vision = T.CLIPVisionConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-                                image_size=32, patch_size=8, projection_dim=64)
+WHOLE_VLMS = ("llava", "gemma3_vlm")
+"""Vision-language models RL trains whole (tower, projector and text model), tiny (:func:`tiny_whole_vlm`): LLaVA
+(CLIP + Llama) and Gemma 3 (SigLIP + Gemma 3); saved in vLLM's layout by :func:`save_whole_vlm`."""
+
+
+def tiny_whole_vlm(arch: str, seed: int = 0) -> torch.nn.Module:
+    """A random vision-language model of ``arch`` (one of :data:`WHOLE_VLMS`): a one-layer vision tower over 32-pixel
+    images of 8-pixel patches, its projector, a two-layer text model (head_dim 64); random biases (transformers zeroes
+    them, and a zeroed bias looks restored to an exact check). LLaVA: 16 image tokens (``<image>``, id ``VOCAB - 4``);
+    Gemma 3: 4 (``<start_of_image>``, id ``VOCAB - 3``, expands to ``<image_soft_token>`` x 4 between newlines)."""
+    text = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, max_position_embeddings=256)
+    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, image_size=32,
+                  patch_size=8)
     torch.manual_seed(seed)
-    model = T.LlavaForConditionalGeneration(T.LlavaConfig(text_config=text, vision_config=vision,
-                                                          image_token_id=_VISION_IDS["image"], vision_feature_layer=-1))
-    with torch.no_grad():  # biases as a trained model's (transformers zeroes them: a zeroed one would look restored)
+    if arch == "llava":
+        model = T.LlavaForConditionalGeneration(T.LlavaConfig(
+            text_config=T.LlamaConfig(**text), vision_config=T.CLIPVisionConfig(**vision, projection_dim=64),
+            image_token_id=VOCAB - 4, vision_feature_layer=-1))
+    elif arch == "gemma3_vlm":
+        model = T.Gemma3ForConditionalGeneration(T.Gemma3Config(
+            text_config=dict(text, head_dim=64, sliding_window=64), vision_config=vision, mm_tokens_per_image=4,
+            image_token_index=VOCAB - 4, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2))
+    else:
+        raise ValueError(f"tiny_whole_vlm({arch!r}): not one of {WHOLE_VLMS}.")
+    with torch.no_grad():
         for name, param in model.named_parameters():
             if name.endswith(".bias"):
                 param.normal_(0, 0.02)
     return model
 
 
-def save_llava(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
-    """``save_pretrained`` of a LLaVA-style ``model`` (:func:`tiny_llava`) in the layout published LLaVA checkpoints
-    hold and vLLM 0.32 loads: transformers 5.19 writes the CLIP tower as ``vision_tower.*``, published checkpoints
-    (and vLLM's loader) ``vision_tower.vision_model.*``. Its processor beside it (a word-level tokenizer whose word
-    ``VOCAB - 4`` is ``<image>``, CLIP's image processor at the tower's size): what vLLM needs to serve images."""
+def save_whole_vlm(model: torch.nn.Module, path: str | os.PathLike[str]) -> None:
+    """``save_pretrained`` of a :func:`tiny_whole_vlm` in the layout published checkpoints hold and vLLM 0.32 loads
+    (transformers 5.19 writes a CLIP/SigLIP tower as ``vision_tower.*``, published checkpoints and vLLM's loaders
+    ``vision_tower.vision_model.*``), and its processor beside it (what vLLM needs to serve images): a word-level
+    tokenizer (``t{i}`` for id ``i`` up to ``VOCAB - 12``, then ``<unk> <s> </s>``, the family's image and newline
+    tokens in the last 8 ids), the family's image processor at the tower's size."""
     path = Path(path)
     model.save_pretrained(path)
     file = path / "model.safetensors"
-    tensors = {("vision_tower.vision_model." + k.removeprefix("vision_tower.") if k.startswith("vision_tower.")
-                and not k.startswith("vision_tower.vision_model.") else k): v for k, v in load_file(str(file)).items()}
-    save_file(tensors, str(file), metadata={"format": "pt"})
+    tensors = load_file(str(file))
+    save_file({("vision_tower.vision_model." + k.removeprefix("vision_tower.") if k.startswith("vision_tower.")
+                and not k.startswith("vision_tower.vision_model.") else k): v for k, v in tensors.items()},
+              str(file), metadata={"format": "pt"})
     size = model.config.vision_config.image_size
-    vocab = {f"t{i}": i for i in range(VOCAB - 4)} | {"<image>": _VISION_IDS["image"]}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    gemma = model.config.model_type == "gemma3"
+    words = (["\n", "\n\n\n", "\n\n\n\n", "\n\n", "<image_soft_token>", "<start_of_image>", "<end_of_image>",
+              "<pad>"] if gemma else ["t504", "t505", "t506", "t507", "<image>", "t509", "t510", "t511"])
+    specials = ["<unk>", "<s>", "</s>"]  # (not t-words: an added token matches inside words, "t1" in "t13")
+    vocab = ({f"t{i}": i for i in range(VOCAB - 11)} | {w: VOCAB - 11 + i for i, w in enumerate(specials)}
+             | {w: VOCAB - 8 + i for i, w in enumerate(words)})
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="t0", eos_token="t1", pad_token="t0",
-                                   extra_special_tokens={"image_token": "<image>"})
+    special = ({"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
+               if gemma else {"image_token": "<image>"})
+    fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="</s>", bos_token="<s>",
+                                   pad_token="<pad>" if gemma else "<unk>", extra_special_tokens=special)
+    if gemma:  # newlines are tokens of their own (vLLM's Gemma 3 processor looks them up)
+        fast.add_special_tokens({"additional_special_tokens": words[:4]})
+        T.Gemma3Processor(image_processor=T.Gemma3ImageProcessor(size={"height": size, "width": size}),
+                          tokenizer=fast, image_seq_length=model.config.mm_tokens_per_image).save_pretrained(path)
+        return
     image = T.CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
     T.LlavaProcessor(image_processor=image, tokenizer=fast, patch_size=model.config.vision_config.patch_size,
                      vision_feature_select_strategy=model.config.vision_feature_select_strategy,

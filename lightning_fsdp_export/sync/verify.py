@@ -6,6 +6,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from lightning_fsdp_export.sync.image_probe import image_probe_gap
+
 if TYPE_CHECKING:
     from lightning_fsdp_export.strategy import LazyExportFSDP2
     from lightning_fsdp_export.targets.base import ScoresLogprobs
@@ -15,7 +17,9 @@ __all__ = ["check_logprobs"]
 
 def check_logprobs(strategy: LazyExportFSDP2, target: ScoresLogprobs,
                    tolerance: float) -> tuple[float | None, str | None]:
-    """This rank's engine(s) against the trainer on a fixed probe: ``(worst difference, message past tolerance)``.
+    """This rank's engine(s) against the trainer on a fixed probe: ``(worst difference, message past tolerance)``;
+    where the engine and the trainer's model both read images, on the probe after a picture too
+    (:func:`~lightning_fsdp_export.sync.image_probe.image_probe_gap`).
 
     The trainer's forward runs with the shards on the device and starts no compute phase. A target may
     answer one list (its engine) or ``{engine name: list}`` (``RemoteVLLM``: every server from rank 0,
@@ -35,10 +39,15 @@ def check_logprobs(strategy: LazyExportFSDP2, target: ScoresLogprobs,
     engines = scored if isinstance(scored, dict) else {"the engine": scored}
     if not engines:
         return None, None
-    diffs = {name: max(abs(a - b) for a, b in zip(mine, lps)) for name, lps in engines.items()}
+    diffs = {f"{name}'s probe": max(abs(a - b) for a, b in zip(mine, lps)) for name, lps in engines.items()}
+    image, failed = image_probe_gap(strategy, target, probe[:16])
+    if failed:
+        return None, failed
+    if image is not None:  # the tower and projector of a whole VLM, which a text probe never reaches
+        diffs["the engine's image probe"] = image
     worst = max(diffs, key=diffs.__getitem__)
     if diffs[worst] <= tolerance:
         return diffs[worst], None
-    return diffs[worst], (f"{worst}'s probe logprobs differ from the trainer's by {diffs[worst]:.3f} >"
+    return diffs[worst], (f"{worst} logprobs differ from the trainer's by {diffs[worst]:.3f} >"
                           f" verify_tolerance={tolerance}: it does not hold the trainer's weights (a missing or"
                           " misnamed tensor, or a stale cache)")

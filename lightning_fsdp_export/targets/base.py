@@ -29,7 +29,7 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
@@ -128,6 +128,16 @@ class ScoresLogprobs(ABC):
     def prompt_logprobs(self, token_ids: list[int]) -> list[float] | dict[str, list[float]]:
         """The logprob of each token of ``token_ids`` after the ones before it (``len - 1`` values), or such a
         list per server (``{url: [...]}``); an empty result on ranks that do not ask."""
+
+    def image_checkpoint(self) -> str | None:
+        """The checkpoint directory of an engine that reads images (its processor is there), else ``None``: then
+        ``verify`` scores text only. Only targets that implement :meth:`image_prompt_logprobs` say one."""
+        return None
+
+    def image_prompt_logprobs(self, token_ids: list[int], image: Any) -> tuple[list[int], list[float]]:
+        """The prompt as the engine expanded ``image``'s placeholder in ``token_ids``, and the logprob of each of its
+        tokens after the ones before (``len - 1`` values)."""
+        raise NotImplementedError(f"{type(self).__name__} does not score images")
 
 
 class ExactCheckable(ABC):

@@ -26,6 +26,7 @@ from lightning_fsdp_export._compat import (
     released_mla_weights,
     remove_lora,
     reset_caches,
+    serves_images,
     set_weight_version,
 )
 from lightning_fsdp_export.export.source import ExportSource
@@ -313,6 +314,23 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
         (out,) = self.llm.generate([{"prompt_token_ids": token_ids}], params, use_tqdm=False,
                                    lora_request=self.lora_request)  # awake-checked with sleep_level
         return [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], token_ids[1:])]
+
+    @override
+    def image_checkpoint(self) -> str | None:
+        """The engine's checkpoint directory when it takes images (a vision-language model, ``limit_mm_per_prompt``
+        not 0 for images), for ``verify`` to score an image prompt too; else ``None``."""
+        path = self.checkpoint_path()
+        return path if serves_images(self.llm) and os.path.isdir(path) else None
+
+    @override
+    def image_prompt_logprobs(self, token_ids: list[int], image: Any) -> tuple[list[int], list[float]]:
+        from vllm import SamplingParams
+
+        params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False)
+        (out,) = self.llm.generate([{"prompt_token_ids": token_ids, "multi_modal_data": {"image": image}}], params,
+                                   use_tqdm=False, lora_request=self.lora_request)
+        ids = list(out.prompt_token_ids)
+        return ids, [entry[tok].logprob for entry, tok in zip(out.prompt_logprobs[1:], ids[1:])]
 
     @override
     def teardown(self) -> None:

@@ -27,15 +27,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import ColocatedVLLM, Drafter, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
 from lightning_fsdp_export.targets import Gloo
 from lightning_fsdp_export.testing import (
+    WHOLE_VLMS,
     add_mtp_layer,
     mtp_layer,
     mtp_loss,
-    save_llava,
     save_vlm_processor,
+    save_whole_vlm,
     save_word_tokenizer,
     tiny_family,
-    tiny_llava,
     tiny_vlm,
+    tiny_whole_vlm,
 )
 from tests.scripts.common import CausalLM, name_diff, run_scenarios, start_script, token_loader
 
@@ -46,8 +47,8 @@ def checkpoint(arch: str, vlm: bool = False, mtp: bool = False) -> Path:
     """``save_pretrained`` of the tiny model (bf16; ``vlm``: the vision-language model holding it; ``mtp``: with a
     multi-token-prediction layer, ``add_mtp_layer``), written once by rank 0."""
     path = ROOT / (arch + ("@vlm" if vlm else "@mtp" if mtp else ""))
-    if dist.get_rank() == 0 and not (path / "config.json").exists() and arch == "llava":
-        save_llava(tiny_llava().to(torch.bfloat16), path)  # the published layout vLLM loads, its processor beside it
+    if dist.get_rank() == 0 and not (path / "config.json").exists() and arch in WHOLE_VLMS:
+        save_whole_vlm(tiny_whole_vlm(arch).to(torch.bfloat16), path)  # vLLM's layout, its processor beside it
     elif dist.get_rank() == 0 and not (path / "config.json").exists():
         model = (tiny_vlm(arch) if vlm else tiny_family(arch)).to(torch.bfloat16)
         model.save_pretrained(path)
@@ -142,7 +143,6 @@ GEN = 6
 
 
 IMAGE_TEXT = [(11 * j + 2) % 500 for j in range(10)]  # the text after the image of an image prompt
-IMAGE_PROMPT = [5] + [508] * 16 + IMAGE_TEXT  # as LLaVA's processor gives it to the model: 16 tokens for the image
 
 
 def image(seed: int) -> Any:
@@ -153,17 +153,21 @@ def image(seed: int) -> Any:
     return Image.fromarray(torch.randint(0, 256, (32, 32, 3), generator=g, dtype=torch.uint8).numpy())
 
 
-def pixels(path: Path, seeds: list[int]) -> torch.Tensor:
-    """The pictures of ``seeds`` as the checkpoint's own processor gives them to the model (as vLLM's does)."""
-    from transformers import AutoImageProcessor
+def vlm_inputs(path: Path, text: list[int], seeds: list[int]) -> dict[str, torch.Tensor]:
+    """What the checkpoint's own processor gives the model for one picture per seed, each before ``text``: the
+    family's image tokens expanded (LLaVA 16, Gemma 3 4 between newlines), pixels, Gemma 3's token types."""
+    from transformers import AutoProcessor
 
-    return AutoImageProcessor.from_pretrained(path)(images=[image(s) for s in seeds], return_tensors="pt")[
-        "pixel_values"]
+    processor = AutoProcessor.from_pretrained(path)
+    words = f"t5 {processor.image_token} " + " ".join(f"t{t}" for t in text)
+    out = processor(text=[words] * len(seeds), images=[[image(s)] for s in seeds], return_tensors="pt")
+    out.pop("attention_mask")
+    return dict(out)
 
 
 class ImageLM(CausalLM):
-    """A vision-language model trained on image batches: each sequence is :data:`IMAGE_PROMPT`'s image (a picture of
-    its own) and a text tail of the batch's tokens; the loss on the text, so the tower and projector train too."""
+    """A vision-language model trained whole on image batches: each sequence a picture of its own, then the batch's
+    tokens; the loss on the text, so the tower and projector train too."""
 
     def __init__(self, build: Any, path: Path, lr: float) -> None:
         super().__init__(build, lr=lr)
@@ -171,30 +175,38 @@ class ImageLM(CausalLM):
 
     def training_step(self, batch: list[torch.Tensor], batch_idx: int) -> torch.Tensor:
         (ids,) = batch
-        ids = ids % 500  # no vision token in the text
-        head = torch.tensor(IMAGE_PROMPT[:17]).expand(len(ids), -1)
-        seq = torch.cat([head, ids], 1)
-        labels = torch.cat([torch.full_like(head, -100), ids], 1)
-        values = pixels(self.path, [batch_idx * len(ids) + i for i in range(len(ids))]).to(self.dtype)
-        loss = self.model(input_ids=seq, pixel_values=values, labels=labels).loss
+        inputs = vlm_inputs(self.path, [], [batch_idx * len(ids) + i for i in range(len(ids))])
+        head = inputs.pop("input_ids")
+        seq = torch.cat([head, ids % 500], 1)  # (no image or newline token in the text)
+        labels = torch.cat([torch.full_like(head, -100), ids % 500], 1)
+        if "token_type_ids" in inputs:  # Gemma 3: images attend both ways, text causally
+            inputs["token_type_ids"] = torch.cat([inputs["token_type_ids"], torch.zeros_like(ids)], 1)
+        inputs["pixel_values"] = inputs["pixel_values"].to(self.dtype)
+        loss = self.model(input_ids=seq, labels=labels, **inputs).loss
         self.losses.append(loss.item())
         return loss
 
 
 def image_gap(llm: Any, pl_module: CausalLM, trainer: Trainer, path: Path) -> float:
-    """The largest gap between the engine's and the trainer's logprobs of :data:`IMAGE_PROMPT`'s text tokens, with a
-    picture (image seed 99) the engine reads through its vision tower and projector."""
+    """The largest gap between the engine's and the trainer's logprobs of an image prompt's text tokens
+    (:data:`IMAGE_TEXT` after a picture, image seed 99, which the engine reads through its tower and projector)."""
+    from transformers import AutoProcessor
     from vllm import SamplingParams
 
-    out = llm.generate([{"prompt_token_ids": [5, 508] + IMAGE_TEXT, "multi_modal_data": {"image": image(99)}}],
+    inputs = vlm_inputs(path, IMAGE_TEXT, [99])
+    processor = AutoProcessor.from_pretrained(path)  # the prompt as vLLM takes it: the family's one image placeholder
+    prompt = processor.tokenizer(f"t5 {processor.image_token}", add_special_tokens=False)["input_ids"] + IMAGE_TEXT
+    out = llm.generate([{"prompt_token_ids": prompt, "multi_modal_data": {"image": image(99)}}],
                        SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False), use_tqdm=False)[0]
-    assert list(out.prompt_token_ids) == IMAGE_PROMPT, out.prompt_token_ids  # vLLM expands the one image token
-    engine = [d[t].logprob for d, t in zip(out.prompt_logprobs[17:], IMAGE_PROMPT[17:])]
+    ids = inputs.pop("input_ids")[0].tolist()
+    assert list(out.prompt_token_ids) == ids, (out.prompt_token_ids, ids)  # vLLM expands the image as transformers
+    start = len(ids) - len(IMAGE_TEXT)
+    engine = [d[t].logprob for d, t in zip(out.prompt_logprobs[start:], ids[start:])]
+    inputs["pixel_values"] = inputs["pixel_values"].to(pl_module.dtype)
     with torch.no_grad(), trainer.strategy.params_on_device():
-        logits = pl_module.model(input_ids=torch.tensor([IMAGE_PROMPT]),
-                                 pixel_values=pixels(path, [99]).to(pl_module.dtype)).logits[0].float()
+        logits = pl_module.model(input_ids=torch.tensor([ids]), **inputs).logits[0].float()
     logp = torch.log_softmax(logits, -1)
-    mine = [logp[t - 1, IMAGE_PROMPT[t]].item() for t in range(17, len(IMAGE_PROMPT))]
+    mine = [logp[t - 1, ids[t]].item() for t in range(start, len(ids))]
     return max(abs(a - b) for a, b in zip(engine, mine))
 
 
@@ -271,7 +283,7 @@ def fit_from(path: Path, callbacks: list[pl.Callback], steps: int, text: bool = 
                       callbacks=callbacks)
     lr = float(os.environ.get("FAMILY_LR", "3e-3"))
     with trainer.init_module(empty_init=True):
-        module = (ImageLM(build(path), path, lr) if path.name == "llava" else
+        module = (ImageLM(build(path), path, lr) if path.name in WHOLE_VLMS else
                   (DraftingLM if mtp else CausalLM)(build(path, text), lr=lr))
     if mtp:
         module.mtp = mtp_layer(path)
@@ -292,8 +304,8 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
     ``backend``: vLLM's ``attention_backend`` (``"CPU_MLA"``, ``"AMX_MLA"``: on a CPU without AMX tiles too, through
     ``tests/scripts/amx_mla.py``), else the one vLLM picks on this CPU; ``"vlm"``: the engine serves the
     vision-language checkpoint (``tiny_vlm``), the trainer its text model; ``"drop"``: every push leaves out the
-    projector (``DroppingVLLM``), one step. ``llava``: the whole VLM trained on image batches (``ImageLM``), an image
-    prompt compared after every sync too."""
+    projector (``DroppingVLLM``), one step. :data:`WHOLE_VLMS`: the whole VLM trained on image batches (``ImageLM``), an
+    image prompt compared after every sync too."""
     import warnings
 
     from lightning_fsdp_export._compat import attention_backends
@@ -308,21 +320,22 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
         from tests.scripts import amx_mla
 
         amx_mla.install()
-    if arch == "llava":  # the images the engine takes (each costs 16 of the 128 tokens)
+    if arch in WHOLE_VLMS:  # the images the engine takes (each costs 16 of the 128 tokens at most)
         extra = {"limit_mm_per_prompt": {"image": 1}, "mm_processor_cache_gb": 0}
     target = (DroppingVLLM if backend == "drop" else ColocatedVLLM)(
         model=str(path), dtype="bfloat16", max_model_len=128, enforce_eager=True, **extra)
     drafter = mtp_drafter(path) if mtp else None  # the MTP layer, under its names in the checkpoint
-    sync = VLLMWeightSync(target, verify="logprobs", verify_tolerance=0.3, exact_first_sync=True, on_error="warn",
-                          drafter=drafter)
-    compare = Compare(sync, drafter, images=path if arch == "llava" else None)
+    tolerance = 0.1 if arch in WHOLE_VLMS else 0.3  # (whole VLMs: text and image probes <= 0.021 seen)
+    sync = VLLMWeightSync(target, verify="logprobs", verify_tolerance=tolerance, exact_first_sync=True,
+                          on_error="warn", drafter=drafter)
+    compare = Compare(sync, drafter, images=path if arch in WHOLE_VLMS else None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         fit_from(path, [sync, compare], 1 if backend == "drop" else steps, text=vlm, mtp=mtp)
     served = target.llm.llm_engine.model_config.architectures
     return {"checks": compare.checks, "backends": attention_backends(target.llm), "served": served,
             "warnings": [str(w.message)[:600] for w in caught if "Weight sync" in str(w.message)
-                         or "Exact check" in str(w.message)]}
+                         or "Exact check" in str(w.message) or "verify=" in str(w.message)]}
 
 
 def _digest(tensor: torch.Tensor, values: bool = False) -> str:
