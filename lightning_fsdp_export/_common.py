@@ -18,7 +18,7 @@ import torch.distributed as dist
 from lightning_fsdp_export._compat import default_store
 
 __all__ = ["DEFAULT_SHARD_BYTES", "STAGINGS", "SyncGroup", "WeightSyncError", "check_staging", "compare_shapes",
-           "find_relocation", "trainer_part"]
+           "find_relocation", "Relocation", "trainer_part"]
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
 """Largest safetensors file a directory version is split into (``DirectoryTarget`` and the ``Directory`` transport)."""
@@ -135,28 +135,42 @@ def _first_line(err: BaseException) -> str:
     return (str(err).strip().splitlines() or [""])[0][:300]
 
 
-def find_relocation(wanted: list[str], available: set[str] | dict[str, object]) -> tuple[str, str] | None:
-    """The one relocation ``(prefix, new prefix)`` (:meth:`CheckpointFormat.relocate`) under which every name of
-    ``wanted`` missing from ``available`` is found there, keeping its first part's tail: a text model's ``model.*``
-    found as a vision-language checkpoint's ``model.language_model.*``. ``None`` if no single one does."""
+Relocation = tuple[tuple[str, str], ...]
+"""Prefix moves ``((prefix, new prefix), ...)`` that name a model's tensors as a larger checkpoint holds them."""
+
+
+def find_relocation(wanted: list[str], available: set[str] | dict[str, object]) -> Relocation | None:
+    """The prefix moves (:meth:`CheckpointFormat.relocate`) under which every name of ``wanted`` missing from
+    ``available`` is found there, each keeping its first part's tail: a text model's ``model.*`` found as a
+    vision-language checkpoint's ``model.language_model.*`` (one move), or its ``model.*`` and ``lm_head.*`` as
+    LLaVA's ``language_model.model.*`` and ``language_model.lm_head.*`` (two). One move per first part of the
+    missing names; ``None`` if one of them has none."""
     missing = [name for name in wanted if name not in available]
-    if not missing or "." not in missing[0]:
+    heads = sorted({name.split(".", 1)[0] + "." for name in missing if "." in name})
+    if not missing or len(heads) != len({name.split(".", 1)[0] for name in missing}):
         return None
-    head, rest = missing[0].split(".", 1)
-    candidates = {name[: -len(rest)] for name in available if name.endswith("." + rest)}
-    for new in sorted(candidates, key=len):
-        move = (head + ".", new)
-        if all(name.startswith(move[0]) and new + name[len(move[0]):] in available for name in missing):
-            return move
-    return None
+    moves = []
+    for head in heads:
+        names = [name for name in missing if name.startswith(head)]
+        rest = names[0][len(head):]
+        candidates = {name[: -len(rest)] for name in available if name.endswith("." + rest)}
+        # the head kept at the end first (lm_head. as language_model.lm_head.); another new prefix only where the
+        # tail names a module, not just a leaf ("weight" ends half the checkpoint's names)
+        ordered = sorted(candidates, key=lambda new: (not new.endswith("." + head), len(new)))
+        move = next(((head, new) for new in ordered if (new.endswith("." + head) or "." in rest)
+                     and all(new + name[len(head):] in available for name in names)), None)
+        if move is None:
+            return None
+        moves.append(move)
+    return tuple(moves)
 
 
 def trainer_part(names: list[str]) -> str | None:
     """The prefix under which an export holds part of a larger checkpoint, or ``None``: the common prefix of two or
-    more parts (``model.language_model.``) of every name but top-level heads (``lm_head.weight``). A text model
-    trained out of a vision-language checkpoint exports only that part; the checkpoint's other tensors (the vision
-    tower, an MTP head) are the engine's own, not missing from the export. A whole model's names share at most
-    ``model.``."""
+    more parts (``model.language_model.``), or of one other than ``model.`` (LLaVA's ``language_model.``), of every
+    name but top-level heads (``lm_head.weight``). A text model trained out of a vision-language checkpoint exports
+    only that part; the checkpoint's other tensors (the vision tower, an MTP head) are the engine's own, not missing
+    from the export. A whole model's names share at most ``model.``."""
     body = [name.split(".") for name in names if name.count(".") > 1]
     if not body:
         return None
@@ -166,7 +180,7 @@ def trainer_part(names: list[str]) -> str | None:
         while i < min(len(common), len(parts) - 1) and common[i] == parts[i]:
             i += 1
         common = common[:i]
-    return ".".join(common) + "." if len(common) >= 2 else None
+    return ".".join(common) + "." if len(common) >= 2 or common[:1] not in ([], ["model"]) else None
 
 
 def compare_shapes(exported: list[tuple[str, tuple[int, ...]]], expected: dict[str, tuple[int, ...]], *,
@@ -193,9 +207,9 @@ def compare_shapes(exported: list[tuple[str, tuple[int, ...]]], expected: dict[s
         lines.append(f"unknown to the engine ({len(unknown)}): " + ", ".join(unknown[:limit]))
     if missing:
         lines.append(f"missing from the trainer's export ({len(missing)}): " + ", ".join(missing[:limit]))
-    move = find_relocation(unknown, expected) if unknown else None
-    if move is not None:
-        lines.append(f"the engine's checkpoint holds the trainer's {move[0]}* as {move[1]}* (a text model of a"
-                     " vision-language checkpoint): start the trainer with LazyExportFSDP2(pretrained=<that"
-                     " checkpoint>), which names the export so")
+    moves = find_relocation(unknown, expected) if unknown else None
+    if moves is not None:
+        held = ", ".join(f"the trainer's {old}* as {new}*" for old, new in moves)
+        lines.append(f"the engine's checkpoint holds {held} (a text model of a vision-language checkpoint): start the"
+                     " trainer with LazyExportFSDP2(pretrained=<that checkpoint>), which names the export so")
     return lines

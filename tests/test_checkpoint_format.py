@@ -233,8 +233,8 @@ def test_a_text_model_trained_out_of_a_vision_language_checkpoint_is_named_as_th
     plan = plan_export(model)
     wanted = [p.name for names, tensor in plan for p in fmt.pieces(names[0], tensor)]
     assert find_relocation(wanted, {"model.layers.0.x": ()}) is None  # no single prefix: none
-    assert find_relocation(wanted, checkpoint_shapes(tmp_path)) == ("model.", "model.language_model.")
-    fmt.relocate(("model.", "model.language_model."))
+    assert find_relocation(wanted, checkpoint_shapes(tmp_path)) == (("model.", "model.language_model."),)
+    fmt.relocate((("model.", "model.language_model."),))
     got = {piece: t for names, tensor in plan for piece, t in fmt.convert(names[0], tensor.detach())}
     assert all(name in on_disk and torch.equal(t, on_disk[name]) for name, t in got.items())
     assert sorted(n for n in on_disk if n not in got) == sorted(n for n in on_disk if n.startswith("model.visual."))
@@ -285,7 +285,7 @@ def test_a_whole_vlm_renamed_by_pretrained_holds_every_checkpoint_tensor_so_an_e
     whole = tiny_whole_vlm("llava", seed=1).to(torch.bfloat16)
     load_hf_checkpoint(whole, tmp_path / "llava")
     fmt = CheckpointFormat.of(whole)
-    assert fmt.relocation == ("vision_tower.", "vision_tower.vision_model.")  # the prefix match that misled the check
+    assert fmt.relocation == (("vision_tower.", "vision_tower.vision_model."),)  # (the match that misled the check)
     assert fmt.parts_not_held == frozenset()
     assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), whole.state_dict().values()))
     tiny_vlm("qwen3_5").save_pretrained(tmp_path / "qwen3_5")
@@ -383,3 +383,32 @@ def test_a_whole_gemma3_vlm_exports_its_tied_head_and_the_precheck_takes_it(tmp_
     config = (tmp_path / "config.json").read_text()
     (tmp_path / "config.json").write_text(config.replace('"tie_word_embeddings": true', '"tie_word_embeddings": false'))
     assert CheckpointCheck(tmp_path).problems(exported) == ["unknown to the engine (1): language_model.lm_head.weight"]
+
+
+def test_a_text_model_with_an_untied_head_starts_from_a_llava_layout_checkpoint(tmp_path: Path) -> None:
+    # Issue 54 item 4: in LLaVA's layout both model. and lm_head. move (language_model.model.*,
+    # language_model.lm_head.weight); one relocation could not hold both, so the text model was refused ("missing 21
+    # tensor(s)"). pretrained= now finds a move per first part, the export is named so and the precheck agrees.
+    from transformers import LlamaForCausalLM
+
+    from lightning_fsdp_export._common import find_relocation
+    from lightning_fsdp_export.export.lazy import plan_export
+    from lightning_fsdp_export.prepare.pretrained import load_hf_checkpoint
+    from lightning_fsdp_export.targets.directory import CheckpointCheck
+    from lightning_fsdp_export.testing import save_whole_vlm, tiny_whole_vlm
+
+    assert find_relocation(["model.embed_tokens.weight", "lm_head.weight"],
+                           {"language_model.model.embed_tokens.weight", "language_model.lm_head.weight"}) == (
+        ("lm_head.", "language_model.lm_head."), ("model.", "language_model.model."))
+    vlm = tiny_whole_vlm("llava").to(torch.bfloat16)
+    save_whole_vlm(vlm, tmp_path)
+    text = LlamaForCausalLM(vlm.config.text_config).to(torch.bfloat16)
+    load_hf_checkpoint(text, tmp_path)
+    fmt = CheckpointFormat.of(text)
+    assert fmt.relocation == (("lm_head.", "language_model.lm_head."), ("model.", "language_model.model."))
+    assert {"vision_tower", "multi_modal_projector"} <= fmt.parts_not_held
+    assert not {"language_model", "model", "lm_head", "layers"} & fmt.parts_not_held
+    assert torch.equal(text.lm_head.weight, vlm.lm_head.weight)
+    assert torch.equal(text.model.layers[1].mlp.up_proj.weight, vlm.model.language_model.layers[1].mlp.up_proj.weight)
+    exported = [s for names, t in plan_export(text) for name in names for s in fmt.shapes(name, t)]
+    assert CheckpointCheck(tmp_path).problems(exported) == []

@@ -34,6 +34,7 @@ import math
 import weakref
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor, nn
@@ -42,6 +43,9 @@ from transformers import PreTrainedModel
 
 from lightning_fsdp_export._fsdp import chunk_bounds, unsharded_class
 from lightning_fsdp_export.export.names import export_name, is_lora_name, is_peft_model
+
+if TYPE_CHECKING:
+    from lightning_fsdp_export._common import Relocation
 
 __all__ = ["DEFAULT_BLOCK_ELEMENTS", "CheckpointFormat", "Piece", "parts_not_held"]
 
@@ -92,24 +96,23 @@ class CheckpointFormat:
         self._blocks: dict[tuple[str, tuple[int, ...]], list[tuple[int, int, list[tuple[str, Piece]]]]] = {}
         self._owners: dict[tuple[str, tuple[int, ...], int], dict[str, int] | None] = {}
         self._checked = False
-        self.relocation: tuple[str, str] | None = None
+        self.relocation: Relocation | None = None
         self.parts_not_held: frozenset[str] = frozenset()
         """What of the checkpoint the model does not hold (:func:`parts_not_held`; set by ``pretrained=``)."""
 
-    def relocate(self, relocation: tuple[str, str] | None) -> None:
-        """Place every checkpoint name starting with ``relocation[0]`` under ``relocation[1]`` instead (``None``:
-        none), so the model's tensors get the names a larger checkpoint holding it uses: a text model trained out of
-        a vision-language checkpoint (``("model.", "model.language_model.")`` for Qwen3.5), pushed to the engine that
-        serves that checkpoint. Set by ``pretrained=`` (:func:`~lightning_fsdp_export._common.find_relocation`);
-        clears what was planned."""
+    def relocate(self, relocation: Relocation | None) -> None:
+        """Name every checkpoint name starting with a move's prefix under its new prefix (``None``: none), as a larger
+        checkpoint holds the model: a text model of a vision-language one (Qwen3.5: ``model.`` as
+        ``model.language_model.``; LLaVA's layout moves ``lm_head.`` too). Set by ``pretrained=``; clears plans."""
         self.relocation = relocation
         self._pieces.clear()
         self._blocks.clear()
         self._owners.clear()
 
     def _relocated(self, name: str) -> str:
-        if self.relocation is not None and name.startswith(self.relocation[0]):
-            return self.relocation[1] + name[len(self.relocation[0]):]
+        for old, new in self.relocation or ():
+            if name.startswith(old):
+                return new + name[len(old):]
         return name
 
     @classmethod

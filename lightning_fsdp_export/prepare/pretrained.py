@@ -73,9 +73,9 @@ def load_hf_checkpoint(module: nn.Module, path: str | os.PathLike[str]) -> list[
         wanted = [p.name for names, tensor in plan for p in fmt.pieces(names[0], tensor)]
         fmt.relocate(find_relocation(wanted, available))
         if fmt.relocation is not None:
-            _log.info("pretrained=%r holds %s under %r (%r there): the export names its tensors so too, for the"
-                      " engine serving that checkpoint.", str(path), model_name, fmt.relocation[1],
-                      fmt.relocation[0])
+            _log.info("pretrained=%r holds %s under other prefixes (%s): the export names its tensors so too, for"
+                      " the engine serving that checkpoint.", str(path), model_name,
+                      ", ".join(f"{old!r} as {new!r}" for old, new in fmt.relocation))
     held = {p.name for names, tensor in plan for name in names for p in fmt.pieces(name, tensor)}
     fmt.parts_not_held = parts_not_held(held, available)  # what an exact check may count as the engine's own
     state: dict[str, Tensor] = {}  # checkpoint name -> tensor, read by DCP (same layout on both sides)

@@ -283,7 +283,7 @@ def fit_from(path: Path, callbacks: list[pl.Callback], steps: int, text: bool = 
                       callbacks=callbacks)
     lr = float(os.environ.get("FAMILY_LR", "3e-3"))
     with trainer.init_module(empty_init=True):
-        module = (ImageLM(build(path), path, lr) if path.name in WHOLE_VLMS else
+        module = (ImageLM(build(path), path, lr) if path.name in WHOLE_VLMS and not text else
                   (DraftingLM if mtp else CausalLM)(build(path, text), lr=lr))
     if mtp:
         module.mtp = mtp_layer(path)
@@ -304,16 +304,18 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
     ``backend``: vLLM's ``attention_backend`` (``"CPU_MLA"``, ``"AMX_MLA"``: on a CPU without AMX tiles too, through
     ``tests/scripts/amx_mla.py``), else the one vLLM picks on this CPU; ``"vlm"``: the engine serves the
     vision-language checkpoint (``tiny_vlm``), the trainer its text model; ``"drop"``: every push leaves out the
-    projector (``DroppingVLLM``), one step. :data:`WHOLE_VLMS`: the whole VLM trained on image batches (``ImageLM``), an
-    image prompt compared after every sync too."""
+    projector (``DroppingVLLM``), one step; ``"text"``: the engine serves a whole-VLM checkpoint
+    (:data:`WHOLE_VLMS`), the trainer its text model (LLaVA's untied head moves with it: two relocations).
+    :data:`WHOLE_VLMS` otherwise: the whole VLM trained on image batches (``ImageLM``), an image prompt compared after
+    every sync too."""
     import warnings
 
     from lightning_fsdp_export._compat import attention_backends
 
-    vlm, mtp = backend == "vlm", backend == "mtp"
+    vlm, mtp, text = backend == "vlm", backend == "mtp", backend == "text"
     path = checkpoint(arch, vlm, mtp)
     seed_everything(0)
-    extra = {} if backend in (None, "vlm", "drop") else {"attention_backend": backend}
+    extra = {} if backend in (None, "vlm", "drop", "text") else {"attention_backend": backend}
     if mtp:  # speculative decoding, drafted by the checkpoint's MTP layer
         extra = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}, "disable_log_stats": False}
     if backend == "AMX_MLA":
@@ -325,13 +327,13 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
     target = (DroppingVLLM if backend == "drop" else ColocatedVLLM)(
         model=str(path), dtype="bfloat16", max_model_len=128, enforce_eager=True, **extra)
     drafter = mtp_drafter(path) if mtp else None  # the MTP layer, under its names in the checkpoint
-    tolerance = 0.1 if arch in WHOLE_VLMS else 0.3  # (whole VLMs: text and image probes <= 0.021 seen)
+    tolerance = 0.1 if arch in WHOLE_VLMS and not text else 0.3  # (whole VLMs: text and image probes <= 0.021 seen)
     sync = VLLMWeightSync(target, verify="logprobs", verify_tolerance=tolerance, exact_first_sync=True,
                           on_error="warn", drafter=drafter)
-    compare = Compare(sync, drafter, images=path if arch in WHOLE_VLMS else None)
+    compare = Compare(sync, drafter, images=path if arch in WHOLE_VLMS and not text else None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit_from(path, [sync, compare], 1 if backend == "drop" else steps, text=vlm, mtp=mtp)
+        fit_from(path, [sync, compare], 1 if backend == "drop" else steps, text=vlm or text, mtp=mtp)
     served = target.llm.llm_engine.model_config.architectures
     return {"checks": compare.checks, "backends": attention_backends(target.llm), "served": served,
             "warnings": [str(w.message)[:600] for w in caught if "Weight sync" in str(w.message)
