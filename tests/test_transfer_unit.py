@@ -236,7 +236,7 @@ class Rank:
 
 
 ROUND = ["/pause?mode=wait", "/start_weight_update", "/update_weights", "/finish_weight_update",
-         "/reset_prefix_cache", "/resume"]
+         "/reset_prefix_cache", "/reset_encoder_cache", "/resume"]
 
 
 def test_nccl_replicas_get_their_own_rank_offsets_the_version_and_one_round_each(recording_engine: Any) -> None:
@@ -281,7 +281,8 @@ def test_ipc_and_keep_mode(recording_engine: Any) -> None:
     assert stub.body("/init_weight_transfer_engine") == [{"init_info": {"packed": True}}]  # no rank offset for IPC
     target.push_source(source(), version=2)
     assert stub.paths()[2:] == ["/pause?mode=keep&clear_cache=false", "/start_weight_update", "/update_weights",
-                                "/finish_weight_update", "/reset_prefix_cache?reset_running_requests=true", "/resume"]
+                                "/finish_weight_update",
+                                "/reset_prefix_cache?reset_running_requests=true", "/reset_encoder_cache", "/resume"]
 
 
 class StagedRecordingEngine(RecordingEngine):
@@ -329,7 +330,8 @@ def test_staged_nccl_stages_without_a_pause_and_swaps_under_it(monkeypatch: pyte
     assert payload.stage_as  # a staged round: the workers receive it while the server generates
     assert stub.paths()[2:] == ["/start_weight_update", "/update_weights", "/finish_weight_update",  # staging: no pause
                                 "/pause?mode=keep&clear_cache=false", "/start_weight_update", "/update_weights",
-                                "/finish_weight_update", "/reset_prefix_cache?reset_running_requests=true", "/resume"]
+                                "/finish_weight_update",
+                                "/reset_prefix_cache?reset_running_requests=true", "/reset_encoder_cache", "/resume"]
     staged, swap = stub.body("/update_weights")
     assert staged["update_info"]["stage_as"] == payload.stage_as and swap["update_info"]["swap_to"] == payload.stage_as
     assert stub.body("/finish_weight_update")[-1] == {"weight_version": "7"}  # the version is the swap's
@@ -358,8 +360,8 @@ def test_a_server_with_our_swap_route_swaps_a_staged_round_on_its_own_in_one_req
     assert body["update_info"]["swap_to"] == body["check_info"]["swap_to"] == stage
     assert (body["check_info"]["check_only"], body["update_info"]["check_only"]) == (True, False)
     assert (body["version"], body["pause_mode"], body["hold_at"]) == ("7", "wait", None)
-    assert stepwise.paths()[-6:] == ["/pause?mode=wait", "/start_weight_update", "/update_weights",
-                                     "/finish_weight_update", "/reset_prefix_cache", "/resume"]
+    assert stepwise.paths()[-7:] == ["/pause?mode=wait", "/start_weight_update", "/update_weights",
+                                     "/finish_weight_update", "/reset_prefix_cache", "/reset_encoder_cache", "/resume"]
     paused, resumed = target.last_pause  # the longest server-side pause, ending when the answers came
     assert resumed - paused == pytest.approx(0.05)  # the server-side pause the stub reports
     # A staging that failed on the server with the route: it answers that it never paused; the other serves v8.
@@ -654,7 +656,7 @@ def test_nccl_m2n_drives_vllms_own_m2n_engine_with_our_shard_source(fake_m2n: Fa
     for stub, offset in zip(stubs, (1, 3)):  # 1 trainer rank, then the first server's 2 workers
         assert stub.paths() == ["/get_world_size", "/pause?mode=wait", "/init_weight_transfer_engine",
                                 "/start_weight_update", "/update_weights", "/finish_weight_update",
-                                "/reset_prefix_cache", "/resume"]
+                                "/reset_prefix_cache", "/reset_encoder_cache", "/resume"]
         init = stub.body("/init_weight_transfer_engine")[0]["init_info"]
         assert (init["rank_offset"], init["world_size"], init["master_port"]) == (offset, 4, 29999)
         assert init["names"] == ["model.embed_tokens.weight", "model.norm.weight"]
@@ -664,8 +666,8 @@ def test_nccl_m2n_drives_vllms_own_m2n_engine_with_our_shard_source(fake_m2n: Fa
     assert first["src"] == ["S0", "R"] and torch.equal(first["shard"], torch.arange(8.0).reshape(4, 2))
     assert second["src_mesh"] == ((1, 1), 0) and second["dst_mesh"] == ((3, 1), 1)  # REPLICATED: the fallback
     target.push_source(shard_source(), version=8)  # the same plan: no new rendezvous
-    assert stubs[0].paths()[8:] == ["/pause?mode=wait", "/start_weight_update", "/update_weights",
-                                    "/finish_weight_update", "/reset_prefix_cache", "/resume"]
+    assert stubs[0].paths()[9:] == ["/pause?mode=wait", "/start_weight_update", "/update_weights",
+                                    "/finish_weight_update", "/reset_prefix_cache", "/reset_encoder_cache", "/resume"]
     with pytest.raises(TypeError, match="nccl_m2n'\\) sends every rank's own shards: give it a ShardSource"):
         target.push_source(source(), version=9)
     target.teardown()
@@ -691,7 +693,8 @@ def test_the_directory_transport_and_reset_weights_pause_in_the_chosen_mode(tmp_
     target.reset_weights()
     target.push(iter([("model.layers.0.q.weight", torch.ones(2, 2))]), version=3)
     pause = "/pause?mode=wait" if mode == "wait" else "/pause?mode=keep&clear_cache=false"
-    reset = {"keep": ["/reset_prefix_cache?reset_running_requests=true"], "wait": ["/reset_prefix_cache"],
+    reset = {"keep": ["/reset_prefix_cache?reset_running_requests=true", "/reset_encoder_cache"],
+             "wait": ["/reset_prefix_cache", "/reset_encoder_cache"],
              "keep_old_kv": []}[mode]  # keep_old_kv: the frozen requests keep their KV; clients salt per version
     assert stub.paths() == [pause, "/weight_checker", pause, "/collective_rpc", *reset, "/update_weight_version",
                             "/resume"]
@@ -787,7 +790,7 @@ def test_an_adapter_sync_holds_the_servers_paused_between_base_and_adapter_and_a
     target.push_adapter(adapter, version=5)
     load = {"lora_name": "pi", "lora_path": str(adapter.resolve()), "load_inplace": True}
     for stub in stubs:  # one pause: no new base weights served beside the old adapter
-        assert stub.paths()[2:] == [*ROUND[:-1], "/v1/load_lora_adapter", "/reset_prefix_cache",
+        assert stub.paths()[2:] == [*ROUND[:-1], "/v1/load_lora_adapter", "/reset_prefix_cache", "/reset_encoder_cache",
                                     "/update_weight_version", "/resume"]
         assert stub.body("/finish_weight_update") == [{"weight_version": "5"}]  # set again with the adapter
         assert stub.body("/v1/load_lora_adapter") == [load] and stub.body("/update_weight_version") == [
@@ -801,7 +804,7 @@ def test_an_adapter_sync_holds_the_servers_paused_between_base_and_adapter_and_a
     assert "/resume" not in stubs[1].paths() and stubs[1].paths()[0] == "/pause?mode=wait"
     # the other loaded adapter 6 beside its base: one whole version, labelled and serving
     assert stubs[0].paths() == ["/pause?mode=wait", "/v1/load_lora_adapter", "/reset_prefix_cache",
-                                "/update_weight_version", "/resume"]
+                                "/reset_encoder_cache", "/update_weight_version", "/resume"]
     assert target.adapter_version is None
 
 

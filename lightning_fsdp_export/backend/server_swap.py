@@ -118,6 +118,8 @@ class _Swap:
                 reset_running_requests=self.mode == "keep"):
             return self._answer(False, paused=True, error="the prefix cache reset was refused (blocks still held);"
                                                           " cached prompts would use the old weights")
+        if self.mode != "keep_old_kv":  # vision embeddings of the old weights (the pause kept every cache)
+            await engine.reset_encoder_cache()
         await self._step("cache_reset")
         await engine.resume_generation()
         self.times["paused_s"] = time.monotonic() - paused_at

@@ -376,7 +376,8 @@ def set_versions(servers: Sequence[Server], version: int) -> None:
 
 def reset_prefix_caches(servers: Sequence[Server], mode: PauseMode) -> None:
     """After an update: drop every server's prefix cache (with ``keep``, the kept requests' blocks too, so they
-    are recomputed with the new weights); a server answering ``{"success": false}`` fails the round.
+    are recomputed with the new weights; a server answering ``{"success": false}`` fails the round), then its
+    encoder cache (vision embeddings, kept across requests by vLLM: a ``keep`` pause does not clear it).
 
     ``keep_old_kv`` resets nothing: the frozen requests hold blocks (vLLM would answer ``{"success": false}``)
     and keep their old KV by choice; the prefix cache must then be isolated per version by the clients
@@ -391,6 +392,7 @@ def reset_prefix_caches(servers: Sequence[Server], mode: PauseMode) -> None:
         raise ServerError(f"vLLM server(s) {refused} refused to reset the prefix cache after the update"
                           " ({'success': false}: blocks still held); their cached prompts would use the old"
                           " weights.", refused[0])
+    on_all(servers, lambda s: s.request("POST", "/reset_encoder_cache"))  # no image embedding of the old weights
 
 
 def _sender_device() -> torch.device | None:

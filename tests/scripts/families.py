@@ -323,7 +323,7 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
 
         amx_mla.install()
     if arch in WHOLE_VLMS:  # the images the engine takes (each costs 16 of the 128 tokens at most)
-        extra = {"limit_mm_per_prompt": {"image": 1}, "mm_processor_cache_gb": 0}
+        extra = {"limit_mm_per_prompt": {"image": 1}}
     target = (DroppingVLLM if backend == "drop" else ColocatedVLLM)(
         model=str(path), dtype="bfloat16", max_model_len=128, enforce_eager=True, **extra)
     drafter = mtp_drafter(path) if mtp else None  # the MTP layer, under its names in the checkpoint
