@@ -309,15 +309,27 @@ def vlm_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     subprocess.run([str(VLM_PYTHON), "-c", "import sys, torch; from lightning_fsdp_export.testing import tiny_vlm,"
                     " save_vlm_processor; tiny_vlm('qwen3_5').to(torch.bfloat16).save_pretrained(sys.argv[1]);"
                     " save_vlm_processor(sys.argv[1])", str(path)], cwd=ROOT, check=True, capture_output=True)
-    port = free_port()
+    llava = out.parent / "families" / "llava"  # families.py's checkpoint("llava") too; served for image rollouts
+    subprocess.run([str(VLM_PYTHON), "-c", "import sys, torch; from lightning_fsdp_export.testing import"
+                    " tiny_whole_vlm, save_whole_vlm; save_whole_vlm(tiny_whole_vlm('llava').to(torch.bfloat16),"
+                    " sys.argv[1])", str(llava)], cwd=ROOT, check=True, capture_output=True)
+    port, llava_port = free_port(), free_port()
     start_server(path, port, python=str(VLM_PYTHON))
+    start_server(llava, llava_port, python=str(VLM_PYTHON))
     try:
         wait_for_server(f"http://127.0.0.1:{port}", path / f"server{port}.log")
         only = [f"sync:{a}" for a in VLM_SYNCED] + ["sync:llava@drop", "remote:qwen3_5@vlm"]
-        return run_torchrun("families.py", out, "--only", ",".join(only), "--server",
-                            f"qwen3_5@vlm=http://127.0.0.1:{port}", env=ENGINE_ENV, timeout=900, python=VLM_PYTHON)
+        results = run_torchrun("families.py", out, "--only", ",".join(only), "--server",
+                               f"qwen3_5@vlm=http://127.0.0.1:{port}", env=ENGINE_ENV, timeout=900, python=VLM_PYTHON)
+        stop_server(path, port)  # (its memory, for the rollouts' ranks)
+        wait_for_server(f"http://127.0.0.1:{llava_port}", llava / f"server{llava_port}.log")
+        rollouts = out.parent / "vlm_rollouts.json"
+        results.update(run_torchrun("vlm_rollouts.py", rollouts, "--server", f"http://127.0.0.1:{llava_port}",
+                                    env={"LFE_MODEL_DIR": str(llava)}, timeout=600, python=VLM_PYTHON))
+        return results
     finally:
         stop_server(path, port)
+        stop_server(llava, llava_port)
 
 
 def check_tower(got: dict[str, Any], arch: str) -> None:
@@ -366,6 +378,23 @@ def test_a_whole_vlm_sync_that_misses_a_module_fails_the_exact_check_naming_it(v
     assert second["stale"] is True and second["image_diff"] > IMAGE_TOLERANCE, second
     assert "Weight sync of version 2 did not verify" in got["warnings"][1], got["warnings"]
     assert "the engine's image probe logprobs differ" in got["warnings"][1]
+
+
+@pytest.mark.vllm
+def test_image_rollouts_under_async_rollouts_are_what_the_trainer_scores_with_their_pictures(
+        vlm_results: dict[str, Any]) -> None:
+    # Issue 54 item 3: AsyncRollouts sends prompts with pictures ({"prompt_token_ids", "multi_modal_data"}) to a real
+    # LLaVA server (content_parts of /inference/v1/generate); the whole VLM trains on-policy, synced every step. Every
+    # sample's tokens, scored by the trainer's model with the picture the sample carries, match the server's logprobs
+    # (measured <= 0.0055), and with another picture do not (0.04-0.53): the picture went through the server's tower,
+    # and that tower was the trainer's of the version every token is labelled with.
+    got = scenario(vlm_results, "vlm_rollouts")
+    for rank in got["ranks"]:
+        assert [s["version"] for s in rank] == [1, 2, 3], rank
+        for step in rank:
+            assert step["with_pictures"] and step["samples"] == 4 and step["versions"] == [step["version"]], step
+            assert step["own_gap"] < 0.05 and step["other_picture_gap"] > 2 * step["own_gap"], step
+        assert rank[0]["other_picture_gap"] > 0.1, rank
 
 
 @pytest.mark.vllm

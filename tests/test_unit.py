@@ -266,7 +266,7 @@ def test_the_rooms_import_each_other_without_a_cycle_as_architecture_md_says() -
 # package's minimum (transformers 5's conversion rules, torch's HuggingFaceStorageReader).
 LAZY_IMPORTS = ("vllm", "lightning_fsdp_export.export.vllm_source", "lightning_fsdp_export.backend",
                 "lightning_fsdp_export_plugin", "peft", "transformers.core_model_loading",
-                "transformers.conversion_mapping", "torch.distributed.checkpoint")
+                "transformers.conversion_mapping", "torch.distributed.checkpoint", "PIL")
 
 
 def test_function_local_imports_only_guard_optional_dependencies() -> None:

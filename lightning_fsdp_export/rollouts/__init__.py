@@ -33,6 +33,7 @@ another version than its salt (the servers swapped before its prefill) is sent a
 from lightning_fsdp_export.rollouts.callback import AsyncRollouts
 from lightning_fsdp_export.rollouts.samples import (
     GENERATE_ROUTE,
+    Prompt,
     RolloutBatch,
     RolloutError,
     Sample,
@@ -41,5 +42,5 @@ from lightning_fsdp_export.rollouts.samples import (
     truncated_importance_weights,
 )
 
-__all__ = ["GENERATE_ROUTE", "AsyncRollouts", "RolloutBatch", "RolloutError", "Sample", "SampleGroup", "staleness_mask",
-           "truncated_importance_weights"]
+__all__ = ["GENERATE_ROUTE", "AsyncRollouts", "Prompt", "RolloutBatch", "RolloutError", "Sample", "SampleGroup",
+           "staleness_mask", "truncated_importance_weights"]

@@ -20,7 +20,7 @@ from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export.rollouts.clients import RolloutClients
 from lightning_fsdp_export.rollouts.loop import FabricLoop
 from lightning_fsdp_export.rollouts.pacing import Pacing
-from lightning_fsdp_export.rollouts.samples import RolloutBatch, RolloutError, Sample
+from lightning_fsdp_export.rollouts.samples import Prompt, RolloutBatch, RolloutError, Sample
 from lightning_fsdp_export.rollouts.state import RolloutState
 from lightning_fsdp_export.sync.callback import VLLMWeightSync
 from lightning_fsdp_export.sync.engine import SyncEngine
@@ -46,8 +46,8 @@ class AsyncRollouts(Callback, FabricLoop):
         sync: the sync pushing to the servers: the Trainer's ``VLLMWeightSync`` (list it in the Trainer's callbacks
             too; it must sync at train start, the default, so the first rollouts come from the trainer's weights), or
             a Fabric loop's ``WeightSync`` (pushed once before :meth:`start`).
-        prompts: token-id prompts (a sequence, or a callable ``index -> prompt`` for an endless stream);
-            rank ``r`` of ``W`` takes indices ``r, r + W, ...``; a sequence is cycled.
+        prompts: token ids or, with images, vLLM's dicts (:data:`Prompt`); a sequence (cycled) or a callable
+            ``index -> prompt`` for an endless stream; rank ``r`` of ``W`` takes indices ``r, r + W, ...``.
         reward: ``Sample -> float``, called in the client threads when a group finishes.
         batch_size: groups per step on each rank (a step trains ``batch_size * group_size`` samples per rank).
         group_size: samples per prompt (vLLM's ``n``).
@@ -63,7 +63,7 @@ class AsyncRollouts(Callback, FabricLoop):
         request_timeout: seconds for one request (a group).
     """
 
-    def __init__(self, sync: SyncEngine | VLLMWeightSync, prompts: Sequence[list[int]] | Callable[[int], list[int]],
+    def __init__(self, sync: SyncEngine | VLLMWeightSync, prompts: Sequence[Prompt] | Callable[[int], Prompt],
                  reward: Callable[[Sample], float], *, batch_size: int, group_size: int = 1,
                  max_staleness: int = 1, sampling: dict[str, Any] | None = None, max_in_flight: int | None = None,
                  versions_every: int | None = None, batch_timeout: float = 300.0,

@@ -10,7 +10,16 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from lightning_fsdp_export.rollouts.pacing import Pacing
-from lightning_fsdp_export.rollouts.samples import GENERATE_ROUTE, UNKNOWN_VERSION, RolloutError, Sample, SampleGroup
+from lightning_fsdp_export.rollouts.samples import (
+    GENERATE_ROUTE,
+    UNKNOWN_VERSION,
+    Prompt,
+    RolloutError,
+    Sample,
+    SampleGroup,
+    image_parts,
+    split_prompt,
+)
 from lightning_fsdp_export.rollouts.state import RolloutState
 from lightning_fsdp_export.sync.callback import VLLMWeightSync
 from lightning_fsdp_export.transfer.http import Server, ServerError, interrupt
@@ -37,7 +46,7 @@ class RolloutClients:
     """A prompt whose request failed this often (on any servers) is dropped and counted."""
 
     def __init__(self, state: RolloutState, pacing: Pacing, *, sync: VLLMWeightSync,
-                 prompts: Sequence[list[int]] | Callable[[int], list[int]], reward: Callable[[Sample], float],
+                 prompts: Sequence[Prompt] | Callable[[int], Prompt], reward: Callable[[Sample], float],
                  sampling: dict[str, Any], request_timeout: float) -> None:
         self.state = state
         self.pacing = pacing
@@ -160,11 +169,10 @@ class RolloutClients:
         self.state.sent[server.url] = self.state.sent.get(server.url, 0) + 1
         return server
 
-    def prompt(self, index: int) -> list[int]:
-        """The prompt at ``index`` (a sequence is cycled)."""
-        if callable(self.prompts):
-            return list(self.prompts(index))
-        return list(self.prompts[index % len(self.prompts)])
+    def prompt(self, index: int) -> tuple[list[int], dict[str, Any] | None]:
+        """The prompt at ``index`` (a sequence is cycled): its token ids and its images, if any."""
+        found = self.prompts(index) if callable(self.prompts) else self.prompts[index % len(self.prompts)]
+        return split_prompt(found, index)
 
     def _generate(self, rid: str, index: int, server: Server, admitted_version: Any, *,
                   settled: bool) -> SampleGroup | None:
@@ -176,9 +184,11 @@ class RolloutClients:
         salt of its own); one admitted when settled is salted with the version served, and if the servers swapped
         before its prefill anyway (its first token names another version), its prompt may have been read from the
         older weights' blocks: it is sent again (``resampled``)."""
-        prompt = self.prompt(index)
+        prompt, media = self.prompt(index)
         salt = f"lfe-{rid}" if self.keeps_old_kv and not settled else f"lfe-v{admitted_version}"
         body = {"request_id": rid, "token_ids": prompt, "sampling_params": self.sampling, "cache_salt": salt}
+        if media is not None:  # the images, resolved by the server (its processor expands each placeholder)
+            body["content_parts"] = image_parts(media)
         if self.sync.lora == "adapter":  # the policy is the adapter the sync loads, not the base model
             body["model"] = self.sync.target.adapter_name  # type: ignore[attr-defined]
         admitted = time.time()
@@ -186,7 +196,7 @@ class RolloutClients:
         try:
             answer = server.post_interruptible(GENERATE_ROUTE, body, timeout=self.request_timeout,
                                                opened=lambda conn: self._opened(rid, conn))
-            samples = [self.sample(index, prompt, choice, server) for choice in answer["choices"]]
+            samples = [self.sample(index, prompt, choice, server, media) for choice in answer["choices"]]
         except (ServerError, KeyError, TypeError, ValueError) as err:
             with state.lock:
                 state.connections.pop(rid, None)
@@ -222,7 +232,8 @@ class RolloutClients:
             interrupt(conn)
 
     @staticmethod
-    def sample(index: int, prompt: list[int], choice: dict[str, Any], server: Server) -> Sample:
+    def sample(index: int, prompt: list[int], choice: dict[str, Any], server: Server,
+               media: dict[str, Any] | None = None) -> Sample:
         """One of the server's choices as a :class:`Sample`: its tokens, vLLM's logprobs and a version per token
         from the ``weight_versions`` spans (a label that is no version of the sync's: ``UNKNOWN_VERSION``)."""
         tokens = list(choice.get("token_ids") or [])
@@ -238,4 +249,5 @@ class RolloutClients:
         logprobs = [float(c["logprob"]) for c in content]
         if len(logprobs) != len(tokens):
             raise ValueError(f"{server.url} returned {len(logprobs)} logprobs for {len(tokens)} tokens")
-        return Sample(index, prompt, tokens, logprobs, versions, str(choice.get("finish_reason")), server.url)
+        return Sample(index, prompt, tokens, logprobs, versions, str(choice.get("finish_reason")), server.url,
+                      multi_modal_data=media)

@@ -3,14 +3,19 @@ off-policy helpers a loss uses (truncated importance weights, the staleness mask
 
 from __future__ import annotations
 
+import base64
+import io
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
 
-__all__ = ["GENERATE_ROUTE", "UNKNOWN_VERSION", "RolloutBatch", "RolloutError", "Sample", "SampleGroup",
-           "staleness_mask", "truncated_importance_weights"]
+__all__ = ["GENERATE_ROUTE", "UNKNOWN_VERSION", "Prompt", "RolloutBatch", "RolloutError", "Sample", "SampleGroup",
+           "image_parts", "split_prompt", "staleness_mask", "truncated_importance_weights"]
 
+Prompt = list[int] | dict[str, Any]
+"""A rollout prompt: token ids, or vLLM's ``{"prompt_token_ids": [...], "multi_modal_data": {"image": ...}}``."""
 GENERATE_ROUTE = "/inference/v1/generate"
 UNKNOWN_VERSION = -1
 """A token's version when the server's label is not one of the sync's (``"default"``: a server that restarted
@@ -37,6 +42,9 @@ class Sample:
     finish_reason: str
     server: str
     reward: float = 0.0
+    multi_modal_data: dict[str, Any] | None = None
+    """The prompt's images as given (``{"image": [...]}``), for the trainer's processor; ``prompt`` then holds the
+    family's placeholder token once per image, not the tokens the image expands to."""
 
     @property
     def min_version(self) -> int:
@@ -135,3 +143,38 @@ def staleness_mask(versions: Tensor, trainer_version: int, max_staleness: int) -
     """1 on tokens sampled by a version at most ``max_staleness`` older than ``trainer_version``, else 0
     (padding, labelled -1, is masked unless the bound allows it)."""
     return (trainer_version - versions <= max_staleness).to(torch.long)
+
+
+def split_prompt(prompt: Any, index: int) -> tuple[list[int], dict[str, Any] | None]:
+    """A prompt of ``AsyncRollouts`` as ``(token ids, multi_modal_data or None)``: a list of token ids, or vLLM's
+    ``{"prompt_token_ids": [...], "multi_modal_data": {"image": picture or [pictures]}}``."""
+    if isinstance(prompt, dict):
+        if "prompt_token_ids" not in prompt:
+            raise ValueError(f"AsyncRollouts: prompt {index} is a dict without 'prompt_token_ids' (keys"
+                             f" {sorted(prompt)}); give {{'prompt_token_ids': [...], 'multi_modal_data': {{'image':"
+                             " ...}}}.")
+        media = prompt.get("multi_modal_data") or None
+        if media is not None and set(media) - {"image"}:
+            raise ValueError(f"AsyncRollouts: prompt {index}'s multi_modal_data holds {sorted(media)}; only 'image'"
+                             " is sent to the servers.")
+        return list(prompt["prompt_token_ids"]), media
+    return list(prompt), None
+
+
+def image_parts(media: dict[str, Any]) -> list[dict[str, str]]:
+    """``multi_modal_data``'s images as the ``content_parts`` of vLLM's ``/inference/v1/generate`` (one
+    ``image_url`` each, in order): a URL string as is (``data:``, ``http(s):``), a PIL image or an ``(H, W, 3)`` uint8
+    array as a PNG ``data:`` URL."""
+    images = media.get("image")
+    images = images if isinstance(images, (list, tuple)) else [images]
+    return [{"type": "image_url", "url": image if isinstance(image, str) else _png_url(image)} for image in images]
+
+
+def _png_url(image: Any) -> str:
+    from PIL import Image  # (pillow: a dependency of vLLM, and of every processor that reads images)
+
+    picture = image if hasattr(image, "save") else Image.fromarray(torch.as_tensor(image).to(torch.uint8).numpy())
+    buffer = io.BytesIO()
+    picture.save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
