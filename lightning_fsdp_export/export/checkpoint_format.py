@@ -30,6 +30,7 @@ which ``save_pretrained`` drops).
 
 from __future__ import annotations
 
+import copy
 import math
 import weakref
 from collections.abc import Callable, Iterator
@@ -390,7 +391,7 @@ def _conversion_rules(model: nn.Module) -> list[object] | None:
     """
     own = getattr(model, "_weight_conversions", None)
     if own is not None:
-        return list(own) or None
+        return _published_orientation(model, list(own)) or None
     try:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import PrefixChange
@@ -398,7 +399,30 @@ def _conversion_rules(model: nn.Module) -> list[object] | None:
         return None
     with _unsharded_class_names(model):
         rules = get_model_conversion_mapping(model, add_legacy=False)
-    return [rule for rule in rules if not isinstance(rule, PrefixChange)] or None
+    return _published_orientation(model, [rule for rule in rules if not isinstance(rule, PrefixChange)]) or None
+
+
+_TRANSPOSED_ON_DISK = ("qwen3_vl_moe",)
+"""Model types whose published checkpoints hold the fused experts transposed, which vLLM 0.32's loader reads
+(``is_fused_checkpoint_transposed``), while transformers' rule transposes only a checkpoint whose shapes differ
+(``Transpose(check_dims=True)``), so ``save_pretrained`` writes the memory layout, which vLLM refuses."""
+
+
+def _published_orientation(model: nn.Module, rules: list[object]) -> list[object]:
+    """``rules`` with every shape-checked transpose made unconditional for :data:`_TRANSPOSED_ON_DISK` models: the
+    export then writes (and ``pretrained=`` reads) the published orientation."""
+    if getattr(getattr(model, "config", None), "model_type", None) not in _TRANSPOSED_ON_DISK:
+        return rules
+    from transformers.core_model_loading import Transpose
+
+    out = []
+    for rule in rules:
+        ops = getattr(rule, "operations", None)
+        if ops and any(isinstance(op, Transpose) and op.check_dims for op in ops):
+            rule = copy.copy(rule)
+            rule.operations = [Transpose(op.dim0, op.dim1) if isinstance(op, Transpose) else op for op in ops]
+        out.append(rule)
+    return out
 
 
 class _WithRules:
