@@ -41,13 +41,8 @@ def image_probe_gap(strategy: LazyExportFSDP2, target: ScoresLogprobs,
     path = target.image_checkpoint()
     if path is None or "pixel_values" not in inspect.signature(module.forward).parameters:
         return None, None
-    processor = _processor(str(path))
-    picture = _picture()
-    lead = _image_lead(processor)
-    inputs = dict(processor(text=[lead], images=[[picture]], return_tensors="pt", add_special_tokens=False))
-    head = inputs.pop("input_ids")[0].tolist()
-    inputs.pop("attention_mask", None)
-    placeholder = processor.tokenizer(lead, add_special_tokens=False)["input_ids"]
+    picture, placeholder, head, prepared = _probe(str(path))
+    inputs = dict(prepared)
     try:
         ids, engine = target.image_prompt_logprobs(placeholder + probe, picture)
     except Exception as err:  # noqa: BLE001 - reported through the ranks' agreement
@@ -75,15 +70,18 @@ def image_probe_gap(strategy: LazyExportFSDP2, target: ScoresLogprobs,
 
 
 @functools.lru_cache(maxsize=4)
-def _processor(path: str) -> Any:
-    return AutoProcessor.from_pretrained(path)
-
-
-def _picture() -> Any:
-    """A fixed random 64x64 RGB picture as an ``(H, W, 3)`` uint8 array (what vLLM and every family's processor take;
-    they resize it to the tower's size)."""
+def _probe(path: str) -> tuple[Any, list[int], list[int], dict[str, Any]]:
+    """What every sync's image probe of the checkpoint in ``path`` reuses (its processor runs once): a fixed random
+    64x64 RGB picture as an ``(H, W, 3)`` uint8 array (vLLM and every family's processor take it and resize it), the
+    prompt tokens standing for it, their expansion by the processor, and the model's other inputs for it."""
+    processor = AutoProcessor.from_pretrained(path)
     g = torch.Generator().manual_seed(20260)
-    return torch.randint(0, 256, (64, 64, 3), generator=g, dtype=torch.uint8).numpy()
+    picture = torch.randint(0, 256, (64, 64, 3), generator=g, dtype=torch.uint8).numpy()
+    lead = _image_lead(processor)
+    inputs = dict(processor(text=[lead], images=[[picture]], return_tensors="pt", add_special_tokens=False))
+    head = inputs.pop("input_ids")[0].tolist()
+    inputs.pop("attention_mask", None)
+    return picture, processor.tokenizer(lead, add_special_tokens=False)["input_ids"], head, inputs
 
 
 def _image_lead(processor: Any) -> str:
