@@ -428,9 +428,8 @@ def load_naming_refusals(load: Callable[[Any], Any], model: Any, weights: Any) -
 
 
 def name_refused_tensor(err: BaseException, model: Any, name: str, tensor: Any) -> BaseException:
-    """Rewrite ``err``'s message to name the tensor vLLM's loader refused, its shape, and the engine's parameter
-    of that name where ``model`` has one; returns ``err``. Nested loaders (a model's ``AutoWeightsLoader`` inside
-    its parent's) each rewrite it from the loader's own message, so the outermost, checkpoint name wins."""
+    """Rewrite ``err``'s message to name the tensor vLLM's loader refused, its shape, the engine's parameter of that
+    name if any; returns ``err``. Nested loaders each rewrite it from the loader's message: the outermost name wins."""
     what = getattr(err, "_refused_message", None)
     if what is None:
         what = f"{type(err).__name__}: {str(err) or 'no message: a bare assertion, usually a shape the engine lacks'}"
@@ -438,8 +437,9 @@ def name_refused_tensor(err: BaseException, model: Any, name: str, tensor: Any) 
     param = dict(model.named_parameters()).get(name) if hasattr(model, "named_parameters") else None
     engine = "" if param is None else f"; the engine's {name} is {tuple(param.shape)}"
     dtype = str(getattr(tensor, "dtype", "")).replace("torch.", "")
-    err.args = (f"vLLM's loader refused {name!r} {dtype} {tuple(getattr(tensor, 'shape', ()))}{engine} ({what})."
-                " Does the server serve the trainer's model (same config, vocabulary and sizes)?",)
+    err.args = (f"vLLM's loader refused {name!r} {dtype} {tuple(getattr(tensor, 'shape', ()))}{engine} ({what}). "
+                "Syncing: is the engine's model the trainer's (config, vocabulary, sizes)? Loading its checkpoint: is"
+                " that a layout this vLLM loads (`targets.write_vllm_layout(dir)`)?",)
     return err
 
 

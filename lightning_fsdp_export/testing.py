@@ -112,15 +112,16 @@ def family_config(arch: str) -> PretrainedConfig:  # noqa: F821
                       fullatt_block_indexes=[0])
         return T.Qwen2_5_VLConfig(text_config=text, vision_config=vision, bos_token_id=0, eos_token_id=1,
                                   **{f"{k}_token_id": i for k, i in _VISION_IDS.items()})
-    if arch == "qwen3_vl_moe":  # served whole, not in FAMILIES: its checkpoint is the published layout
-        text = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=96, num_experts=4,
-                    num_experts_per_tok=2, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                    head_dim=64, max_position_embeddings=256,
-                    rope_scaling={"rope_type": "default", "mrope_section": [16, 8, 8], "mrope_interleaved": True})
+    if arch in ("qwen3_vl", "qwen3_vl_moe"):  # served whole, not in FAMILIES (MoE: the published layout on disk)
+        moe = dict(moe_intermediate_size=96, num_experts=4, num_experts_per_tok=2) if arch == "qwen3_vl_moe" else {}
+        text = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
+                    rope_scaling={"rope_type": "default", "mrope_section": [16, 8, 8], "mrope_interleaved": True},
+                    **moe)
         vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256, patch_size=16,
                       num_position_embeddings=64, deepstack_visual_indexes=[0])
-        return T.Qwen3VLMoeConfig(text_config=text, vision_config=vision,
-                                  **{f"{k}_token_id": i for k, i in _VISION_IDS.items()})
+        config = T.Qwen3VLMoeConfig if arch == "qwen3_vl_moe" else T.Qwen3VLConfig
+        return config(text_config=text, vision_config=vision, **{f"{k}_token_id": i for k, i in _VISION_IDS.items()})
     if arch == "qwen3_next":  # gated-delta (linear) attention and full attention layers, MoE with a shared expert
         return T.Qwen3NextConfig(intermediate_size=512, layer_types=["linear_attention", "full_attention"],
                                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
@@ -201,16 +202,19 @@ def tiny_vlm(arch: str, seed: int = 0) -> torch.nn.Module:
 
 
 
-WHOLE_VLMS = ("llava", "gemma3_vlm")
+WHOLE_VLMS = ("llava", "gemma3_vlm", "mistral3")
 """Vision-language models RL trains whole (tower, projector and text model), tiny (:func:`tiny_whole_vlm`): LLaVA
-(CLIP + Llama) and Gemma 3 (SigLIP + Gemma 3); saved in vLLM's layout by :func:`save_whole_vlm`."""
+(CLIP + Llama), Gemma 3 (SigLIP + Gemma 3) and Mistral 3 (Pixtral + Mistral); saved in vLLM's layout by
+:func:`save_whole_vlm`."""
 
 
 def tiny_whole_vlm(arch: str, seed: int = 0) -> torch.nn.Module:
     """A random vision-language model of ``arch`` (one of :data:`WHOLE_VLMS`): a one-layer vision tower over 32-pixel
     images of 8-pixel patches, its projector, a two-layer text model (head_dim 64); random biases (transformers zeroes
     them, and a zeroed bias looks restored to an exact check). LLaVA: 16 image tokens (``<image>``, id ``VOCAB - 4``);
-    Gemma 3: 4 (``<start_of_image>``, id ``VOCAB - 3``, expands to ``<image_soft_token>`` x 4 between newlines)."""
+    Gemma 3: 4 (``<start_of_image>``, id ``VOCAB - 3``, expands to ``<image_soft_token>`` x 4 between newlines);
+    Mistral 3: 2 x 2 merged patches (``[IMG]``, id ``VOCAB - 4``, rows ended by ``[IMG_BREAK]``, then ``[IMG_END]``),
+    its head untied as published."""
     text = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=256)
     vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, image_size=32,
@@ -224,6 +228,11 @@ def tiny_whole_vlm(arch: str, seed: int = 0) -> torch.nn.Module:
         model = T.Gemma3ForConditionalGeneration(T.Gemma3Config(
             text_config=dict(text, head_dim=64, sliding_window=64), vision_config=vision, mm_tokens_per_image=4,
             image_token_index=VOCAB - 4, boi_token_index=VOCAB - 3, eoi_token_index=VOCAB - 2))
+    elif arch == "mistral3":  # untied head, as Mistral Small 3.1 publishes it
+        model = T.Mistral3ForConditionalGeneration(T.Mistral3Config(
+            text_config=T.MistralConfig(**text, head_dim=64, tie_word_embeddings=False),
+            vision_config=T.PixtralVisionConfig(**vision, head_dim=32), image_token_index=VOCAB - 4,
+            spatial_merge_size=2, vision_feature_layer=-1, multimodal_projector_bias=True, tie_word_embeddings=False))
     else:
         raise ValueError(f"tiny_whole_vlm({arch!r}): not one of {WHOLE_VLMS}.")
     with torch.no_grad():
@@ -243,22 +252,30 @@ def save_whole_vlm(model: torch.nn.Module, path: str | os.PathLike[str]) -> None
     model.save_pretrained(path)
     write_vllm_layout(path)
     size = model.config.vision_config.image_size
-    gemma = model.config.model_type == "gemma3"
+    gemma, pixtral = model.config.model_type == "gemma3", model.config.model_type == "mistral3"
     words = (["\n", "\n\n\n", "\n\n\n\n", "\n\n", "<image_soft_token>", "<start_of_image>", "<end_of_image>",
-              "<pad>"] if gemma else ["t504", "t505", "t506", "t507", "<image>", "t509", "t510", "t511"])
+              "<pad>"] if gemma else
+             ["t504", "t505", "t506", "t507", "[IMG]", "[IMG_BREAK]", "[IMG_END]", "t511"] if pixtral else
+             ["t504", "t505", "t506", "t507", "<image>", "t509", "t510", "t511"])
     specials = ["<unk>", "<s>", "</s>"]  # (not t-words: an added token matches inside words, "t1" in "t13")
     vocab = ({f"t{i}": i for i in range(VOCAB - 11)} | {w: VOCAB - 11 + i for i, w in enumerate(specials)}
              | {w: VOCAB - 8 + i for i, w in enumerate(words)})
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     special = ({"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
-               if gemma else {"image_token": "<image>"})
+               if gemma else {"image_token": "[IMG]"} if pixtral else {"image_token": "<image>"})
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="</s>", bos_token="<s>",
                                    pad_token="<pad>" if gemma else "<unk>", extra_special_tokens=special)
     if gemma:  # newlines are tokens of their own (vLLM's Gemma 3 processor looks them up)
         fast.add_special_tokens({"additional_special_tokens": words[:4]})
         T.Gemma3Processor(image_processor=T.Gemma3ImageProcessor(size={"height": size, "width": size}),
                           tokenizer=fast, image_seq_length=model.config.mm_tokens_per_image).save_pretrained(path)
+        return
+    if model.config.model_type == "mistral3":  # 2 x 2 merged patches: [IMG] [IMG] [IMG_BREAK] [IMG] [IMG] [IMG_END]
+        T.PixtralProcessor(image_processor=T.PixtralImageProcessor(size={"longest_edge": size}, patch_size=8),
+                           tokenizer=fast, patch_size=8, spatial_merge_size=model.config.spatial_merge_size,
+                           image_token="[IMG]", image_break_token="[IMG_BREAK]",
+                           image_end_token="[IMG_END]").save_pretrained(path)
         return
     image = T.CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
     T.LlavaProcessor(image_processor=image, tokenizer=fast, patch_size=model.config.vision_config.patch_size,
@@ -368,7 +385,7 @@ def tiny_family(arch: str, seed: int = 0) -> torch.nn.Module:
     classes = {"qwen3": T.Qwen3ForCausalLM, "gemma3": T.Gemma3ForCausalLM, "qwen3_moe": T.Qwen3MoeForCausalLM,
                "mixtral": T.MixtralForCausalLM, "gpt_oss": T.GptOssForCausalLM,
                "deepseek_v3": T.DeepseekV3ForCausalLM, "qwen2_5_vl": T.Qwen2_5_VLForConditionalGeneration,
-               "qwen3_vl_moe": T.Qwen3VLMoeForConditionalGeneration,
+               "qwen3_vl": T.Qwen3VLForConditionalGeneration, "qwen3_vl_moe": T.Qwen3VLMoeForConditionalGeneration,
                "qwen3_next": T.Qwen3NextForCausalLM, "gemma4": T.Gemma4ForCausalLM, "glm4_moe": T.Glm4MoeForCausalLM,
                "nemotron_h": T.NemotronHForCausalLM, "granitemoehybrid": T.GraniteMoeHybridForCausalLM,
                "qwen3_5": T.Qwen3_5ForCausalLM, "qwen3_5_moe": T.Qwen3_5MoeForCausalLM,

