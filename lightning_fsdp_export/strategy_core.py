@@ -12,6 +12,7 @@ where Lightning hands over the model and when a step starts and ends (the Traine
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -25,6 +26,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
+from lightning_fsdp_export._network import trainer_gloo_interface
 from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
 from lightning_fsdp_export.export.lazy import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, ExportReport
 from lightning_fsdp_export.export.lora import LoraMode
@@ -38,6 +40,8 @@ from lightning_fsdp_export.prepare.preparation import (
     validate_options,
     validate_pretrained,
 )
+
+log = logging.getLogger(__name__)
 
 __all__ = ["LazyExportCore", "LazyExportOptions"]
 
@@ -100,11 +104,19 @@ class LazyExportCore:
             strategy_registry.register(cls.strategy_name, cls,
                                        description="FSDP2 with lazy per-DTensor weight export (lightning-fsdp-export)")
 
-    def _resolve_data_parallel_size(self) -> None:
+    def _before_process_group(self) -> None:
         """Before Lightning's own set-up (process group, device mesh): ``data_parallel_size="auto"`` is pure FSDP over
-        the whole world (not Lightning's "nodes")."""
+        the whole world (not Lightning's "nodes"); a gloo (CPU) run across hosts whose hostname resolves to loopback
+        (127.0.1.1 on stock Debian/Ubuntu, which gloo would advertise) binds the interface that reaches rank 0, by
+        setting ``GLOO_SOCKET_IFNAME`` where nothing set it."""
         if self._data_parallel_size == "auto":
             self._data_parallel_size = (self.num_nodes * self.num_processes) // self._tensor_parallel_size
+        if self._get_process_group_backend() == "gloo":
+            interface = trainer_gloo_interface(self.cluster_environment.main_address)
+            if interface is not None:
+                os.environ["GLOO_SOCKET_IFNAME"] = interface
+                log.info(f"GLOO_SOCKET_IFNAME={interface}: this host's name resolves to loopback, and {interface}"
+                         f" reaches rank 0 at {self.cluster_environment.main_address}")
 
     def _build_parts(self, options: LazyExportOptions, *, tensor_parallel_size: int,
                      model: Callable[[], nn.Module | None], optimizers: Callable[[], Sequence[Any]]) -> None:

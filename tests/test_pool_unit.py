@@ -40,6 +40,10 @@ def test_min_servers_is_checked_where_it_is_given(tmp_path: Any) -> None:
     listed = tmp_path / "servers.txt"
     listed.write_text(f"# the pool\n{urls[0]}\n\n{urls[1]}  # the second\n")
     assert [s.url for s in RemoteVLLM(listed, transport="gloo").servers] == urls  # a file of URLs
+    assert [s.url for s in RemoteVLLM(str(listed), transport="gloo").servers] == urls  # its path as a str (issue 55)
+    with pytest.raises(ValueError, match=r"base_url='servers\.txt'\) must look like 'http://host:port' \(or name a"
+                                         " file"):
+        RemoteVLLM("servers.txt", transport="gloo")  # (no such file here)
 
 
 def test_a_dead_server_is_set_aside_the_others_sync_and_it_rejoins_with_every_tensor(recording_engine: Any) -> None:

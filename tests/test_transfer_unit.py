@@ -1039,3 +1039,62 @@ def test_a_server_target_sends_patches_only_when_its_transport_does() -> None:
             gloo.weights_round, gloo.every_rank, gloo.adapter_round, gloo.layout)
     with pytest.raises(ValueError, match="transport='tcp'"):  # a wrong transport is still refused by __init__
         RemoteVLLM(URL, transport="tcp")
+
+
+def test_the_trainer_binds_the_address_that_routes_to_remote_servers_never_a_loopback_one() -> None:
+    # issue 55: the default store address was the hostname's (127.0.1.1 on stock Debian/Ubuntu hosts), which a server
+    # on another host cannot reach: now the address of the interface the kernel routes to the servers through
+    from lightning_fsdp_export._network import is_loopback, route_address
+    from lightning_fsdp_export.transfer.frame import _store_address
+    from lightning_fsdp_export.transfer.http import Server
+
+    def servers(*urls: str) -> list[Server]:
+        return [Server(u, api_key=None, timeout=1.0) for u in urls]
+
+    assert _store_address(Gloo(), servers("http://127.0.0.1:8000", "http://localhost:8001")) == ("127.0.0.1", 0)
+    assert route_address("127.0.0.1") == "127.0.0.1" and is_loopback("127.0.1.1") and not is_loopback("192.168.0.1")
+    with pytest.raises(ValueError, match=r"master_address='127.0.0.1'\) is this host's loopback.*10.255.0.9:8000"):
+        _store_address(Gloo(master_address="127.0.0.1"), servers("http://10.255.0.9:8000"))
+    with pytest.raises(ValueError, match="no local address reaches 'no-such-host.invalid'"):
+        _store_address(Gloo(), servers("http://no-such-host.invalid:8000"))
+    try:  # a routable address (this machine may have none but loopback)
+        remote = route_address("192.0.2.77")
+    except ValueError:
+        return
+    assert not is_loopback(remote)
+    assert _store_address(Gloo(master_port=29555), servers("http://192.0.2.77:8000")) == (remote, 29555)
+
+
+def test_a_gloo_group_bound_to_an_address_through_torchs_options() -> None:
+    # torch has no public way to give ProcessGroupGloo its device: _network.gloo_group fills _Options._devices as
+    # torch's own new_group does. This fails when torch changes that.
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_fsdp_export._network import gloo_group
+
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=timedelta(seconds=10), wait_for_workers=False)
+    group = gloo_group(dist.PrefixStore("unit", store), 0, 1, timedelta(seconds=10), peer="127.0.0.1")
+    tensor = torch.ones(3)
+    group.allreduce([tensor]).wait()
+    assert tensor.tolist() == [1.0, 1.0, 1.0]
+
+
+def test_a_cpu_trainer_binds_the_interface_to_rank_0_only_where_its_hostname_is_loopback(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    import socket
+
+    from lightning_fsdp_export import _network
+
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME", raising=False)
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
+    assert _network.trainer_gloo_interface("127.0.0.1") is None  # one host
+    assert _network.interface_of("127.0.0.1") == "lo"
+    monkeypatch.setattr(_network, "route_address", lambda peer: "127.0.0.1")  # (this machine may route nowhere else)
+    assert _network.trainer_gloo_interface("192.0.2.77") == "lo"
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")  # the user's choice stands
+    assert _network.trainer_gloo_interface("192.0.2.77") is None
+    monkeypatch.delenv("GLOO_SOCKET_IFNAME")
+    monkeypatch.setattr(socket, "gethostbyname", lambda name: "192.0.2.5")  # a routable hostname: gloo's default works
+    assert _network.trainer_gloo_interface("192.0.2.77") is None

@@ -185,7 +185,7 @@ def test_the_package_has_no_import_cycle() -> None:
 
 
 ROOMS = ("prepare", "phases", "export", "sync", "targets", "transfer", "backend", "rollouts", "fabric")
-BOTTOM = ("_common", "_compat", "_faults", "_fsdp", "_moved")
+BOTTOM = ("_common", "_compat", "_faults", "_fsdp", "_moved", "_network")
 GLUE = ("strategy", "strategy_core")  # the Trainer strategy and the core both strategies share
 
 

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_fsdp_export._network import gloo_group
 from lightning_fsdp_export.export.patch_codes import apply_steps, decode_positions
 from lightning_fsdp_export.export.patches import unpack_bits
 
@@ -241,8 +242,8 @@ def join_group(address: str, port: int, rank: int, world_size: int, group: str, 
     store = dist.TCPStore(address, port, world_size if host else None, is_master=host, timeout=timeout,
                           wait_for_workers=False)
     prefixed = dist.PrefixStore(f"lfe-gloo/{group}", store)
-    if device.type == "cpu":
-        return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout), store
+    if device.type == "cpu":  # bound to the interface that reaches the store's host (never 127.0.1.1 for a peer)
+        return gloo_group(prefixed, rank, world_size, timeout, peer=address), store
     options = dist.ProcessGroupNCCL.Options()
     options._timeout = timeout
     # torch's default on a collective that fails is to end the process: a vLLM server must outlive its trainer, so this

@@ -17,6 +17,7 @@ import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, VLLMWeightSyncClient, WeightSource
 
 from lightning_fsdp_export._compat import iter_full, source_metadata
+from lightning_fsdp_export._network import rendezvous
 from lightning_fsdp_export.backend.infos import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -124,13 +125,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             connect()
             return engine
         payload = asdict(cls.worker_init_info(init_info, group))
-        with ThreadPoolExecutor(max_workers=1) as pool:
-            # The workers block in the rendezvous until rank 0 joins: run the request beside it.
-            answer = pool.submit(client.init_weight_transfer_engine, payload)
-            try:
-                connect()
-            finally:
-                answer.result()
+        # the workers block in the rendezvous until rank 0 joins: the request runs beside it, and a failure on either
+        # side is raised at once (not when the other side gives up, the group's timeout later)
+        rendezvous(connect, lambda: client.init_weight_transfer_engine(payload), init_info)
         return engine
 
     @classmethod

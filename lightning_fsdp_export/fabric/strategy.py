@@ -84,7 +84,7 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        self._resolve_data_parallel_size()
+        self._before_process_group()
         super().setup_environment()
 
     @override

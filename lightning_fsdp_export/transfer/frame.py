@@ -40,6 +40,7 @@ from torch import Tensor
 
 from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export._compat import source_metadata
+from lightning_fsdp_export._network import is_loopback, route_address
 from lightning_fsdp_export.export.patches import PatchBase
 from lightning_fsdp_export.export.shards import ShardSource
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
@@ -371,9 +372,28 @@ class NativeTransfer(Transfer):
 
 def _store_address(transport: NetworkTransport, servers: Sequence[Server]) -> tuple[str, int]:
     """Where the servers reach trainer rank 0's store: the transport's ``master_address`` (default: loopback for local
-    servers, else this host's name's address) and ``master_port`` (0: picked by rank 0)."""
+    servers, else this host's address on the interface that routes to them) and ``master_port`` (0: picked by rank
+    0). A loopback address for a server on another host is refused, naming both."""
     given = transport if isinstance(transport, RendezvousTransport) else RendezvousTransport()
-    return given.master_address or _default_address(servers), given.master_port
+    address = given.master_address or _default_address(servers)
+    remote = [s.url for s in servers if not is_loopback(s.host)]
+    if is_loopback(address) and remote:
+        raise ValueError(f"{type(transport).__name__}(master_address={address!r}) is this host's loopback, which the"
+                         f" server(s) {remote} on other hosts cannot reach: give an address of this host they reach, or"
+                         " leave master_address unset (the address that routes to them).")
+    return address, given.master_port
+
+
+def _default_address(servers: Sequence[Server]) -> str:
+    """The trainer's address as the servers see it: loopback for local servers, else the address of the interface
+    the kernel routes to them through (never the hostname's, 127.0.1.1 on many hosts)."""
+    if all(is_loopback(s.host) for s in servers):
+        return "127.0.0.1"
+    found = {route_address(s.host): s.url for s in servers if not is_loopback(s.host)}
+    if len(found) > 1:
+        raise ValueError(f"the servers are reached through different addresses of this host ({found}): give the"
+                         " transport master_address= one that every server reaches.")
+    return next(iter(found))
 
 
 def _digest(transport: NetworkTransport, source: Any) -> str:
@@ -409,13 +429,6 @@ def _vllm_version() -> str:
     import vllm
 
     return str(vllm.__version__)
-
-
-def _default_address(servers: Sequence[Server]) -> str:
-    """The trainer's address as the servers see it: loopback for local servers, else this host's name's address."""
-    if all(s.host in ("127.0.0.1", "localhost", "::1") for s in servers):
-        return "127.0.0.1"
-    return socket.gethostbyname(socket.gethostname())
 
 
 def _free_port(address: str) -> int:

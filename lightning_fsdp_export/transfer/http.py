@@ -31,7 +31,8 @@ class Server:
     def __init__(self, base_url: str, *, api_key: str | None, timeout: float) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.netloc:
-            raise ValueError(f"RemoteVLLM(base_url={base_url!r}) must look like 'http://host:port'.")
+            raise ValueError(f"RemoteVLLM(base_url={base_url!r}) must look like 'http://host:port' (or name a file"
+                             " of such URLs, one per line, that exists).")
         self.url = base_url.rstrip("/")
         self.host = parts.hostname or ""
         self._api_key = api_key

@@ -35,7 +35,9 @@ Urls = str | Sequence[str] | Callable[[], Sequence[str]] | os.PathLike[str]
 
 def read_urls(given: Urls) -> list[str]:
     """The server URLs ``given`` names now: itself, its items, what the callable returns, or the file's lines (blank
-    lines and ``#`` comments skipped)."""
+    lines and ``#`` comments skipped; a file as a ``Path`` or as a ``str`` naming a file, not a URL)."""
+    if isinstance(given, str) and "://" not in given and Path(given).is_file():
+        given = Path(given)
     if isinstance(given, os.PathLike):
         lines = Path(given).read_text().splitlines()
         urls = [line.split("#", 1)[0].strip() for line in lines]

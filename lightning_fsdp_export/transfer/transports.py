@@ -133,7 +133,8 @@ class RendezvousTransport(NetworkTransport):
 
     Args:
         master_address: trainer rank 0's address as the servers reach it (default: ``127.0.0.1`` when every
-            server is local, else the address of this host's name).
+            server is local, else this host's address on the interface the kernel routes to the servers through;
+            a loopback address for a server on another host is refused).
         master_port: the store's port on rank 0; 0 (default) picks a free one.
     """
 

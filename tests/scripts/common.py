@@ -118,23 +118,26 @@ LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
 def start_server(model_dir: Path, port: int, *, backend: str | None = "gloo", env: dict[str, str] | None = None,
-                 args: list[str] | None = None, python: str | None = None) -> Any:
-    """Start ``python -m vllm.entrypoints.openai.api_server`` on 127.0.0.1:``port`` (no wait); its log and
+                 args: list[str] | None = None, python: str | None = None, host: str = "127.0.0.1",
+                 on_host: Callable[[list[str]], list[str]] | None = None) -> Any:
+    """Start ``python -m vllm.entrypoints.openai.api_server`` on ``host``:``port`` (no wait); its log and
     pid go to ``model_dir/server{port}.log|.pid`` (the pid file lets whoever restarts it be cleaned up).
     ``backend=None``: no ``--weight-transfer-config``; ``env`` overrides ``SERVER_ENV``; ``args`` are appended;
-    ``python``: another venv's interpreter."""
+    ``python``: another venv's interpreter; ``on_host``: the command as run on another host (``tests/hosts.py``)."""
     import json
     import os
     import subprocess
     import sys
 
     cmd = [python or sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir), "--host",
-           "127.0.0.1", "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
+           host, "--port", str(port), "--dtype", "bfloat16", "--max-model-len", "256", "--enforce-eager",
            "--max-logprobs", "1", "--enable-scale-out"]
     if backend:  # (and our swap route: a staged round's swap carried out by the server on its own)
         cmd += ["--weight-transfer-config", json.dumps({"backend": backend}),
                 "--middleware", "lightning_fsdp_export_plugin.swap_route"]
     cmd += args or []
+    if on_host is not None:
+        cmd = on_host(cmd)
     log = open(model_dir / f"server{port}.log", "a")  # noqa: SIM115 - open for the server's lifetime
     proc = subprocess.Popen(cmd, env={**os.environ, **SERVER_ENV, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
                             start_new_session=True)

@@ -1,0 +1,93 @@
+"""Hosts made of Linux network namespaces on one bridge, for tests that cross machines (issue 55).
+
+Each host is a namespace with one veth into a bridge in the root namespace, its own IPv4 address in ``subnet``
+(192.168.x by default: gloo lets the higher address dial, so a peer advertising 127.0.1.1 "works" against 10.x
+peers and hangs against 192.168.x ones, as on real networks) and a hostname that resolves to 127.0.1.1, as on stock
+Debian/Ubuntu hosts (``/etc/netns/<ns>/hosts``, which ``ip netns exec`` mounts over ``/etc/hosts``, and a UTS
+namespace of its own). Needs root and ``ip``; :func:`can_make_hosts` says why not where it cannot.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check)
+
+
+def can_make_hosts() -> str | None:
+    """``None`` where namespaces can be made here, else why not (a skip reason)."""
+    if shutil.which("ip") is None or shutil.which("unshare") is None:
+        return "needs `ip` and `unshare` (iproute2, util-linux) to make hosts out of network namespaces"
+    if os.geteuid() != 0:
+        return "needs root to make hosts out of network namespaces"
+    probe = f"lfe-probe-{os.getpid()}"
+    made = _ip("netns", "add", probe, check=False)
+    _ip("netns", "del", probe, check=False)
+    return None if made.returncode == 0 else f"`ip netns add` failed: {made.stderr.strip()}"
+
+
+class Hosts:
+    """``names`` hosts on one bridge: ``address(name)``, ``command(name, argv)`` (``argv`` run on that host, under
+    its hostname ``host-<name>``), ``down()`` (ends every process on them and removes all it made). The bridge holds
+    ``<subnet>.254``, so the test's own process reaches every host (a server's health, its logs of requests)."""
+
+    def __init__(self, names: Sequence[str], subnet: str = "192.168.77") -> None:
+        self.tag = f"{os.getpid() % 10000}"
+        self.bridge = f"lfebr{self.tag}"
+        self.names = list(names)
+        self.subnet = subnet
+        self.made: list[str] = []
+        try:
+            _ip("link", "add", self.bridge, "type", "bridge")
+            _ip("addr", "add", f"{subnet}.254/24", "dev", self.bridge)  # this (the test's) namespace reaches them
+            _ip("link", "set", self.bridge, "up")
+            for i, name in enumerate(self.names, 1):
+                self._add(name, i)
+        except BaseException:
+            self.down()
+            raise
+
+    def ns(self, name: str) -> str:
+        return f"lfe{self.tag}-{name}"
+
+    def address(self, name: str) -> str:
+        return f"{self.subnet}.{self.names.index(name) + 1}"
+
+    def _add(self, name: str, i: int) -> None:
+        ns, inside, outside = self.ns(name), f"lfev{self.tag}{i}", f"lfep{self.tag}{i}"
+        _ip("netns", "add", ns)
+        self.made.append(ns)
+        etc = Path("/etc/netns") / ns
+        etc.mkdir(parents=True, exist_ok=True)
+        (etc / "hosts").write_text(f"127.0.0.1 localhost\n127.0.1.1 host-{name}\n")
+        _ip("link", "add", inside, "type", "veth", "peer", "name", outside)
+        _ip("link", "set", inside, "netns", ns)
+        _ip("link", "set", outside, "master", self.bridge)
+        _ip("link", "set", outside, "up")
+        _ip("-n", ns, "addr", "add", f"{self.subnet}.{i}/24", "dev", inside)
+        _ip("-n", ns, "link", "set", inside, "up")
+        _ip("-n", ns, "link", "set", "lo", "up")
+
+    def command(self, name: str, argv: Sequence[str]) -> list[str]:
+        """``argv`` as run on host ``name``: in its namespace, hostname ``host-<name>`` (resolving to 127.0.1.1)."""
+        return ["ip", "netns", "exec", self.ns(name), "unshare", "--uts", "sh", "-c",
+                f'hostname host-{name} && exec "$@"', "_", *argv]
+
+    def down(self) -> None:
+        for ns in self.made:
+            for pid in _ip("netns", "pids", ns, check=False).stdout.split():
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except (ProcessLookupError, ValueError):
+                    pass
+            _ip("netns", "del", ns, check=False)
+            shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
+        self.made = []
+        _ip("link", "del", self.bridge, check=False)
