@@ -47,11 +47,16 @@ def register() -> None:
 
 async def swap_route(request, call_next):  # type: ignore[no-untyped-def]
     """vLLM API-server middleware that adds ``/lfe/swap``: the server carries out a staged round's swap (check, pause,
-    load, label, prefix-cache reset, resume) on its own, so a trainer that dies mid-swap never leaves it paused.
+    load, label, prefix-cache reset, resume) on its own, so a trainer that dies mid-swap never leaves it paused; and,
+    on a server started with an API key, asks for that key on every request that changes the server outside the
+    routes vLLM guards itself (its dev and weight-transfer routes: ``/pause``, ``/collective_rpc``, ...).
     Start the server with ``--middleware lightning_fsdp_export_plugin.swap_route`` (vLLM's public option); see
     ``lightning_fsdp_export.backend.server_swap``. Every other request passes through untouched."""
+    from lightning_fsdp_export.backend.server_swap import handle, unauthorized
+
+    refused = unauthorized(request)
+    if refused is not None:
+        return refused
     if request.url.path != "/lfe/swap":
         return await call_next(request)
-    from lightning_fsdp_export.backend.server_swap import handle
-
     return await handle(request)

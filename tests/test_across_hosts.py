@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from lightning_fsdp_export.testing import save_word_tokenizer, tiny_qwen2
+from lightning_fsdp_export.transfer.http import Server, ServerError
 from tests.conftest import free_port
 from tests.hosts import Hosts, can_make_hosts
 from tests.scripts.common import start_server, stop_server, wait_for_server
@@ -29,6 +30,7 @@ ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "tests" / "scripts" / "across_hosts.py")
 ROUNDS = ["plain", "shard_direct", "sparse", "background"]
 TOLERANCE = 0.1  # verify's logprob gap (prompt and the engine's own continuation); 0.0036-0.0052 measured
+KEY = "lfe-test-key"  # the server's --api-key: its weight-sync routes need it too (our middleware)
 
 
 def torchrun(hosts: Hosts, names: list[str], out: Path, url: str, model: Path, only: str,
@@ -41,7 +43,7 @@ def torchrun(hosts: Hosts, names: list[str], out: Path, url: str, model: Path, o
     for i, name in enumerate(names):
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(len(names)), "--nproc-per-node", "1",
                "--node-rank", str(i), "--master-addr", hosts.address(names[0]), "--master-port", str(port), SCRIPT,
-               "--out", str(out), "--server", url, "--model-dir", str(model), "--only", only]
+               "--out", str(out), "--server", url, "--model-dir", str(model), "--only", only, "--api-key", KEY]
         logs.append(out.parent / f"{out.stem}-{name}.log")
         procs.append(subprocess.Popen(hosts.command(name, cmd), cwd=ROOT, stdout=logs[-1].open("w"),
                                       stderr=subprocess.STDOUT, env={**os.environ, "PYTHONFAULTHANDLER": "1",
@@ -72,15 +74,25 @@ def across(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     try:  # the server as the README starts it, bound to its host's address; no GLOO_SOCKET_IFNAME anywhere
         env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
         os.environ.pop("GLOO_SOCKET_IFNAME", None)
-        start_server(model, port, host=hosts.address("c"), on_host=lambda cmd: hosts.command("c", cmd))
+        start_server(model, port, host=hosts.address("c"), on_host=lambda cmd: hosts.command("c", cmd),
+                     args=["--api-key", KEY])
         url = f"http://{hosts.address('c')}:{port}"
         wait_for_server(url, model / f"server{port}.log")
+        refused = {}  # what the server answers without its key (this process reaches host c through the bridge)
+        for method, route in (("POST", "/pause"), ("POST", "/collective_rpc"), ("POST", "/lfe/swap"),
+                              ("GET", "/v1/models")):
+            try:
+                Server(url, api_key=None, timeout=10).request(method, route, {} if method == "POST" else None)
+                refused[route] = ""
+            except ServerError as err:
+                refused[route] = str(err)
+        reads = Server(url, api_key=None, timeout=10).request("GET", "/is_paused")
         results, seconds = torchrun(hosts, ["a", "b"], work / "rounds.json", url, model, ",".join(ROUNDS))
         # a trainer host whose gloo advertises its loopback (GLOO_SOCKET_IFNAME=lo): the server's worker cannot dial it
         failed, failed_seconds = torchrun(hosts, ["a"], work / "fails.json", url, model, "setup_fails",
                                           env={**env, "GLOO_SOCKET_IFNAME": "lo"}, timeout=300)
         return {"hosts": {n: hosts.address(n) for n in "abc"}, "rounds": results, "seconds": seconds,
-                "fails": failed["setup_fails"], "fails_seconds": failed_seconds}
+                "fails": failed["setup_fails"], "fails_seconds": failed_seconds, "refused": refused, "reads": reads}
     finally:
         stop_server(model, port)
         hosts.down()
@@ -116,3 +128,16 @@ def test_a_rendezvous_that_cannot_form_fails_the_fit_within_seconds_naming_the_f
     assert got["seconds"] < 10, got
     for words in ("Connection refused", "127.0.0.1", "GLOO_SOCKET_IFNAME", "master_address=", across["hosts"]["a"]):
         assert words in got["error"], (words, got["error"])
+
+
+@pytest.mark.vllm
+def test_a_server_with_an_api_key_takes_no_pause_or_push_without_it(across: dict[str, Any]) -> None:
+    # issue 55 item 3: vLLM's --api-key guards /v1 and its peers only; our middleware (the swap route the servers load)
+    # puts the key in front of every request that changes the server: its pause, its weights (/collective_rpc, the
+    # weight-transfer routes), our swap. The fits above sent it (RemoteVLLM(api_key=...)); reads stay open.
+    refused = across["refused"]
+    for route in ("/pause", "/collective_rpc", "/lfe/swap"):
+        assert "answered 401" in refused[route] and "RemoteVLLM(api_key=...)" in refused[route], refused[route]
+        assert "needs its API key" in refused[route], refused[route]
+    assert "answered 401" in refused["/v1/models"], refused  # vLLM's own guard
+    assert across["reads"] == {"is_paused": False}, across["reads"]

@@ -1098,3 +1098,19 @@ def test_a_cpu_trainer_binds_the_interface_to_rank_0_only_where_its_hostname_is_
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "192.0.2.5")  # a routable hostname: gloo's default works
     assert _network.trainer_gloo_interface("192.0.2.77") is None
+
+
+def test_the_api_key_guard_reads_what_vllms_own_guard_reads() -> None:
+    # our middleware guards what vLLM's --api-key leaves open (issue 55 item 3); it reads vLLM's parsed arguments
+    # (app.state.args) and skips the prefixes vLLM guards itself. Neither has a public accessor: this fails when vLLM
+    # changes them. (The guard itself: tests/test_across_hosts.py, on a real server with --api-key.)
+    import inspect
+
+    from vllm.entrypoints.launchers import app
+    from vllm.entrypoints.serve.middleware import authenticate, register
+
+    from lightning_fsdp_export.backend.server_swap import VLLM_GUARDED
+
+    assert authenticate.GUARDED_PREFIX == VLLM_GUARDED
+    assert "app.state.args = args" in inspect.getsource(app)
+    assert "args.api_key or [envs.VLLM_API_KEY]" in inspect.getsource(register.init_entrypoints_middleware)

@@ -18,19 +18,25 @@ foreground round's failure does: such a model never serves.
 
 vLLM runs it as API-server middleware (its public ``--middleware`` option), installed by starting the server with
 ``--middleware lightning_fsdp_export_plugin.swap_route``; a trainer that finds no such route swaps step by step, as
-before, and warns once. Like vLLM's own weight-transfer routes it needs ``VLLM_SERVER_DEV_MODE=1`` and is not behind
-``--api-key`` (vLLM guards only ``/v1`` and its peers): expose the server only to the trainer's network.
+before, and warns once. Like vLLM's own weight-transfer routes it needs ``VLLM_SERVER_DEV_MODE=1``.
+
+The same middleware puts the server's API key (``--api-key``, else ``VLLM_API_KEY``) in front of every request that
+changes the server outside the prefixes vLLM guards itself (``/v1``, ``/inference``, ...): vLLM's dev and
+weight-transfer routes (``/pause``, ``/collective_rpc``, ``/init_weight_transfer_engine``, ...) and ``/lfe/swap``
+(:func:`unauthorized`); reads (``GET``) stay open.
 """
 
 from __future__ import annotations
 
 import asyncio
+import os
+import secrets
 import time
 from typing import Any
 
 from fastapi.responses import JSONResponse  # (this module runs in the vLLM API server, which serves with FastAPI)
 
-__all__ = ["SWAP_ROUTE", "STEPS", "handle"]
+__all__ = ["SWAP_ROUTE", "STEPS", "handle", "unauthorized"]
 
 SWAP_ROUTE = "/lfe/swap"
 """The route: ``GET`` says the server can swap on its own; ``POST`` swaps."""
@@ -39,8 +45,29 @@ PROTOCOL = 1
 STEPS = ("checked", "paused", "swapped", "labelled", "cache_reset", "resumed")
 """The steps of one swap, in order; a ``hold_at`` names one of them (tests only: see :func:`_hold`)."""
 
+VLLM_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
+"""The prefixes vLLM's own ``--api-key`` middleware guards (its ``authenticate.GUARDED_PREFIX``; ``app.state.args``
+holds its arguments: no public accessor for either. ``tests/test_vllm_contracts.py`` fails when vLLM changes them)."""
+
 _tasks: set[asyncio.Task[Any]] = set()  # swaps running, kept referenced until they end
 _lock: asyncio.Lock | None = None  # one swap at a time on a server
+
+
+def unauthorized(request: Any) -> Any:
+    """The 401 to answer ``request`` with, or ``None`` to let it through: a server started with an API key takes a
+    request that changes it (any method but ``GET``, ``HEAD``, ``OPTIONS``) outside vLLM's own guarded prefixes only
+    with that key (``Authorization: Bearer <key>``, compared in constant time as vLLM does)."""
+    args = getattr(request.app.state, "args", None)  # vLLM's parsed arguments, as its own middleware reads them
+    keys = [k for k in (getattr(args, "api_key", None) or [os.environ.get("VLLM_API_KEY")]) if k]
+    path = request.url.path
+    if not keys or request.method in ("GET", "HEAD", "OPTIONS") or path.startswith(VLLM_GUARDED):
+        return None
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and any(secrets.compare_digest(token.encode(), k.encode()) for k in keys):
+        return None
+    return JSONResponse({"error": f"{request.method} {path} changes this server (its pause, weights or version) and"
+                                  " needs its API key: send 'Authorization: Bearer <key>' (RemoteVLLM(api_key=...))."},
+                        status_code=401)
 
 
 async def handle(request: Any) -> Any:

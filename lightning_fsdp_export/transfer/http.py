@@ -53,6 +53,10 @@ class Server:
             if err.code == 404 and not route.startswith(("/v1/", "/health")):
                 hint = (" (a dev-mode route: is the server started with VLLM_SERVER_DEV_MODE=1? It enables /pause,"
                         " /collective_rpc and the weight-transfer routes)")
+            elif err.code == 401:
+                hint = (" (the server has an API key, its --api-key or VLLM_API_KEY: pass it as"
+                        " RemoteVLLM(api_key=...); with lightning_fsdp_export_plugin.swap_route loaded, the server's"
+                        " weight-sync routes need it too)")
             elif err.code == 503 and "paused" in detail:
                 hint = (" (the server is paused: after a failed sync it stays paused, never serving half-loaded"
                         " weights, until the next full push resumes it; vLLM >= 0.33 answers requests with 503 then)")

