@@ -60,8 +60,17 @@ class Hosts:
     def address(self, name: str) -> str:
         return f"{self.subnet}.{self.names.index(name) + 1}"
 
+    def interface(self, name: str) -> str:
+        """Host ``name``'s network interface (its end of the veth into the bridge)."""
+        return f"lfev{self.tag}{self.names.index(name) + 1}"
+
+    def shape(self, name: str, rate: str) -> None:
+        """Host ``name``'s outgoing link at ``rate`` (``tc``'s token bucket, e.g. ``"1gbit"``)."""
+        _ip("netns", "exec", self.ns(name), "tc", "qdisc", "replace", "dev", self.interface(name), "root", "tbf",
+            "rate", rate, "burst", "1mb", "latency", "50ms")
+
     def _add(self, name: str, i: int) -> None:
-        ns, inside, outside = self.ns(name), f"lfev{self.tag}{i}", f"lfep{self.tag}{i}"
+        ns, inside, outside = self.ns(name), self.interface(name), f"lfep{self.tag}{i}"
         _ip("netns", "add", ns)
         self.made.append(ns)
         etc = Path("/etc/netns") / ns

@@ -70,14 +70,17 @@ def across(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     tiny_qwen2(seed=99).to(torch.bfloat16).save_pretrained(model)
     save_word_tokenizer(str(model))
     hosts = Hosts(["a", "b", "c"])
-    port = free_port()
+    ports = [free_port(), free_port()]
     try:  # the server as the README starts it, bound to its host's address; no GLOO_SOCKET_IFNAME anywhere
         env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}
         os.environ.pop("GLOO_SOCKET_IFNAME", None)
-        start_server(model, port, host=hosts.address("c"), on_host=lambda cmd: hosts.command("c", cmd),
-                     args=["--api-key", KEY])
-        url = f"http://{hosts.address('c')}:{port}"
-        wait_for_server(url, model / f"server{port}.log")
+        for port in ports:  # two servers on host c: one worker takes every part over the link, and relays it
+            start_server(model, port, host=hosts.address("c"), on_host=lambda cmd: hosts.command("c", cmd),
+                         args=["--api-key", KEY])
+        urls = [f"http://{hosts.address('c')}:{port}" for port in ports]
+        for url, port in zip(urls, ports):
+            wait_for_server(url, model / f"server{port}.log")
+        url = urls[0]
         refused = {}  # what the server answers without its key (this process reaches host c through the bridge)
         for method, route in (("POST", "/pause"), ("POST", "/collective_rpc"), ("POST", "/lfe/swap"),
                               ("GET", "/v1/models")):
@@ -87,14 +90,18 @@ def across(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             except ServerError as err:
                 refused[route] = str(err)
         reads = Server(url, api_key=None, timeout=10).request("GET", "/is_paused")
-        results, seconds = torchrun(hosts, ["a", "b"], work / "rounds.json", url, model, ",".join(ROUNDS))
+        results, seconds = torchrun(hosts, ["a", "b"], work / "rounds.json", ",".join(urls), model, ",".join(ROUNDS))
+        relayed = [int(line.split("relaying to ")[1].split()[0]) for port in ports
+                   for line in (model / f"server{port}.log").read_text().splitlines() if "relaying to " in line]
         # a trainer host whose gloo advertises its loopback (GLOO_SOCKET_IFNAME=lo): the server's worker cannot dial it
         failed, failed_seconds = torchrun(hosts, ["a"], work / "fails.json", url, model, "setup_fails",
                                           env={**env, "GLOO_SOCKET_IFNAME": "lo"}, timeout=300)
         return {"hosts": {n: hosts.address(n) for n in "abc"}, "rounds": results, "seconds": seconds,
-                "fails": failed["setup_fails"], "fails_seconds": failed_seconds, "refused": refused, "reads": reads}
+                "fails": failed["setup_fails"], "fails_seconds": failed_seconds, "refused": refused, "reads": reads,
+                "relayed": relayed}
     finally:
-        stop_server(model, port)
+        for port in ports:
+            stop_server(model, port)
         hosts.down()
 
 
@@ -112,6 +119,7 @@ def test_a_two_node_fit_syncs_exactly_into_a_server_on_another_host_without_an_a
     assert [c["version"] for c in checks] == [2, 3, 4], checks
     exact = checks[0]["exact"]  # the first sync's, by vLLM's checker on the server
     assert exact["mismatched"] == [] and exact["compared"] >= 5 and exact["kept"] == 0, exact
+    assert exact["engines"] == 2, exact  # both servers, checked by vLLM's checker
     assert all(not c["stale"] and c["verify_diff"] is not None and c["verify_diff"] < TOLERANCE for c in checks), checks
     assert got["warnings"] == [], got["warnings"]
     if name == "sparse":
@@ -141,3 +149,11 @@ def test_a_server_with_an_api_key_takes_no_pause_or_push_without_it(across: dict
         assert "needs its API key" in refused[route], refused[route]
     assert "answered 401" in refused["/v1/models"], refused  # vLLM's own guard
     assert across["reads"] == {"is_paused": False}, across["reads"]
+
+
+@pytest.mark.vllm
+def test_the_two_servers_on_one_host_take_each_version_over_the_link_once(across: dict[str, Any]) -> None:
+    # issue 55 item 2: the trainer ranks send to one worker of host c, which relays every part to the other (the
+    # rounds above are exact on both servers); in each group the relay logs its one follower, the follower 0
+    relayed = across["relayed"]
+    assert relayed.count(1) >= len(ROUNDS) and relayed.count(1) == relayed.count(0) == len(relayed) / 2, relayed

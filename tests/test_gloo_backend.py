@@ -641,3 +641,49 @@ def test_an_llm_in_this_process_through_the_adapter(tmp_path: Any) -> None:
         assert gap < 0.1 and stale > 0.5, (gap, stale)
     finally:
         del llm
+
+
+# -- relays: one worker per other host takes the parts and passes them on (issue 55) -------------------------------
+
+
+@pytest.fixture
+def relayed(monkeypatch: pytest.MonkeyPatch) -> gloo_protocol.Relays:
+    """Workers 2, 3 and 4 of a 2-trainer group as if 3 and 4 shared a host other than rank 0's: 3 the relay, 4 its
+    follower (here every member is on loopback, so find_relays would find none: this is what it finds across hosts,
+    ``tests/test_across_hosts.py``)."""
+    from lightning_fsdp_export.backend import trainer, worker
+
+    relays = gloo_protocol.Relays(source={4: 3}, followers={3: [4]})
+    monkeypatch.setattr(worker, "find_relays", lambda *args: relays)
+    monkeypatch.setattr(trainer, "find_relays", lambda *args: relays)
+    return relays
+
+
+def test_a_relay_passes_every_part_to_its_hosts_other_workers_dense_sparse_and_staged(relayed: Any) -> None:
+    from lightning_fsdp_export.export.patches import PatchBase
+
+    tensors = uneven()
+    engines, models, client = connect_shards(3, tensors, buffer_bytes=700)
+    assert [e.workers for e in engines] == [[2, 3], [2, 3]]  # the trainers send to the direct worker and the relay
+    bases = [PatchBase(bitmaps=True, coded=True), PatchBase(bitmaps=True, coded=True)]
+    assert sparse_round(engines, bases, 1, (None, "v1"), sparse=False) == [None, None]
+    for model in models:
+        assert all(torch.equal(model.loaded[n], t) for n, t in tensors.items())
+    # each rank's bytes went to 2 of the 3 workers: what it sends per worker times 2
+    per_worker = [e.sent_bytes / 2 for e in engines]
+    tensors["model.embed_tokens.weight"][3, 1] += 1  # rank 0's rows
+    tensors["model.embed_tokens.weight"][39, 7] -= 1  # rank 1's rows
+    tensors["model.layers.1.mlp.up_proj.weight"].mul_(2)  # dense within a sparse round
+    assert sparse_round(engines, bases, 2, ("v1", "v2"), sparse=True) == [None, None]
+    assert bases[0].stats.patched >= 1 and bases[1].stats.patched >= 1
+    for model in models:
+        assert all(torch.equal(model.loaded[n].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8))
+                   for n, t in tensors.items())
+    tensors["lm_head.weight"][0, 0] += 1
+    errors = both(lambda rank: engines[rank].send_weights(GlooRound(stage_as="s3")))  # staged: digests per worker
+    assert errors == [None, None] and [m.loaded["lm_head.weight"][0, 0] for m in models][0] != tensors[
+        "lm_head.weight"][0, 0]
+    swap(client, "s3")
+    for model in models:
+        assert all(torch.equal(model.loaded[n], t) for n, t in tensors.items())
+    assert all(e.sent_bytes / 2 <= w for e, w in zip(engines, per_worker))

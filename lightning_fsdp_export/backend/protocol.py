@@ -25,16 +25,17 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import socket
 import zlib
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_fsdp_export._network import gloo_group
+from lightning_fsdp_export._network import gloo_group, is_loopback, route_address
 from lightning_fsdp_export.export.patch_codes import apply_steps, decode_positions
 from lightning_fsdp_export.export.patches import unpack_bits
 
@@ -253,6 +254,52 @@ def join_group(address: str, port: int, rank: int, world_size: int, group: str, 
     with _environment(TORCH_NCCL_ASYNC_ERROR_HANDLING="2", TORCH_NCCL_DUMP_ON_TIMEOUT="0",
                       TORCH_NCCL_ENABLE_MONITORING="0"):
         return dist.ProcessGroupNCCL(prefixed, rank, world_size, options), store
+
+
+@dataclass(frozen=True)
+class Relays:
+    """Which workers a round's parts reach through another worker, so that the bytes cross each host's link once.
+
+    The trainer ranks send each part to the workers on trainer rank 0's host and to one worker per other host (its
+    relay, the host's lowest rank); a relay forwards every part to the other workers of its host (its followers) as
+    soon as it has arrived, over the host's loopback. Found by :func:`find_relays` (gloo only: NCCL matches point-to-
+    point messages by order, not by tag, and its GPUs' links are another story)."""
+
+    source: dict[int, int] = field(default_factory=dict)
+    """A follower's relay, by the follower's rank."""
+    followers: dict[int, list[int]] = field(default_factory=dict)
+    """A relay's followers, by the relay's rank."""
+
+    def receivers(self, workers: range) -> list[int]:
+        """The workers the trainer ranks send to: every one that no relay serves."""
+        return [w for w in workers if w not in self.source]
+
+
+def find_relays(store: dist.Store, group: str, rank: int, world_size: int, trainers: int,
+                master_address: str) -> Relays:
+    """Every member of the group calls it after joining (through the store: each worker says the address it reaches the
+    store from, then every member reads them all): the :class:`Relays` of this group. Workers on the store's host
+    (loopback, or its address) take the trainers' sends directly; workers that share another address share a host."""
+    keys = dist.PrefixStore(f"lfe-relays/{group}", store)
+    if rank >= trainers:
+        keys.set(str(rank), route_address(master_address))
+    home = socket.gethostbyname(master_address)
+    hosts: dict[str, list[int]] = {}
+    for worker in range(trainers, world_size):
+        address = keys.get(str(worker)).decode()
+        if not is_loopback(address) and address != home:
+            hosts.setdefault(address, []).append(worker)
+    relays = Relays()
+    for ranks in hosts.values():
+        if len(ranks) > 1:
+            relays.followers[ranks[0]] = ranks[1:]
+            relays.source.update((follower, ranks[0]) for follower in ranks[1:])
+    return relays
+
+
+def relay_tag(tag: int, trainer_rank: int, trainers: int) -> int:
+    """The tag a relay forwards trainer rank ``trainer_rank``'s message of tag ``tag`` under (one source: the relay)."""
+    return tag * trainers + trainer_rank
 
 
 @contextlib.contextmanager

@@ -32,12 +32,14 @@ from lightning_fsdp_export.backend.protocol import (
     WHOLE,
     Plan,
     PlannedTensor,
+    Relays,
     abort_message,
     aligned,
     crc32,
     exchange_digests,
     exchange_header,
     exchange_status,
+    find_relays,
     join_group,
     patch_code,
     sparse_segment,
@@ -112,7 +114,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                      timeout_s=init_info.timeout_s)
         if not engine.is_sender:
             return engine
-        engine.workers = list(range(trainers, init_info.world_size))
         # a fresh namespace per rendezvous: a re-init never meets stale keys
         group = init_info.group or uuid.uuid4().hex
 
@@ -123,12 +124,22 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
         if engine.rank != 0:
             connect()
-            return engine
-        payload = asdict(cls.worker_init_info(init_info, group))
-        # the workers block in the rendezvous until rank 0 joins: the request runs beside it, and a failure on either
-        # side is raised at once (not when the other side gives up, the group's timeout later)
-        rendezvous(connect, lambda: client.init_weight_transfer_engine(payload), init_info)
+        else:
+            payload = asdict(cls.worker_init_info(init_info, group))
+            # the workers block in the rendezvous until rank 0 joins: the request runs beside it, and a failure on
+            # either side is raised at once (not when the other side gives up, the group's timeout later)
+            rendezvous(connect, lambda: client.init_weight_transfer_engine(payload), init_info)
+        workers = range(trainers, init_info.world_size)
+        engine.workers = engine.find_relays(group, init_info.master_address, init_info.world_size).receivers(workers)
         return engine
+
+    def find_relays(self, group: str, master_address: str, world_size: int) -> Relays:
+        """The group's :class:`Relays` (every member asks): over gloo, one worker per other host takes the parts and
+        forwards them to the others there; the NCCL engine sends to every worker."""
+        if self.wire_device.type != "cpu":
+            return Relays()
+        assert self._store is not None
+        return find_relays(self._store, group, self.rank, world_size, self.trainers, master_address)
 
     @classmethod
     def worker_init_info(cls, init_info: GlooTrainerInitInfo, group: str) -> GlooWeightTransferInitInfo:

