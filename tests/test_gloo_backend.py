@@ -368,8 +368,9 @@ def test_shard_direct_every_rank_sends_its_rows_and_every_worker_assembles_them_
         assert sorted(model.loaded) == sorted(expected)
         for name, tensor in expected.items():
             assert model.loaded[name].dtype == tensor.dtype and torch.equal(model.loaded[name], tensor), name
-    # Rank 1 sent only its rows of the 2-D tensors (to each of the 2 workers), rank 0 its rows and the rest whole.
-    rows1 = sum(t[-(-t.shape[0] // 2):].numel() * t.element_size() for t in expected.values() if t.dim() == 2)
+    # Rank 1 sent only its rows of the 2-D tensors (to each of the 2 workers), rank 0 its rows and the rest whole;
+    # the tied name's rows not at all (issue 55: sent once, loaded under both names)
+    rows1 = sum(t[-(-t.shape[0] // 2):].numel() * t.element_size() for t in tensors.values() if t.dim() == 2)
     assert rows1 <= engines[1].sent_bytes / 2 < rows1 + 16 * len(expected)  # parts are padded to 16 bytes
     assert engines[0].sent_bytes > engines[1].sent_bytes
 
@@ -660,15 +661,21 @@ def relayed(monkeypatch: pytest.MonkeyPatch) -> gloo_protocol.Relays:
 
 
 def test_a_relay_passes_every_part_to_its_hosts_other_workers_dense_sparse_and_staged(relayed: Any) -> None:
+    # with a tied head (issue 55: sent once, each worker loads it under both names) in every kind of round
     from lightning_fsdp_export.export.patches import PatchBase
 
     tensors = uneven()
-    engines, models, client = connect_shards(3, tensors, buffer_bytes=700)
+    tie = ("model.embed_tokens.weight", "lm_head.tied.weight")
+    engines, models, client = connect_shards(3, tensors, buffer_bytes=700, tied=tie)
+
+    def exact() -> bool:
+        return all(torch.equal(m.loaded[n].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8))
+                   for m in models for n, t in {**tensors, tie[1]: tensors[tie[0]]}.items())
+
     assert [e.workers for e in engines] == [[2, 3], [2, 3]]  # the trainers send to the direct worker and the relay
     bases = [PatchBase(bitmaps=True, coded=True), PatchBase(bitmaps=True, coded=True)]
     assert sparse_round(engines, bases, 1, (None, "v1"), sparse=False) == [None, None]
-    for model in models:
-        assert all(torch.equal(model.loaded[n], t) for n, t in tensors.items())
+    assert exact()
     # each rank's bytes went to 2 of the 3 workers: what it sends per worker times 2
     per_worker = [e.sent_bytes / 2 for e in engines]
     tensors["model.embed_tokens.weight"][3, 1] += 1  # rank 0's rows
@@ -676,14 +683,11 @@ def test_a_relay_passes_every_part_to_its_hosts_other_workers_dense_sparse_and_s
     tensors["model.layers.1.mlp.up_proj.weight"].mul_(2)  # dense within a sparse round
     assert sparse_round(engines, bases, 2, ("v1", "v2"), sparse=True) == [None, None]
     assert bases[0].stats.patched >= 1 and bases[1].stats.patched >= 1
-    for model in models:
-        assert all(torch.equal(model.loaded[n].view(-1).view(torch.uint8), t.view(-1).view(torch.uint8))
-                   for n, t in tensors.items())
+    assert exact()
     tensors["lm_head.weight"][0, 0] += 1
     errors = both(lambda rank: engines[rank].send_weights(GlooRound(stage_as="s3")))  # staged: digests per worker
     assert errors == [None, None] and [m.loaded["lm_head.weight"][0, 0] for m in models][0] != tensors[
         "lm_head.weight"][0, 0]
     swap(client, "s3")
-    for model in models:
-        assert all(torch.equal(model.loaded[n], t) for n, t in tensors.items())
+    assert exact()
     assert all(e.sent_bytes / 2 <= w for e, w in zip(engines, per_worker))

@@ -6,10 +6,14 @@ from __future__ import annotations
 import os
 import shutil
 import time
+import uuid
 from pathlib import Path
 
+import torch
+from safetensors.torch import save_file
+
 __all__ = ["SERVER_ADAPTER_ROOT", "STALE_RUN_SECONDS", "make_private_dirs", "prune_runs", "prune_versions",
-           "server_layout"]
+           "server_layout", "write_adapter_dir"]
 
 SERVER_ADAPTER_ROOT = f"/tmp/lightning-fsdp-export-{os.getuid()}/adapters"
 """Where our gloo workers write adapters sent over the transport, on each server's host: ``<run>/<name>/v<version>``
@@ -61,3 +65,25 @@ def prune_runs(root: Path, current: str, *, older_than: float = STALE_RUN_SECOND
             shutil.rmtree(run, ignore_errors=True)
             removed.append(run)
     return removed
+
+
+def write_adapter_dir(path: str, tensors: dict[str, torch.Tensor], config: str) -> None:
+    """Write a peft adapter directory at ``path`` (``<root>/<run>/<name>/v<version>``: ``adapter_model.safetensors``,
+    ``adapter_config.json``), each file replaced atomically (workers of one server on one host write the same files);
+    version directories beside it older than the one before are removed (vLLM keeps a loaded adapter in memory), and
+    so are other runs' directories untouched for :data:`~lightning_fsdp_export.transfer.adapters.STALE_RUN_SECONDS`.
+    Directories it creates are private (0700)."""
+    target = Path(path)
+    layout = server_layout(target)
+    if layout is None:  # another layout (a test's directory): only what is asked
+        target.mkdir(parents=True, exist_ok=True)
+    else:
+        root, run = layout
+        make_private_dirs(target, root.parent)  # the per-user directory above the root too
+        prune_runs(root, current=run)  # older runs' leftovers on this host
+    tmp = f".tmp{uuid.uuid4().hex}"  # per writer: workers of one server (or one process) write side by side
+    save_file(tensors, str(target / f"adapter_model.safetensors{tmp}"), metadata={"format": "pt"})
+    (target / f"adapter_config.json{tmp}").write_text(config)
+    for name in ("adapter_model.safetensors", "adapter_config.json"):
+        os.replace(target / f"{name}{tmp}", target / name)
+    prune_versions(target.parent)

@@ -105,6 +105,9 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
     draft: bool = False
     """A drafter's round: vLLM's ``/start_draft_weight_update`` pointed this engine at the speculative-decoding draft
     model, which the tensors are loaded into; the worker's host copy of the policy (sparse rounds) stays as it is."""
+    same_as: dict[str, str] | None = None
+    """Names whose tensor is an earlier name's (a tied head, ``lm_head.weight`` after ``model.embed_tokens.weight``),
+    by the later name: nothing is sent for them, and each worker loads the earlier tensor under them too."""
     check_only: bool = False
     """With ``swap_to``: only wait for the staged round and check it is complete (its thread joined, every digest
     matched); the model is not touched. The server-side swap (:mod:`.server_swap`) runs it before pausing, so a
@@ -135,6 +138,13 @@ class GlooWeightTransferUpdateInfo(WeightTransferUpdateInfo):
         if self.swap_to is not None and (self.names or self.stage_as is not None or self.adapter_dir is not None):
             raise ValueError(f"gloo update_info: swap_to={self.swap_to!r} loads a staged round: it carries no tensors"
                              " and stages nothing.")
+        where = {name: i for i, name in enumerate(self.names)}
+        bad_ties = [(a, b) for a, b in (self.same_as or {}).items() if a not in where or b not in where
+                    or where[b] >= where[a] or self.shapes[where[a]] != self.shapes[where[b]]
+                    or self.dtype_names[where[a]] != self.dtype_names[where[b]]]
+        if bad_ties:
+            raise ValueError(f"gloo update_info: same_as {dict(bad_ties)}: each name must follow the one it is the same"
+                             " tensor as, with its dtype and shape.")
         if self.check_only and self.swap_to is None:
             raise ValueError("gloo update_info: check_only=True checks a staged round: it needs swap_to.")
         if self.draft and any(v is not None for v in (self.adapter_dir, self.keep_as, self.patch_of, self.stage_as,

@@ -51,9 +51,12 @@ class PlannedTensor:
     dtype: torch.dtype
     shape: tuple[int, ...]
     bounds: tuple[int, ...] | None
+    same_as: str | None = None  # an earlier tensor's name (a tied head): nothing is sent for this one
 
     def part(self, rank: int) -> int:
         """Bytes trainer ``rank`` sends of this tensor."""
+        if self.same_as is not None:
+            return 0
         if self.bounds is None:
             return math.prod(self.shape) * self.dtype.itemsize if rank == 0 else 0
         row = math.prod(self.shape[1:]) * self.dtype.itemsize
@@ -96,6 +99,7 @@ class Plan:
     def of(cls, info: Any, trainers: int, buffer_bytes: int) -> Plan:
         """From a ``GlooWeightTransferUpdateInfo`` (names, dtype names, shapes, bounds)."""
         bounds = info.bounds or [None] * len(info.names)
+        ties = info.same_as or {}
         tensors = []
         for name, dtype_name, shape, rows in zip(info.names, info.dtype_names, info.shapes, bounds):
             if rows is not None and (len(rows) != trainers + 1 or not shape or rows[0] != 0 or rows[-1] != shape[0]
@@ -103,7 +107,7 @@ class Plan:
                 raise ValueError(f"gloo update_info: bounds {rows} of {name!r} {list(shape)} are not row offsets over"
                                  f" {trainers} trainer ranks.")
             tensors.append(PlannedTensor(name, getattr(torch, dtype_name), tuple(shape),
-                                         None if rows is None else tuple(rows)))
+                                         None if rows is None else tuple(rows), ties.get(name)))
         return cls(tensors, trainers, buffer_bytes)
 
 
@@ -164,6 +168,8 @@ def patch_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], co
     with ``fresh=False`` as the copy itself (a staged round, which loads from the copy later)."""
     offsets = [0] * trainers
     for i, tensor in enumerate(chunk):
+        if tensor.same_as is not None:
+            continue  # (the worker yields the tensor it is the same as: tied)
         full = base.get(tensor.name)
         if full is None or tuple(full.shape) != tensor.shape or full.dtype != tensor.dtype:
             raise RuntimeError(f"sparse round: this worker keeps no copy of {tensor.name!r} {tensor.dtype}"
@@ -396,6 +402,8 @@ def unpack_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None],
     rank's rows."""
     offsets = [0] * trainers
     for tensor in chunk:
+        if tensor.same_as is not None:
+            continue  # (the worker yields the tensor it is the same as: tied)
         if tensor.bounds is None:
             yield tensor.name, part_view(parts[0], offsets, 0, tensor, tensor.shape)
             continue

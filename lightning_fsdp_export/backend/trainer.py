@@ -172,7 +172,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                                             adapter_config=adapter[1] if adapter else None,
                                             patch_of=payload.patch_of if patching else None,
                                             keep_as=payload.keep_as if patching else None,
-                                            stage_as=payload.stage_as, draft=payload.draft)
+                                            stage_as=payload.stage_as, draft=payload.draft, same_as=_ties(source, meta))
         with self._sending():
             return self._send(payload, source, meta, info)
 
@@ -357,3 +357,13 @@ def register() -> None:
     from lightning_fsdp_export_plugin import register_gloo
 
     register_gloo()
+
+
+def _ties(source: WeightSource, meta: list[Any]) -> dict[str, str] | None:
+    """The names of ``meta`` whose tensor is an earlier name's, as the source's export says (a tied head: sent once,
+    loaded under both names by each worker); ``None``: none, or a source that does not say."""
+    export = getattr(source, "export", None)
+    ties = export.ties() if hasattr(export, "ties") else {}
+    what = {m.name: (m.dtype, tuple(m.shape)) for m in meta}
+    ties = {a: b for a, b in ties.items() if a in what and what.get(b) == what[a]}
+    return ties or None

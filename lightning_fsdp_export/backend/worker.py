@@ -6,23 +6,19 @@ stages them in a thread for a later swap)."""
 from __future__ import annotations
 
 import contextlib
-import os
 import threading
 import time
-import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
-from safetensors.torch import save_file
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from lightning_fsdp_export._compat import load_naming_refusals
-from lightning_fsdp_export.backend.adapter_dirs import make_private_dirs, prune_runs, prune_versions, server_layout
+from lightning_fsdp_export.backend.adapter_dirs import write_adapter_dir
 from lightning_fsdp_export.backend.infos import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -53,7 +49,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
-__all__ = ["GlooWeightTransferEngine", "write_adapter_dir"]
+__all__ = ["GlooWeightTransferEngine", "write_adapter_dir"]  # (the latter: backend.adapter_dirs)
 
 def _logger() -> Any:
     """A child of vLLM's logger, so a server prints it with its own lines."""
@@ -110,6 +106,7 @@ class _Round:
     staging: _Staging | None = None
     digests: list[list[int]] = field(default_factory=list)  # a staged round: per trainer rank, [bytes, crc]
     forwards: list[Any] = field(default_factory=list)  # a relay's sends to its host's other workers, in flight
+    tied: dict[str, torch.Tensor | None] = field(default_factory=dict)  # tensors a later name is the same as (ties)
     times: dict[str, float] = field(default_factory=lambda: {"round": time.perf_counter(), "waiting": 0.0,
                                                              "loading": 0.0})
 
@@ -190,8 +187,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             if info.stage_as is not None:
                 self._stage(info)  # returns at once: the model is not touched
                 return
-            # (checked before the reload)
-            staging = _staged(self._staging, info.swap_to, self.timeout) if info.swap_to is not None else None
+            staging = None if info.swap_to is None else _staged(self._staging, info.swap_to, self.timeout)  # (first)
             if info.check_only:
                 return  # the staged round is complete: the swap that follows loads it
             if info.adapter_dir is None and not self._reloading:
@@ -270,7 +266,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         if policy and staging is None and update_info.patch_of is None:
             self._base = {}  # the model's weights change: the copy is valid only if this round succeeds
         base = {} if update_info.draft else self._base if staging is None else staging.base  # a drafter's: no copy
-        r = _Round(update_info, self.group, base, adapter={} if adapter else None, staging=staging)
+        r = _Round(update_info, self.group, base, adapter={} if adapter else None, staging=staging,
+                   tied=dict.fromkeys(t.same_as for t in plan.tensors if t.same_as))
         if policy:
             if update_info.patch_of is not None and update_info.patch_of != self._kept:
                 error = RuntimeError(f"sparse round against the copy {update_info.patch_of!r}, but this worker keeps"
@@ -397,9 +394,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                 pairs = unpack_chunk(held.chunk, held.parts, held.trainers)
                 if r.info.keep_as is not None:
                     pairs = _keeping(pairs, r.base)
+            pairs = _tied(pairs, held.chunk, r.tied)
             if r.staging is not None:  # staged: kept for the swap (from the host copy where one is kept)
                 kept = r.info.keep_as is not None
-                r.staging.tensors.update((name, None if kept else tensor) for name, tensor in pairs)
+                r.staging.tensors.update((name, None if kept and name in r.base else tensor) for name, tensor in pairs)
             elif r.adapter is not None:  # an adapter round: kept for its files, the model untouched
                 r.adapter.update((name, tensor.to(CPU, copy=True)) for name, tensor in pairs)
             else:
@@ -435,6 +433,23 @@ def _log_relays(rank: int, relays: Relays) -> None:
                        len(relays.followers.get(rank, [])), relays)
 
 
+def _tied(pairs: Iterator[tuple[str, torch.Tensor]], chunk: list[PlannedTensor],
+          tied: dict[str, torch.Tensor | None]) -> Iterator[tuple[str, torch.Tensor]]:
+    """``pairs``, then each tensor of ``chunk`` that is an earlier one (``same_as``: nothing of it was sent) under its
+    own name; ``tied`` keeps the earlier tensors as they pass (a reference: every chunk's buffers are fresh)."""
+    for name, tensor in pairs:
+        if name in tied:
+            tied[name] = tensor
+        yield name, tensor
+    for planned in chunk:
+        if planned.same_as is not None:
+            earlier = tied.get(planned.same_as)
+            if earlier is None:
+                raise RuntimeError(f"{planned.name!r} is the same tensor as {planned.same_as!r}, which this round did"
+                                   " not carry before it.")
+            yield planned.name, earlier
+
+
 def _source(relay: int | None, rank: int, tag: int, trainers: int) -> tuple[int, int]:
     """Where and under which tag a worker receives trainer rank ``rank``'s message ``tag``: from that rank, or from
     its host's ``relay``."""
@@ -463,27 +478,3 @@ def _keeping(pairs: Iterator[tuple[str, torch.Tensor]], base: dict[str, torch.Te
     for name, tensor in pairs:
         base[name] = tensor.clone()
         yield name, tensor
-
-
-
-
-def write_adapter_dir(path: str, tensors: dict[str, torch.Tensor], config: str) -> None:
-    """Write a peft adapter directory at ``path`` (``<root>/<run>/<name>/v<version>``: ``adapter_model.safetensors``,
-    ``adapter_config.json``), each file replaced atomically (workers of one server on one host write the same files);
-    version directories beside it older than the one before are removed (vLLM keeps a loaded adapter in memory), and
-    so are other runs' directories untouched for :data:`~lightning_fsdp_export.transfer.adapters.STALE_RUN_SECONDS`.
-    Directories it creates are private (0700)."""
-    target = Path(path)
-    layout = server_layout(target)
-    if layout is None:  # another layout (a test's directory): only what is asked
-        target.mkdir(parents=True, exist_ok=True)
-    else:
-        root, run = layout
-        make_private_dirs(target, root.parent)  # the per-user directory above the root too
-        prune_runs(root, current=run)  # older runs' leftovers on this host
-    tmp = f".tmp{uuid.uuid4().hex}"  # per writer: workers of one server (or one process) write side by side
-    save_file(tensors, str(target / f"adapter_model.safetensors{tmp}"), metadata={"format": "pt"})
-    (target / f"adapter_config.json{tmp}").write_text(config)
-    for name in ("adapter_model.safetensors", "adapter_config.json"):
-        os.replace(target / f"{name}{tmp}", target / name)
-    prune_versions(target.parent)

@@ -157,6 +157,23 @@ class ExportSource:
                 for names, tensor in self._entries() for name in names
                 for piece in self._format.pieces(name, tensor)]
 
+    def ties(self) -> dict[str, str]:
+        """Checkpoint names a pass yields with the same tensor as an earlier name (a tied head: ``lm_head.weight``
+        after ``model.embed_tokens.weight``), by the later name; no collective. A consumer may send such a tensor
+        once and load it under both names."""
+        first: dict[int, str] = {}
+        ties: dict[str, str] = {}
+        for names, tensor in self._entries():
+            for name in names:
+                pieces = self._format.pieces(name, tensor)
+                if len(pieces) != 1 or tuple(pieces[0].shape) != tuple(tensor.shape):
+                    continue  # (a tensor the format splits or reshapes: its pieces are its own)
+                if id(tensor) in first:
+                    ties[pieces[0].name] = first[id(tensor)]
+                else:
+                    first[id(tensor)] = pieces[0].name
+        return ties
+
     def pass_bytes(self) -> int:
         """Bytes of every tensor of a pass at full size, from :meth:`metadata` (what a consumer receives in all)."""
         return sum(math.prod(m.shape) * m.dtype.itemsize for m in self.metadata())
