@@ -141,6 +141,6 @@ def test_a_sync_asks_each_server_for_health_once(recording_engine: Any) -> None:
         stub.requests.clear()
     target.agree(OneRank())  # type: ignore[arg-type]
     target.push_source(source(), version=1)
-    assert [s.paths().count("/health") for s in stubs] == [1, 1]
+    assert [s.paths(preflight=True).count("/health") for s in stubs] == [1, 1]
     target.push_source(source(), version=2)
-    assert [s.paths().count("/health") for s in stubs] == [2, 2]
+    assert [s.paths(preflight=True).count("/health") for s in stubs] == [2, 2]

@@ -120,8 +120,9 @@ class ServerPool:
 
     def refresh(self) -> list[Server]:
         """Rank 0, before a round: re-read the URLs; with ``min_servers``, set aside the servers that do not answer
-        ``/health`` and take back those set aside that answer again. The servers the round updates (where they
-        differ from the group's :attr:`members`, the round rebuilds the group, pushing every tensor)."""
+        ``/health`` and take back those set aside that answer again; without, fail on the first that does not. The
+        servers the round updates (where they differ from the group's :attr:`members`, the round rebuilds the group,
+        pushing every tensor)."""
         before = [s.url for s in self.active]
         if self.changes:
             self._reread()
@@ -137,6 +138,14 @@ class ServerPool:
                 del self.out[url]
             self.set_aside({s: e for s, e in silent.items() if s.url not in self.out},
                            why="does not answer /health")
+        else:  # every server takes every round: one that vanished fails it now, not at the pause a timeout later
+            for server in self.active:
+                try:
+                    server.request("GET", "/health", timeout=HEALTH_TIMEOUT_S)
+                except ServerError as err:
+                    raise ServerError(f"{err} (asked before the round, {HEALTH_TIMEOUT_S:g} s to answer; nothing was"
+                                      " paused. With RemoteVLLM(min_servers=k) the others would take it.)",
+                                      server.url) from err
         after = self.active
         self._fresh = True
         self.joined = [s.url for s in after if s.url not in before]
