@@ -26,7 +26,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
@@ -53,29 +52,17 @@ def trainer(args: argparse.Namespace) -> None:
     """Each of the 2 trainer ranks (torchrun, on the trainer host): ``--pushes`` versions to ``--urls``."""
     from types import SimpleNamespace
 
-    import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
 
     from lightning_fsdp_export import RemoteVLLM
-    from lightning_fsdp_export.export.shards import ShardSource
     from lightning_fsdp_export.targets import Gloo
+    from tests.scripts.sparse_sync import row_source  # each rank's torch.chunk rows, as FSDP2 shards them
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     weights = load_file(str(Path(args.model) / "model.safetensors"))
-    entries = [([n], t) for n, t in weights.items()]
-
-    def layout(names: list[str], tensor: torch.Tensor) -> tuple[int, ...] | None:
-        chunk = -(-tensor.shape[0] // world) if tensor.dim() == 2 else 0
-        return tuple(min(r * chunk, tensor.shape[0]) for r in range(world + 1)) if chunk else None
-
-    def rows() -> Any:
-        for names, tensor in entries:
-            bounds = layout(names, tensor)
-            yield names[0], tensor if bounds is None else tensor[bounds[rank]:bounds[rank + 1]]
-
-    source = ShardSource(lambda: entries, rows, layout=layout, world=world, dtype=torch.bfloat16)
+    source = row_source(weights)
     urls = args.urls.split(",")
     target = RemoteVLLM(urls, transport=Gloo(shard_direct=True), timeout=600)
     target.setup(SimpleNamespace(global_rank=rank, world_size=world))  # type: ignore[arg-type]
