@@ -1119,3 +1119,21 @@ def test_the_api_key_guard_reads_what_vllms_own_guard_reads() -> None:
     assert authenticate.GUARDED_PREFIX == VLLM_GUARDED
     assert "app.state.args = args" in inspect.getsource(app)
     assert "args.api_key or [envs.VLLM_API_KEY]" in inspect.getsource(register.init_entrypoints_middleware)
+
+
+def test_a_replica_that_stops_answering_health_fails_the_round_unpaused_and_the_next_builds_a_new_group(
+        recording_engine: Any) -> None:
+    # issue 55: every server takes every round, so /health (2 s) before it names one that vanished; its workers may
+    # be gone or restarted meanwhile, so the next round must not stream into the old group (it timed out at its end)
+    stubs = [Stub(), Stub()]
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl")
+    target.setup(Rank(0))
+    target.push_source(source(), version=1)
+    stubs[1].fail["/health"] = (500, {"error": "gone"})
+    before = len(stubs[0].paths())
+    with pytest.raises(ServerError, match=rf"{stubs[1].url}/health answered 500.*nothing was paused"):
+        target.push_source(source(), version=2)
+    assert stubs[0].paths()[before:] == []  # nothing paused, nothing sent
+    del stubs[1].fail["/health"]
+    target.push_source(source(), version=3)
+    assert [s.paths().count("/init_weight_transfer_engine") for s in stubs] == [2, 2]  # a new group

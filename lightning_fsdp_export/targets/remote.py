@@ -148,12 +148,9 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
         and every rank learns which of them serve (:attr:`serving`)."""
         if not self.pool.changes:
             return
-        serving = None
-        if self._is_rank_zero:
-            active = self.pool.refresh()
+        active, self._serving = self.pool.agree(ranks, rank_zero=self._is_rank_zero)
+        if active is not None:
             self._round.pauses.servers = active  # what this sync's checks and round address
-            serving = [s.url for s in active if s.url not in self.pool.joined]
-        self._serving = ranks.broadcast(serving)
 
     @property
     def servers_out(self) -> dict[str, str]:

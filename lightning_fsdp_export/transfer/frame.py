@@ -328,14 +328,13 @@ class NativeTransfer(Transfer):
         if self.rank == 0:
             self.pauses.load_adapter_from(os.fspath(files.path.resolve()), name=name, version=version)
 
-    def _start_round(self, plan_key: str | None, *, pause: bool = True) -> tuple[dict[str, Any] | None, bool, float,
-                                                                                  bool]:
+    def _start_round(self, plan_key: str | None, *, pause: bool = True) -> _Start:
         """Rank 0 rebuilds the group if needed (broken on any rank, a new plan, other servers) and, with ``pause``,
-        pauses the servers (unless held); alone in the group it connects first, else the others learn the plan, or its
-        failure, from its broadcast. Returns ``(plan or None, whether this rank paused, when, whether the round sends
-        patches)``: only where every rank holds a copy of the confirmed version of ``plan_key`` and the group stays."""
-        if self.rank == 0:  # servers that left, joined, died or came back: a new group
-            self.pauses.servers = self.pool.for_round()
+        pauses the servers (unless held); alone in the group it connects first, else the others learn the plan, or
+        its failure, from its broadcast. Returns :data:`_Start`."""
+        failure: BaseException | None = None
+        if self.rank == 0:  # servers that left, joined, died or came back: a new group (one silent: failure)
+            self.pauses.servers, failure = _for_round(self.pool, self.pauses.servers)
         rebuild = (self.broken or _digest(self.options, self.source) != self._plan_digest
                    or (self.rank == 0 and [s.url for s in self.servers] != self.pool.members))
         can_patch = (plan_key is not None and self.patches is not None
@@ -347,10 +346,11 @@ class NativeTransfer(Transfer):
             rebuild = any(r for r, _ in states)
             sparse = not rebuild and all(c for _, c in states)
         decision: dict[str, Any] = {"error": None, "plan": None}
-        failure: BaseException | None = None
         paused_at = 0.0
         if self.rank == 0:
             try:
+                if failure is not None:
+                    raise failure
                 self.pool.check_quorum()
                 if rebuild:
                     plan = self._plan()
@@ -368,6 +368,20 @@ class NativeTransfer(Transfer):
                 raise failure
             raise ServerError(f"trainer rank 0 could not start the round: {decision['error']}", self.servers[0].url)
         return decision["plan"], self.rank == 0 and pause, paused_at, sparse
+
+
+_Start = tuple[dict[str, Any] | None, bool, float, bool]
+"""What ``NativeTransfer._start_round`` returns: the plan (or ``None``), whether this rank paused, when, and whether the
+round sends patches (only where every rank holds a copy of the confirmed version and the group stays)."""
+
+
+def _for_round(pool: ServerPool, servers: list[Server]) -> tuple[list[Server], BaseException | None]:
+    """Rank 0: the pool's servers for this round, or ``servers`` and why it cannot start (a server required for it
+    does not answer ``/health``), for every rank of the group to learn before anything is paused."""
+    try:
+        return pool.for_round(), None
+    except ServerError as err:
+        return servers, err
 
 
 def _store_address(transport: NetworkTransport, servers: Sequence[Server]) -> tuple[str, int]:

@@ -17,9 +17,11 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
+from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export.transfer.http import Server, ServerError
 from lightning_fsdp_export.transfer.pauses import PartlyFailed
 from lightning_fsdp_export.transfer.rounds import swap_routes
@@ -143,6 +145,7 @@ class ServerPool:
                 try:
                     server.request("GET", "/health", timeout=HEALTH_TIMEOUT_S)
                 except ServerError as err:
+                    self.members = []  # its workers may be gone or new (a restart): the next round builds a new group
                     raise ServerError(f"{err} (asked before the round, {HEALTH_TIMEOUT_S:g} s to answer; nothing was"
                                       " paused. With RemoteVLLM(min_servers=k) the others would take it.)",
                                       server.url) from err
@@ -153,6 +156,24 @@ class ServerPool:
             rank_zero_warn(f"RemoteVLLM: server(s) {self.joined} join the pool; this round pushes every tensor whole"
                            f" to {len(after)} server(s).")
         return after
+
+    def agree(self, ranks: SyncGroup, *, rank_zero: bool) -> tuple[list[Server] | None, list[str]]:
+        """Every rank, before each push where the pool can change: rank 0 refreshes it; returns rank 0's servers for
+        the round (``None`` elsewhere) and, on every rank, the URLs that serve (not those that just joined). Rank 0's
+        failure (every server required, one silent) is raised on every rank."""
+        active: list[Server] | None = None
+        failure: ServerError | None = None
+        serving: Any = None
+        if rank_zero:
+            try:
+                active = self.refresh()
+                serving = [s.url for s in active if s.url not in self.joined]
+            except ServerError as err:
+                failure, serving = err, {"error": str(err), "url": err.url}
+        serving = ranks.broadcast(serving)
+        if isinstance(serving, dict):
+            raise failure or ServerError(f"trainer rank 0: {serving['error']}", serving["url"])
+        return active, serving
 
     def for_round(self) -> list[Server]:
         """Rank 0, as a round starts: the servers it updates. Refreshed now, unless the sync's agreement
