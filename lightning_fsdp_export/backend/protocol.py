@@ -281,11 +281,14 @@ class Relays:
         return [w for w in workers if w not in self.source]
 
 
-def find_relays(store: dist.Store, group: str, rank: int, world_size: int, trainers: int,
-                master_address: str) -> Relays:
+def find_relays(store: dist.Store, group: str, rank: int, world_size: int, trainers: int, master_address: str,
+                device: torch.device) -> Relays:
     """Every member of the group calls it after joining (through the store: each worker says the address it reaches the
     store from, then every member reads them all): the :class:`Relays` of this group. Workers on the store's host
-    (loopback, or its address) take the trainers' sends directly; workers that share another address share a host."""
+    (loopback, or its address) take the trainers' sends directly; workers that share another address share a host.
+    None on a ``device`` other than the host's (NCCL: no relays)."""
+    if device.type != "cpu":
+        return Relays()
     keys = dist.PrefixStore(f"lfe-relays/{group}", store)
     if rank >= trainers:
         keys.set(str(rank), route_address(master_address))

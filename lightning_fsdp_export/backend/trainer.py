@@ -32,7 +32,6 @@ from lightning_fsdp_export.backend.protocol import (
     WHOLE,
     Plan,
     PlannedTensor,
-    Relays,
     abort_message,
     aligned,
     crc32,
@@ -129,17 +128,11 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             # the workers block in the rendezvous until rank 0 joins: the request runs beside it, and a failure on
             # either side is raised at once (not when the other side gives up, the group's timeout later)
             rendezvous(connect, lambda: client.init_weight_transfer_engine(payload), init_info)
-        workers = range(trainers, init_info.world_size)
-        engine.workers = engine.find_relays(group, init_info.master_address, init_info.world_size).receivers(workers)
+        assert engine._store is not None  # (every member asks: over gloo one worker per other host relays the parts)
+        relays = find_relays(engine._store, group, engine.rank, init_info.world_size, trainers,
+                             init_info.master_address, engine.wire_device)
+        engine.workers = relays.receivers(range(trainers, init_info.world_size))
         return engine
-
-    def find_relays(self, group: str, master_address: str, world_size: int) -> Relays:
-        """The group's :class:`Relays` (every member asks): over gloo, one worker per other host takes the parts and
-        forwards them to the others there; the NCCL engine sends to every worker."""
-        if self.wire_device.type != "cpu":
-            return Relays()
-        assert self._store is not None
-        return find_relays(self._store, group, self.rank, world_size, self.trainers, master_address)
 
     @classmethod
     def worker_init_info(cls, init_info: GlooTrainerInitInfo, group: str) -> GlooWeightTransferInitInfo:

@@ -155,8 +155,8 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                                              init_info.world_size,
                                         init_info.group, init_info.timeout_s, host=False, device=self.wire_device)
         self.rank = rank
-        self.relays = Relays() if self.wire_device.type != "cpu" else find_relays(
-            self._store, init_info.group, rank, init_info.world_size, self.trainers, init_info.master_address)
+        self.relays = find_relays(self._store, init_info.group, rank, init_info.world_size, self.trainers,
+                                  init_info.master_address, self.wire_device)
         _log_relays(rank, self.relays)
 
     def start_weight_update(self) -> None:

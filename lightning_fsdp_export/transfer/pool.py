@@ -128,27 +128,23 @@ class ServerPool:
         before = [s.url for s in self.active]
         if self.changes:
             self._reread()
+        silent = {}
+        for server in [self.known[u] for u in self.listed]:
+            try:
+                server.request("GET", "/health", timeout=HEALTH_TIMEOUT_S)
+            except ServerError as err:
+                silent[server] = err
         if self.heals:
-            silent = {}
-            for server in [self.known[u] for u in self.listed]:
-                try:
-                    server.request("GET", "/health", timeout=HEALTH_TIMEOUT_S)
-                except ServerError as err:
-                    silent[server] = err
             back = [u for u in self.out if self.known[u] not in silent]
             for url in back:
                 del self.out[url]
             self.set_aside({s: e for s, e in silent.items() if s.url not in self.out},
                            why="does not answer /health")
-        else:  # every server takes every round: one that vanished fails it now, not at the pause a timeout later
-            for server in self.active:
-                try:
-                    server.request("GET", "/health", timeout=HEALTH_TIMEOUT_S)
-                except ServerError as err:
-                    self.members = []  # its workers may be gone or new (a restart): the next round builds a new group
-                    raise ServerError(f"{err} (asked before the round, {HEALTH_TIMEOUT_S:g} s to answer; nothing was"
-                                      " paused. With RemoteVLLM(min_servers=k) the others would take it.)",
-                                      server.url) from err
+        elif silent:  # every server takes every round: one that vanished fails it now, not at /pause a timeout later
+            self.members = []  # its workers may be gone or new (a restart): the next round builds a new group
+            server, err = next(iter(silent.items()))
+            raise ServerError(f"{err} (asked before the round, {HEALTH_TIMEOUT_S:g} s to answer; nothing was paused."
+                              " With RemoteVLLM(min_servers=k) the others would take it.)", server.url) from err
         after = self.active
         self._fresh = True
         self.joined = [s.url for s in after if s.url not in before]
