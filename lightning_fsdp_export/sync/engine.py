@@ -202,6 +202,8 @@ class SyncEngine:
         self.settle()  # the push still in the background, if any (failed, with on_error="warn": this one is full)
         if isinstance(self.target, SendsPatches):  # a sparse sync patches only what every rank agreed is served
             self.target.confirm(None if self.stale else self.served_version)
+        if self._resumed and not self._base_pushed:  # a resumed run's first push: past what the engine holds
+            self._continue_past_held()
         self.version += 1
         if not self.target.serves_during_push:  # else the servers serve it until the push's swap
             self.served_version = None
@@ -223,6 +225,16 @@ class SyncEngine:
         if self._when_busy is WhenBusy.SKIP:
             self.last_metrics["weight_sync/skipped"] = float(self.skipped)
         return self.last_metrics
+
+    def _continue_past_held(self) -> None:
+        """Every rank: the versions go on past the highest one the target holds (``target.held_version()``, rank
+        0's word): servers that outlived the run before a resume may hold versions the checkpoint never saw, and no
+        two pushes may share a version (rollouts label tokens with it)."""
+        held = self._ranks.gather(self.target.held_version() if self._ranks.rank == 0 else None)[0]
+        if held is not None and held > self.version:
+            rank_zero_info(f"{self._owner}: resumed at version {self.version} (the checkpoint's); the target holds"
+                           f" version {held} from the run before the resume, so this push is version {held + 1}.")
+            self.version = held
 
     def settle(self) -> bool:
         """Every rank: end the push in the background, if any (``target.pushes_in_background``), and agree on it: its

@@ -112,6 +112,12 @@ class WeightTarget(ABC):
         (``RemoteVLLM``'s network transports). Default: ``push(iter(source), version=version)``."""
         self.push(iter(source), version=version)
 
+    def held_version(self) -> int | None:
+        """Rank 0, before the first push of a resumed run: the highest version the receiver is tagged with (an engine
+        that outlived the run before the resume may hold versions past the checkpoint's), so the versions go on past
+        it and no two pushes share one; default ``None``: it cannot tell (a fresh engine holds none)."""
+        return None
+
     def check_weights(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
         """What the receiver would refuse among ``(name, full shape)``, checked before any gather (one line per
         problem); default: nothing is checked here (the receiver's load checks)."""

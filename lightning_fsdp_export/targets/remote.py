@@ -236,8 +236,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
 
     @override
     def check_draft(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
-        """Rank 0: servers that draft with no model, and where the drafter's names and shapes disagree with the
-        servers' checkpoints' drafter tensors."""
+        """Rank 0: servers that draft with no model, and where the drafter's names and shapes disagree with theirs."""
         return _draft_problems(self, exported) if self._is_rank_zero else []
 
     @override
@@ -319,6 +318,11 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
         if self._is_rank_zero:
             on_all(self.servers, lambda s: s.request("POST", pause_route(self._round.pauses.mode)))
             on_all(self.servers, lambda s: s.request("POST", "/weight_checker", {"action": "reset"}))
+
+    @override
+    def held_version(self) -> int | None:
+        """Rank 0: the highest version a listed server is tagged with (:meth:`ServerPool.held_version`)."""
+        return self.pool.held_version()
 
     @override
     def push_source(self, source: ExportSource, *, version: int) -> None:

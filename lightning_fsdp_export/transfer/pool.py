@@ -94,6 +94,18 @@ class ServerPool:
         """Whether the servers a round updates can change during the fit (``min_servers``, or URLs re-read)."""
         return self.heals or not isinstance(self._urls, (str, Sequence))
 
+    def held_version(self) -> int | None:
+        """The highest version a listed server is tagged with (``/weight_info``; a server that does not answer in
+        :data:`HEALTH_TIMEOUT_S`, or holds none of ours, counts none)."""
+        held = []
+        for url in self.listed:
+            try:
+                held.append(int(self.server(url).request("GET", "/weight_info", timeout=HEALTH_TIMEOUT_S)
+                                ["weight_version"]))
+            except (ServerError, KeyError, TypeError, ValueError):
+                continue
+        return max(held, default=None)
+
     def server(self, url: str) -> Server:
         """The server at ``url`` (one already named, else a new one)."""
         if url not in self.known:
