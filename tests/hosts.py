@@ -100,3 +100,17 @@ class Hosts:
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
         self.made = []
         _ip("link", "del", self.bridge, check=False)
+
+
+def hosts_or_skip(names: Sequence[str]) -> Hosts:
+    """:class:`Hosts` for a test (on ``LFE_HOSTS_SUBNET``'s bridge, 192.168.77 by default; 172.31.77 is AWS's), or
+    the test skipped saying why this machine cannot make them."""
+    import pytest
+
+    why = can_make_hosts()
+    if why is not None:
+        pytest.skip(why)
+    try:
+        return Hosts(names, subnet=os.environ.get("LFE_HOSTS_SUBNET", "192.168.77"))
+    except subprocess.CalledProcessError as err:  # (namespaces but no bridge or veth here: a machine's limit)
+        pytest.skip(f"could not make hosts of network namespaces: {' '.join(err.cmd)}: {err.stderr.strip()}")

@@ -23,7 +23,7 @@ import torch
 from lightning_fsdp_export.testing import save_word_tokenizer, tiny_qwen2
 from lightning_fsdp_export.transfer.http import Server, ServerError
 from tests.conftest import free_port
-from tests.hosts import Hosts, can_make_hosts
+from tests.hosts import Hosts, hosts_or_skip
 from tests.scripts.common import LORA_ARGS, LORA_ENV, start_server, stop_server, wait_for_server
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -62,17 +62,11 @@ def torchrun(hosts: Hosts, names: list[str], out: Path, url: str, model: Path, o
 
 @pytest.fixture(scope="module")
 def across(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    why = can_make_hosts()
-    if why is not None:
-        pytest.skip(why)
+    hosts = hosts_or_skip(["a", "b", "c"])
     work = tmp_path_factory.mktemp("across_hosts")
     model = work / "model"
     tiny_qwen2(seed=99).to(torch.bfloat16).save_pretrained(model)
     save_word_tokenizer(str(model))
-    try:
-        hosts = Hosts(["a", "b", "c"], subnet=os.environ.get("LFE_HOSTS_SUBNET", "192.168.77"))  # (172.31.77: AWS's)
-    except subprocess.CalledProcessError as err:  # (namespaces but no bridge or veth here: a machine's limit)
-        pytest.skip(f"could not make hosts of network namespaces: {' '.join(err.cmd)}: {err.stderr.strip()}")
     ports = [free_port(), free_port()]
     try:  # the server as the README starts it, bound to its host's address; no GLOO_SOCKET_IFNAME anywhere
         env = {k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}

@@ -22,7 +22,8 @@ import pytest
 import torch
 
 from lightning_fsdp_export.testing import save_word_tokenizer, tiny_qwen2
-from tests.hosts import Hosts, can_make_hosts
+from tests.hosts import Hosts, hosts_or_skip
+from tests.test_rollouts import within_tolerance
 
 ROOT = Path(__file__).resolve().parent.parent
 TOLERANCE = 0.1  # verify's logprob gap, as the other remote tests
@@ -48,14 +49,11 @@ def ray_start(hosts: Hosts, name: str, head: str, resources: dict[str, int], tem
 
 @pytest.fixture(scope="module")
 def ray_run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    why = can_make_hosts()
-    if why is not None:
-        pytest.skip(why)
+    hosts = hosts_or_skip(["a", "b"])
     work = tmp_path_factory.mktemp("ray")
     model = work / "model"
     tiny_qwen2(seed=5).to(torch.bfloat16).save_pretrained(model)
     save_word_tokenizer(str(model))
-    hosts = Hosts(["a", "b"], subnet=os.environ.get("LFE_HOSTS_SUBNET", "192.168.77"))
     temp = Path("/tmp") / f"lfe-ray-{os.getpid()}"  # (short: Ray's socket paths must fit in 107 characters)
     # every node and the driver share a token (Ray's token authentication: across hosts, what a cluster should run)
     env = {**{k: v for k, v in os.environ.items() if k != "GLOO_SOCKET_IFNAME"}, "RAY_AUTH_MODE": "token",
@@ -106,6 +104,11 @@ def test_a_fit_in_ray_train_syncs_into_servers_ray_places_grows_and_heals(ray_ru
     assert versions == sorted(versions) and len(set(versions)) == len(versions), versions
     for s in got["steps"]:
         assert not s["stale"] and s["verify_diff"] is not None and s["verify_diff"] < TOLERANCE, s
+    # Every consumed token carries the version that made it (scored with that version's weights), before the trainer
+    # worker died and in the resumed run (whose first version is past the servers', so no label names two weights)
+    for truth in (first[6]["token_truth"], got["token_truth"]):
+        assert within_tolerance(truth) and truth["unscored"] == 0 and truth["spans"] > 0, truth
+    assert first[4]["serving"] == [two] and sorted(first[6]["serving"]) == sorted([one, two]), first  # rollouts
     # The fit ended; both servers serve its last version, unpaused.
     assert got["servers"] == [{"url": u, "version": str(got["final_version"]), "paused": False} for u in (one, two)]
 

@@ -22,10 +22,9 @@ from typing import Any
 import pytest
 
 from lightning_fsdp_export import serve
-from tests.hosts import Hosts, can_make_hosts
+from tests.hosts import Hosts, hosts_or_skip
 
 ROOT = Path(__file__).resolve().parent.parent
-SUBNET = os.environ.get("LFE_HOSTS_SUBNET", "192.168.77")
 STEPS = 4
 # `ip netns exec` mounts a sysfs of the namespace's own, without the cgroup hierarchies slurmd reads: mount the v1
 # controllers there (in the namespace's own mount namespace; nothing of the machine's changes)
@@ -40,7 +39,7 @@ def slurm_conf(path: Path, hosts: Hosts) -> None:
     state.mkdir(exist_ok=True)
     nodes = "\n".join(f"NodeName=host-{n} NodeAddr={hosts.address(n)} CPUs=4 RealMemory=8000" for n in hosts.names)
     path.write_text(f"""ClusterName=lfe
-SlurmctldHost={socket.gethostname().split('.')[0]}({SUBNET}.254)
+SlurmctldHost={socket.gethostname().split('.')[0]}({hosts.subnet}.254)
 AuthType=auth/none
 CredType=cred/none
 SlurmUser=root
@@ -69,14 +68,11 @@ PartitionName=main Nodes=ALL Default=YES MaxTime=INFINITE State=UP
 
 @pytest.fixture(scope="module")
 def slurm_job(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    why = can_make_hosts()
-    if why is not None:
-        pytest.skip(why)
     if shutil.which("slurmctld") is None or shutil.which("slurmd") is None:
         pytest.skip("SLURM is not installed (Debian: apt-get install slurm-wlm; `make setup` does where it can)")
+    hosts = hosts_or_skip(["a", "b"])
     work = tmp_path_factory.mktemp("slurm")
     conf = work / "slurm.conf"
-    hosts = Hosts(["a", "b"], subnet=SUBNET)
     daemons = []
     env = {**{k: v for k, v in os.environ.items() if not k.startswith("SLURM_") and k != "GLOO_SOCKET_IFNAME"},
            "SLURM_CONF": str(conf)}
