@@ -64,7 +64,7 @@ while server.poll() is None:
     time.sleep(0.5)
 sys.exit(server.returncode)
 """
-_REAPER_TAG = "lfe-vllm-reaper"
+_REAPER_TAG = "lfe-vllm-reaper"  # (its argv[2]: what `ps` shows of it)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -221,8 +221,8 @@ class VLLMServers:
     ``urls`` is what ``RemoteVLLM(servers.urls, min_servers=k)`` re-reads before each round: a server is listed from
     the moment it first answers; while Ray restarts it, the pool finds it silent and sets it aside; restarted on the
     same node it answers at the same URL and rejoins with every tensor (on another node: its new URL joins). Every
-    method is safe to
-    call from any process of the Ray cluster the object was made in; the object travels (``train_loop_config``).
+    method is safe to call from any process of the Ray cluster the object was made in; the object travels
+    (``train_loop_config``). A server that fails to start ends its actor for good: :meth:`wait` names its log's end.
     """
 
     def __init__(self, model: str | os.PathLike[str], count: int, *, args: Sequence[str] = (),
