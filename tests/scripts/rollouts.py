@@ -328,6 +328,7 @@ def scenario_async(root: Path, urls: list[str]) -> dict[str, Any]:
     first["threads_after"] = client_threads()
     saved_position = rollouts.state_dict()["positions"]
     frozen = a_request_frozen_by_a_push(trainer, sync, rollouts, policy, urls[0])  # after the checkpoint
+    held = sync.version  # what the servers hold now (the frozen request's pushes came after the checkpoint)
     sync.teardown(trainer, policy, "fit")  # the callback's own hook: its push after the fit set the target up again
 
     # the frozen requests keep their KV; the versions travel while the servers generate (background syncs)
@@ -341,7 +342,7 @@ def scenario_async(root: Path, urls: list[str]) -> dict[str, Any]:
     resumed["threads_after"] = client_threads()
     resumed["servers_after"] = server_states(urls) if trainer.global_rank == 0 else None
     race = a_swap_before_prefill(trainer, sync, rollouts, urls[1])  # keep_old_kv: the salts matter
-    return {"first": first, "resumed": resumed, "frozen": frozen, "race": race}
+    return {"first": first, "resumed": resumed, "frozen": frozen, "race": race, "held_at_resume": held}
 
 
 def scenario_on_policy(root: Path, urls: list[str]) -> dict[str, Any]:
