@@ -49,20 +49,23 @@ from lightning_fsdp_export.strategy import LazyExportFSDP2
 
 __all__ = ["RayLazyExportFSDP2", "VLLMServers"]
 
-# Runs the server in a process group of its own and kills that group when the actor that started it is gone: Ray
-# ends an actor with SIGKILL (nothing of the actor runs then) and kills its direct children, this reaper among them,
-# so the server also dies with the reaper (PR_SET_PDEATHSIG); whatever of the group still runs then (a vLLM engine
-# process) the actor's next start on that node ends (``_end_group``) before it takes the port again.
+# Runs the server in a process group of its own (with vLLM's engine process, which outlives its API server when that
+# is killed) and ends the whole group when the server exits or when the actor that started it is gone. Ray ends an
+# actor with SIGKILL (nothing of the actor runs then) and kills its direct children too, so the reaper detaches at
+# once (a fork whose parent exits: the actor's child is gone before Ray could kill it) and watches the actor's pid.
 _REAPER = """\
-import ctypes, os, signal, subprocess, sys, time
+import os, signal, subprocess, sys, time
 actor = int(sys.argv[1])
-libc = ctypes.CDLL(None, use_errno=True)
-server = subprocess.Popen(sys.argv[3:], preexec_fn=lambda: libc.prctl(1, signal.SIGKILL))
+if os.fork():
+    os._exit(0)
+server = subprocess.Popen(sys.argv[3:])
 while server.poll() is None:
-    if os.getppid() != actor:
-        os.killpg(0, signal.SIGKILL)
+    try:
+        os.kill(actor, 0)
+    except ProcessLookupError:
+        break
     time.sleep(0.5)
-sys.exit(server.returncode)
+os.killpg(0, signal.SIGKILL)
 """
 _REAPER_TAG = "lfe-vllm-reaper"  # (its argv[2]: what `ps` shows of it)
 
@@ -92,28 +95,30 @@ class _Server:
         command = server_command(["--model", spec.model, *spec.args], host, port, spec.backend)
         self.log = Path(spec.log_dir or tempfile.gettempdir()) / f"vllm-{host}-{port}.log"
         with open(self.log, "a") as log:
-            self._proc = subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid()), _REAPER_TAG, *command],
-                                          env={**os.environ, **SERVER_ENV, **spec.env},
-                                          stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            detach = subprocess.Popen([sys.executable, "-c", _REAPER, str(os.getpid()), _REAPER_TAG, *command],
+                                      env={**os.environ, **SERVER_ENV, **spec.env},
+                                      stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        detach.wait()  # (the reaper forked away: its group is the server's)
+        self._group = detach.pid
+        self._stopping = False
         deadline = time.monotonic() + spec.ready_timeout
         while not healthy(self._url):
-            code = self._proc.poll()
-            if code is not None or time.monotonic() > deadline:
-                self._stop()
-                why = f"it exited ({code})" if code is not None else f"not up in {spec.ready_timeout:.0f} s"
+            if not self._alive() or time.monotonic() > deadline:
+                why = "it exited" if not self._alive() else f"not up in {spec.ready_timeout:.0f} s"
+                _end_group(self._group)
                 raise RuntimeError(f"the vLLM server for {spec.model} at {self._url} did not start: {why}; its log"
                                    f" ({self.log}) ends:\n{self.log_tail()}")
             time.sleep(1.0)
-        ray.get(fleet.register.remote(index, self._url, self._proc.pid))
+        ray.get(fleet.register.remote(index, self._url, self._group))
         threading.Thread(target=self._watch, daemon=True, name="lfe-vllm-watch").start()
 
     def url(self) -> str:
         """The server's URL."""
         return self._url
 
-    def pid(self) -> int:
-        """The process id of the server's process group (its reaper's), on the actor's node."""
-        return self._proc.pid
+    def group(self) -> int:
+        """The server's process group on the actor's node (the server, its engine process, its reaper)."""
+        return self._group
 
     def log_tail(self, chars: int = 3000) -> str:
         """The end of the server's log."""
@@ -122,28 +127,30 @@ class _Server:
     def stop(self) -> None:
         """End the server and every process it started (before its actor is killed for good)."""
         self._stopping = True
-        _end_group(self._proc.pid)
+        _end_group(self._group)
+
+    def _alive(self) -> bool:
+        try:
+            os.killpg(self._group, 0)
+            return True
+        except ProcessLookupError:
+            return False
 
     def _watch(self) -> None:
-        """The server exited (it crashed, or someone killed it): end the actor too, so Ray restarts both."""
-        self._proc.wait()
-        if not getattr(self, "_stopping", False):
+        """The server exited (it crashed, or someone killed it; its reaper ended the rest of the group): end the
+        actor too, so Ray restarts both."""
+        while self._alive():
+            time.sleep(1.0)
+        if not self._stopping:
             os._exit(1)
-
-    def _stop(self) -> None:
-        _end_group(self._proc.pid)
 
 
 def _end_group(group: int) -> None:
-    """SIGKILL every process of this node in process group ``group`` that a server's reaper started (its leader
-    may be gone already: the group's other members are found in ``/proc``)."""
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-            if int(fields[2]) == group:
-                os.kill(int(stat.parent.name), signal.SIGKILL)
-        except (OSError, ValueError, IndexError):
-            continue  # (gone meanwhile, or not ours to read)
+    """SIGKILL every process of process group ``group`` on this node (a server's: its leader may be gone already)."""
+    try:
+        os.killpg(group, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _port(host: str, before: str | None) -> int:

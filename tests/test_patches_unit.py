@@ -3,6 +3,7 @@ confirms before each sync. The rounds over real servers are in ``tests/test_remo
 
 from __future__ import annotations
 
+from datetime import timedelta
 from types import SimpleNamespace
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from lightning_fsdp_export import LazyExportFSDP2, VLLMWeightSync
-from lightning_fsdp_export._common import WeightSyncError
+from lightning_fsdp_export._common import SyncGroup, WeightSyncError
 from lightning_fsdp_export.export.patches import PatchBase, changed_mask, pack_bits, unpack_bits
 from lightning_fsdp_export.targets import SendsPatches, WeightTarget
 
@@ -134,6 +135,7 @@ def test_the_callback_confirms_only_a_version_every_rank_agreed_on(monkeypatch: 
         return []
 
     monkeypatch.setattr(sync.engine, "_ensure_target", lambda *a: None)
+    sync.engine._group = SyncGroup(timedelta(seconds=10))  # (what _ensure_target builds: one process, rank 0)
     monkeypatch.setattr(sync.engine, "_sync", fake_sync)
     trainer = SimpleNamespace(strategy=LazyExportFSDP2(), global_step=0, is_global_zero=True, loggers=[])
     with pytest.warns(UserWarning, match="lost"):

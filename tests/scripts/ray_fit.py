@@ -33,7 +33,7 @@ import ray
 ROOT = Path(__file__).resolve().parent.parent.parent
 sys.path.insert(0, str(ROOT))
 
-STEPS_PER_EPOCH, EPOCHS = 3, 4
+STEPS_PER_EPOCH, EPOCHS = 3, 3
 
 
 def train_func(config: dict[str, Any]) -> None:
