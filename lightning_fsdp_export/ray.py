@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -44,7 +43,7 @@ import ray.train.torch
 import torch
 from typing_extensions import override
 
-from lightning_fsdp_export.serve import SERVER_ENV, healthy, server_command
+from lightning_fsdp_export.serve import SERVER_ENV, free_port, healthy, server_command, wait_healthy
 from lightning_fsdp_export.strategy import LazyExportFSDP2
 
 __all__ = ["RayLazyExportFSDP2", "VLLMServers"]
@@ -88,9 +87,11 @@ class _Server:
     def __init__(self, spec: _ServerSpec, fleet: Any, index: int) -> None:
         host = ray.util.get_node_ip_address()
         before = ray.get(fleet.before.remote(index))  # (its URL and process group, where Ray restarted it)
-        if before is not None and before[0].startswith(f"http://{host}:"):
+        port = 0
+        if before is not None and before[0].startswith(f"http://{host}:"):  # restarted on the same node: same URL
             _end_group(before[1])
-        port = _port(host, before[0] if before is not None else None)
+            port = int(before[0].rsplit(":", 1)[1])
+        port = free_port(host, port, wait=10.0)  # (that port once free, within 10 s: else another)
         self._url = f"http://{host}:{port}"
         command = server_command(["--model", spec.model, *spec.args], host, port, spec.backend)
         self.log = Path(spec.log_dir or tempfile.gettempdir()) / f"vllm-{host}-{port}.log"
@@ -101,14 +102,11 @@ class _Server:
         detach.wait()  # (the reaper forked away: its group is the server's)
         self._group = detach.pid
         self._stopping = False
-        deadline = time.monotonic() + spec.ready_timeout
-        while not healthy(self._url):
-            if not self._alive() or time.monotonic() > deadline:
-                why = "it exited" if not self._alive() else f"not up in {spec.ready_timeout:.0f} s"
-                _end_group(self._group)
-                raise RuntimeError(f"the vLLM server for {spec.model} at {self._url} did not start: {why}; its log"
-                                   f" ({self.log}) ends:\n{self.log_tail()}")
-            time.sleep(1.0)
+        why = wait_healthy(self._url, self._alive, spec.ready_timeout)
+        if why is not None:
+            _end_group(self._group)
+            raise RuntimeError(f"the vLLM server for {spec.model} at {self._url} did not start: {why}; its log"
+                               f" ({self.log}) ends:\n{self.log_tail()}")
         ray.get(fleet.register.remote(index, self._url, self._group))
         threading.Thread(target=self._watch, daemon=True, name="lfe-vllm-watch").start()
 
@@ -151,25 +149,6 @@ def _end_group(group: int) -> None:
         os.killpg(group, signal.SIGKILL)
     except ProcessLookupError:
         pass
-
-
-def _port(host: str, before: str | None) -> int:
-    """The port a server starting on ``host`` takes: the one it had (``before``, its URL before a restart) when Ray
-    restarted it on the same node and the port frees within 10 s, so its URL stays and the pool sees it come back;
-    else a free one."""
-    if before is not None and before.rsplit(":", 1)[0] == f"http://{host}":
-        deadline = time.monotonic() + 10.0
-        while time.monotonic() < deadline:
-            with socket.socket() as probe:
-                probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-                try:
-                    probe.bind((host, int(before.rsplit(":", 1)[1])))
-                    return int(probe.getsockname()[1])
-                except OSError:
-                    time.sleep(0.5)
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 class _Fleet:

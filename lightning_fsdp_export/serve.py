@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from lightning_fsdp_export._network import is_loopback, route_address
@@ -33,7 +33,7 @@ try:
 except ImportError:  # (Windows)
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["SERVER_ENV", "healthy", "main", "server_command", "this_host_address"]
+__all__ = ["SERVER_ENV", "free_port", "healthy", "main", "server_command", "this_host_address", "wait_healthy"]
 
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 """The environment a server needs for the sync: vLLM's dev routes (pause, weight transfer, ``/collective_rpc``)."""
@@ -75,6 +75,38 @@ def healthy(url: str, timeout: float = 2.0) -> bool:
         return False
 
 
+def free_port(host: str, want: int = 0, wait: float = 0.0) -> int:
+    """A port free on ``host``: ``want`` where it is free (or frees) within ``wait`` seconds, else one the kernel
+    picks."""
+    deadline = time.monotonic() + wait
+    while want:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, want))
+                return want
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+        time.sleep(0.5)
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_healthy(url: str, alive: Callable[[], bool], timeout: float) -> str | None:
+    """Poll ``url``'s ``/health`` each second until it answers (``None``), or say why not: the server's process
+    exited (``alive()`` false) or ``timeout`` seconds passed."""
+    deadline = time.monotonic() + timeout
+    while not healthy(url):
+        if not alive():
+            return "it exited"
+        if time.monotonic() > deadline:
+            return f"not up in {timeout:.0f} s"
+        time.sleep(1.0)
+    return None
+
+
 def _edit(url_file: Path, url: str, add: bool) -> None:
     """Add ``url`` as a line of ``url_file``, or remove its lines, under an exclusive lock (servers share the file)."""
     url_file.parent.mkdir(parents=True, exist_ok=True)
@@ -102,26 +134,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "--model" not in vllm_args and not any(a.startswith("--model=") for a in vllm_args):
         parser.error("give vLLM's arguments after `--`, at least --model (e.g. -- --model /ckpt --dtype bfloat16)")
     host = args.host or this_host_address(args.reach)
-    port = args.port
-    if not port:
-        with socket.socket() as probe:
-            probe.bind((host, 0))
-            port = probe.getsockname()[1]
+    port = args.port or free_port(host)
     url = f"http://{host}:{port}"
     server = subprocess.Popen(server_command(vllm_args, host, port, args.backend), env={**os.environ, **SERVER_ENV})
     stop = lambda signum, frame: server.send_signal(signum)  # noqa: E731 - the server stops, then we clean up
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    deadline = time.monotonic() + args.ready_timeout
-    while not healthy(url):
-        if server.poll() is not None:
-            return server.returncode
-        if time.monotonic() > deadline:
-            print(f"lightning_fsdp_export.serve: {url} did not answer /health in {args.ready_timeout:.0f} s; stopping"
-                  " it", file=sys.stderr, flush=True)
-            server.kill()
-            return 1
-        time.sleep(1.0)
+    why = wait_healthy(url, lambda: server.poll() is None, args.ready_timeout)
+    if why is not None:
+        print(f"lightning_fsdp_export.serve: {url} did not answer /health: {why}", file=sys.stderr, flush=True)
+        server.kill()
+        return server.wait() if why == "it exited" else 1
     _edit(args.url_file, url, add=True)
     print(f"lightning_fsdp_export.serve: {url} listed in {args.url_file}", file=sys.stderr, flush=True)
     try:

@@ -10,6 +10,7 @@ namespace of its own). Needs root and ``ip``; :func:`can_make_hosts` says why no
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -39,7 +40,8 @@ class Hosts:
     ``<subnet>.254``, so the test's own process reaches every host (a server's health, its logs of requests)."""
 
     def __init__(self, names: Sequence[str], subnet: str = "192.168.77") -> None:
-        self.tag = f"{os.getpid() % 10000}"
+        # (random: a namespace whose processes are still dying outlives its name, and keeps its veth a moment)
+        self.tag = secrets.token_hex(2)
         self.bridge = f"lfebr{self.tag}"
         self.names = list(names)
         self.subnet = subnet

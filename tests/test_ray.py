@@ -134,7 +134,8 @@ def test_a_restarted_server_ends_what_its_last_start_left_and_takes_its_port_bac
     import socket
     import time
 
-    from lightning_fsdp_export.ray import _end_group, _port
+    from lightning_fsdp_export.ray import _end_group
+    from lightning_fsdp_export.serve import free_port
 
     left = subprocess.Popen([sys.executable, "-c", "import socket, time; s = socket.socket();"
                              " s.bind(('127.0.0.1', 0)); s.listen(); print(s.getsockname()[1], flush=True);"
@@ -144,12 +145,12 @@ def test_a_restarted_server_ends_what_its_last_start_left_and_takes_its_port_bac
         _end_group(left.pid)
         assert left.wait(timeout=10) == -signal.SIGKILL
         start = time.monotonic()
-        assert _port("127.0.0.1", f"http://127.0.0.1:{port}") == port
+        assert free_port("127.0.0.1", port, wait=10.0) == port
         assert time.monotonic() - start < 10
-        with socket.socket() as taken:  # a port someone else holds: a free one instead (after 10 s)
+        with socket.socket() as taken:  # a port someone else holds: a free one instead (after the wait)
             taken.bind(("127.0.0.1", 0))
             taken.listen()
             held = taken.getsockname()[1]
-            assert _port("127.0.0.2", f"http://127.0.0.1:{held}") != held  # (another host's URL: not even tried)
+            assert free_port("127.0.0.1", held, wait=1.0) != held
     finally:
         left.kill()
