@@ -7,18 +7,14 @@ its own ``LazyExportFSDP2``). vLLM is imported only when a vLLM target is built.
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_fsdp_export import _moved
-
-_moved.install()  # the modules' old paths (before the rooms' folders) still import, with a DeprecationWarning
-
-from lightning_fsdp_export._common import WeightSyncError  # noqa: E402
-from lightning_fsdp_export.export import ExportReport, export_name, lazy_export  # noqa: E402
-from lightning_fsdp_export.fabric import strategy as _fabric_strategy  # noqa: E402
-from lightning_fsdp_export.rollouts import AsyncRollouts, RolloutBatch, RolloutError  # noqa: E402
-from lightning_fsdp_export.strategy import LazyExportFSDP2  # noqa: E402
-from lightning_fsdp_export.sync.callback import VLLMWeightSync  # noqa: E402
-from lightning_fsdp_export.sync.options import Drafter  # noqa: E402
-from lightning_fsdp_export.targets import ColocatedVLLM, DirectoryTarget, InMemoryTarget, RemoteVLLM, WeightTarget  # noqa: E402
+from lightning_fsdp_export._common import WeightSyncError
+from lightning_fsdp_export.export import ExportReport, export_name, lazy_export
+from lightning_fsdp_export.fabric import strategy as _fabric_strategy
+from lightning_fsdp_export.rollouts import AsyncRollouts, RolloutBatch, RolloutError
+from lightning_fsdp_export.strategy import LazyExportFSDP2
+from lightning_fsdp_export.sync.callback import VLLMWeightSync
+from lightning_fsdp_export.sync.options import Drafter
+from lightning_fsdp_export.targets import ColocatedVLLM, DirectoryTarget, InMemoryTarget, RemoteVLLM, WeightTarget
 
 __all__ = [
     "AsyncRollouts",

@@ -185,7 +185,7 @@ def test_the_package_has_no_import_cycle() -> None:
 
 
 ROOMS = ("prepare", "phases", "export", "sync", "targets", "transfer", "backend", "rollouts", "fabric")
-BOTTOM = ("_common", "_compat", "_faults", "_fsdp", "_moved", "_network")
+BOTTOM = ("_common", "_compat", "_faults", "_fsdp", "_network")
 GLUE = ("strategy", "strategy_core")  # the Trainer strategy and the core both strategies share
 
 
@@ -291,19 +291,6 @@ def test_function_local_imports_only_guard_optional_dependencies() -> None:
                 found += [f"{path.relative_to(root)}:{node.lineno} {m}" for m in modules
                           if not any(m == lazy or m.startswith(lazy + ".") for lazy in LAZY_IMPORTS)]
     assert not found, "function-local imports of required modules (move them to the top): " + ", ".join(found)
-
-
-def test_write_safetensors_moves_out_of_the_targets_namespace_with_a_warning() -> None:
-    # issue 38, defect 5: exported but only DirectoryTarget's own step; the old import works for one more minor
-    import lightning_fsdp_export.targets as targets
-    from lightning_fsdp_export.targets.directory import write_safetensors
-
-    assert "write_safetensors" not in targets.__all__
-    with pytest.warns(DeprecationWarning, match=r"targets.write_safetensors moved to lightning_fsdp_export.targets"
-                                                r".directory.write_safetensors"):
-        assert targets.write_safetensors is write_safetensors
-    with pytest.raises(AttributeError, match="no attribute 'nothing_here'"):
-        targets.nothing_here  # noqa: B018
 
 
 def test_the_syncs_modes_are_parsed_once_into_enums() -> None:
@@ -423,27 +410,24 @@ def test_lazy_fsdp2_names_each_frameworks_strategy() -> None:
     assert type(trainer.strategy) is lightning_fsdp_export.LazyExportFSDP2
 
 
-def test_the_modules_old_paths_still_import_with_a_warning_naming_the_new_one() -> None:
-    # issue 38: the rooms became folders; an old import keeps working for one more minor
+def test_the_paths_that_never_shipped_are_gone() -> None:
+    # issue 57: no release carried the modules' paths before the rooms' folders, nor RemoteVLLM's flat transport
+    # keywords: no shim keeps them (a finder on sys.meta_path, __getattr__ forwarders, _MOVED)
     import importlib
     import sys
 
-    from lightning_fsdp_export import _moved
-    from lightning_fsdp_export.sync import callback
+    import lightning_fsdp_export.export as export
+    import lightning_fsdp_export.targets as targets
 
-    for old, new in _moved.MOVED.items():
-        sys.modules.pop(old, None)
-        with pytest.warns(DeprecationWarning, match=f"{old} moved to {new}"):
-            assert importlib.import_module(old) is importlib.import_module(new)
-        assert sys.modules[new].__spec__.name == new  # the moved module keeps its own spec
-    sys.modules.pop("lightning_fsdp_export.callback")
-    with pytest.warns(DeprecationWarning, match="lightning_fsdp_export.callback moved to lightning_fsdp_export.sync"):
-        from lightning_fsdp_export.callback import VLLMWeightSync
-    assert VLLMWeightSync is callback.VLLMWeightSync
-    with pytest.warns(DeprecationWarning, match=r"export.gather_full moved to lightning_fsdp_export.export.lazy"):
-        from lightning_fsdp_export.export import gather_full  # noqa: F401
-    with pytest.warns(DeprecationWarning, match=r"phases.move_module moved to lightning_fsdp_export.phases.compute"):
-        from lightning_fsdp_export.phases import move_module  # noqa: F401
+    for old in ("lightning_fsdp_export.callback", "lightning_fsdp_export.lora", "lightning_fsdp_export.targets.gloo",
+                "lightning_fsdp_export.targets.transfer", "lightning_fsdp_export._moved"):
+        with pytest.raises(ModuleNotFoundError):
+            importlib.import_module(old)
+    with pytest.raises(AttributeError):
+        targets.write_safetensors  # noqa: B018
+    with pytest.raises(AttributeError):
+        export.gather_full  # noqa: B018
+    assert not any(type(finder).__module__.startswith("lightning_fsdp_export") for finder in sys.meta_path)
 
 
 def test_every_method_a_target_implements_from_its_bases_says_override() -> None:

@@ -6,15 +6,8 @@ export) with its :class:`ExportReport`, and :func:`export_name` (the checkpoint 
 name); both are also exported by the package itself.
 """
 
-from typing import Any
-
-from lightning_fsdp_export._moved import forward_old_attribute
 from lightning_fsdp_export.export.lazy import ExportReport, lazy_export
 from lightning_fsdp_export.export.names import export_name
 
 __all__ = ["ExportReport", "export_name", "lazy_export"]
 
-
-def __getattr__(name: str) -> Any:
-    # lightning_fsdp_export.export was the module now at export.lazy: its other names, for one more minor
-    return forward_old_attribute(__name__, "lightning_fsdp_export.export.lazy", name)

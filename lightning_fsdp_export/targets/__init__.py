@@ -7,9 +7,6 @@ A target subclasses :class:`WeightTarget` (and the capabilities it has: :class:`
 transports are its options objects (``Gloo(shard_direct=True)``, ``Directory(path)``), re-exported here.
 """
 
-from typing import Any
-
-from lightning_fsdp_export._moved import forward_old_attribute
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,
     LoadsAdapters,
@@ -32,9 +29,3 @@ __all__ = ["IPC", "NCCL", "NCCLM2N", "ColocatedVLLM", "Directory", "DirectoryTar
            "SendsPatches", "SleepsDuringCompute", "SparseNCCL", "StagedNCCL", "WeightTarget", "vision_layout_problem",
            "write_vllm_layout"]
 
-
-def __getattr__(name: str) -> Any:
-    # write_safetensors was exported here but is DirectoryTarget's own step: importable from here for one more minor
-    if name != "write_safetensors":
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return forward_old_attribute(__name__, "lightning_fsdp_export.targets.directory", name)

@@ -44,14 +44,6 @@ if TYPE_CHECKING:
 
 __all__ = ["RemoteVLLM"]
 
-# The flat keyword arguments RemoteVLLM took before the transports had options objects.
-_MOVED = {"directory": ("Directory", "path"), "shard_bytes": ("Directory", "shard_bytes"),
-          "keep_last": ("Directory", "keep_last"), "shard_direct": ("Gloo", "shard_direct"),
-          "master_address": ("NCCL / Gloo / NCCLM2N", "master_address"),
-          "master_port": ("NCCL / Gloo / NCCLM2N", "master_port"),
-          "buffer_bytes": ("NCCL / IPC / Gloo", "buffer_bytes"), "packed": ("NCCL / IPC", "packed")}
-
-
 class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, PushesDrafts):
     """Push each version to one or several running vLLM servers (replicas), all in the same sync.
 
@@ -105,9 +97,8 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
 
     def __init__(self, base_url: Urls, *, transport: Transport | str | None = None,
                  api_key: str | None = None, dtype: torch.dtype | None = torch.bfloat16, timeout: float = 300.0,
-                 pause_mode: PauseMode = "wait", adapter_name: str = "policy", min_servers: int | None = None,
-                 **moved: Any) -> None:
-        _check_arguments(moved, timeout=timeout, pause_mode=pause_mode, adapter_name=adapter_name)
+                 pause_mode: PauseMode = "wait", adapter_name: str = "policy", min_servers: int | None = None) -> None:
+        _check_arguments(timeout=timeout, pause_mode=pause_mode, adapter_name=adapter_name)
         self.adapter_name = adapter_name
         self.adapter_version: int | None = None
         """Rank 0: the adapter version the servers serve under ``adapter_name`` (None: none loaded by this target)."""
@@ -366,17 +357,8 @@ class PatchingRemoteVLLM(RemoteVLLM, SendsPatches):
         self._round.confirm(version)
 
 
-def _check_arguments(moved: dict[str, Any], *, timeout: float, pause_mode: Any, adapter_name: Any) -> None:
-    """Refuse ``RemoteVLLM``'s bad arguments, naming the value and the fix (``moved``: flat keywords it no longer
-    takes, now options of a transport)."""
-    if moved:
-        name = next(iter(moved))
-        if name not in _MOVED:
-            raise TypeError(f"RemoteVLLM() got an unexpected keyword argument {name!r}.")
-        classes, field = _MOVED[name]
-        raise TypeError(f"RemoteVLLM({name}=...) is an option of the transport: pass it there, e.g."
-                        f" RemoteVLLM(url, transport={classes.split(' / ')[0]}({field}=...)) ({classes} take it;"
-                        " lightning_fsdp_export.transfer.transports).")
+def _check_arguments(*, timeout: float, pause_mode: Any, adapter_name: Any) -> None:
+    """Refuse ``RemoteVLLM``'s bad arguments, naming the value and the fix."""
     if timeout <= 0:
         raise ValueError(f"RemoteVLLM(timeout={timeout}) must be a positive number of seconds.")
     if pause_mode not in get_args(PauseMode):
