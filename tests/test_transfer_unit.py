@@ -1023,21 +1023,29 @@ def test_each_gloo_option_runs_its_kind_of_round_and_a_staged_one_pauses_only_fo
     assert round_for(RoundKind.STAGED).client_version(3) is None  # each server's swap sets the version
 
 
-def test_a_server_target_sends_patches_only_when_its_transport_does() -> None:
-    # issue 38: a capability follows the configuration (RemoteVLLM was a SendsPatches whatever its transport)
+def test_a_server_target_is_one_plain_class_whatever_its_transport() -> None:
+    # issue 57 item 4 (was issue 38's PatchingRemoteVLLM, built by RemoteVLLM.__new__): one class, whose signature
+    # inspect and IDEs show; a transport that sends patches patches from the confirmed version, others ignore it
+    import inspect
+
     from lightning_fsdp_export.targets import LoadsAdapters, SendsPatches
-    from lightning_fsdp_export.targets.remote import PatchingRemoteVLLM
 
     dense = [RemoteVLLM(URL, transport=t) for t in (Gloo(), Gloo(shard_direct=True), "gloo", Directory("/x"), None)]
-    assert not any(isinstance(t, SendsPatches) for t in dense) and all(type(t) is RemoteVLLM for t in dense)
     sparse = RemoteVLLM(URL, transport=Gloo(shard_direct=True, sparse=True))
-    assert type(sparse) is PatchingRemoteVLLM and isinstance(sparse, SendsPatches) and isinstance(sparse, RemoteVLLM)
     staged = RemoteVLLM(URL, transport=Gloo(shard_direct=True, sparse=True, background=True))
-    assert type(staged) is PatchingRemoteVLLM and type(RemoteVLLM(URL, transport=Gloo(background=True))) is RemoteVLLM
+    assert all(type(t) is RemoteVLLM and isinstance(t, SendsPatches) for t in [*dense, sparse, staged])
+    assert [t.options.sends_patches for t in (dense[0], sparse, staged)] == [False, True, True]
+    assert (dense[0].state_name, sparse.state_name) == ("RemoteVLLM(gloo)", "RemoteVLLM(gloo, sparse)")
+    for target in (dense[0], dense[3]):
+        target.confirm(3)  # ignored: the next push is dense
+        assert target.last_patch is None
+    params = inspect.signature(RemoteVLLM).parameters
+    assert {"transport", "api_key", "dtype", "timeout", "pause_mode", "adapter_name", "min_servers"} <= set(params)
+    assert not any(p.kind in (p.VAR_POSITIONAL, p.VAR_KEYWORD) for p in params.values())
     assert all(isinstance(t, LoadsAdapters) for t in [*dense, sparse])  # every transport loads adapters
     # StagedNCCL (GPUs): Gloo(background=True)'s rounds, so the same capabilities and rounds follow its options
-    assert type(RemoteVLLM(URL, transport=StagedNCCL(shard_direct=True, sparse=True))) is PatchingRemoteVLLM
-    assert type(RemoteVLLM(URL, transport="staged_nccl")) is RemoteVLLM
+    assert RemoteVLLM(URL, transport=StagedNCCL(shard_direct=True, sparse=True)).options.sends_patches
+    assert not RemoteVLLM(URL, transport="staged_nccl").options.sends_patches
     for nccl, gloo in ((StagedNCCL(), Gloo(background=True)), (StagedNCCL(shard_direct=True, sparse=True),
                                                                Gloo(shard_direct=True, sparse=True, background=True))):
         assert (nccl.weights_round, nccl.every_rank, nccl.adapter_round, nccl.layout) == (

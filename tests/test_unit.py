@@ -300,7 +300,7 @@ def test_the_syncs_modes_are_parsed_once_into_enums() -> None:
 
     sync = VLLMWeightSync(InMemoryTarget(), on_error="warn")
     assert sync.lora is SyncLora.MERGED and sync.lora == "merged" and str(sync.lora) == "merged"
-    assert sync.engine._on_error is OnError.WARN and sync.engine._verify is None
+    assert sync.options.on_error is OnError.WARN and sync.options.verify is None and sync.engine.options is sync.options
     assert sync.checkpoint_key == "VLLMWeightSync{'lora': 'merged', 'target': 'InMemoryTarget'}"  # the plain string
     assert parse_option(Verify, "logprobs", "verify") is Verify.LOGPROBS
     with pytest.raises(ValueError, match=r"VLLMWeightSync\(on_error='ignore'\) must be one of 'raise', 'warn'\."):
@@ -319,8 +319,8 @@ def test_when_busy_skip_is_offered_only_where_pushes_travel_in_the_background() 
     background = RemoteVLLM(["http://127.0.0.1:9"], transport=Gloo(shard_direct=True, background=True),
                             pause_mode="keep")
     sync = VLLMWeightSync(background, when_busy="skip")
-    assert sync.engine._when_busy is WhenBusy.SKIP and sync.skipped == 0
-    assert WeightSync(background, when_busy="skip")._when_busy is WhenBusy.SKIP
+    assert sync.options.when_busy is WhenBusy.SKIP and sync.skipped == 0
+    assert WeightSync(background, when_busy="skip").options.when_busy is WhenBusy.SKIP
     with pytest.raises(ValueError, match=r"VLLMWeightSync\(when_busy='skip'\) skips a push .* RemoteVLLM never does"):
         VLLMWeightSync(RemoteVLLM(["http://127.0.0.1:9"], transport=Gloo()), when_busy="skip")
     with pytest.raises(ValueError, match=r"WeightSync\(when_busy='skip'\) .* InMemoryTarget never does"):
@@ -336,10 +336,10 @@ def test_a_drafter_is_named_by_its_path_and_offered_only_where_the_target_loads_
     from lightning_fsdp_export.targets import NCCL, Gloo
 
     drafter = Drafter("mtp", prefix="model.layers.46.")
-    assert VLLMWeightSync(ColocatedVLLM("ckpt"), drafter=drafter).engine._drafter is drafter  # no engine built yet
-    assert WeightSync(ColocatedVLLM("ckpt"), drafter=drafter)._drafter is drafter
+    assert VLLMWeightSync(ColocatedVLLM("ckpt"), drafter=drafter).options.drafter is drafter  # no engine built yet
+    assert WeightSync(ColocatedVLLM("ckpt"), drafter=drafter).options.drafter is drafter
     for transport in (Gloo(), Gloo(shard_direct=True, sparse=True)):  # over our backend's rounds
-        assert VLLMWeightSync(RemoteVLLM(["http://127.0.0.1:9"], transport=transport), drafter=drafter).engine._drafter
+        assert VLLMWeightSync(RemoteVLLM(["http://127.0.0.1:9"], transport=transport), drafter=drafter).options.drafter
     with pytest.raises(TypeError, match=r"VLLMWeightSync\(drafter=...\) needs .* InMemoryTarget cannot"):
         VLLMWeightSync(InMemoryTarget(), drafter=drafter)
     for transport in (NCCL(master_address="10.0.0.1"), Gloo(shard_direct=True, background=True)):
@@ -499,3 +499,33 @@ def test_both_strategies_take_exactly_the_shared_options_with_their_defaults() -
         assert ours == shared, strategy
         assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in shared)
     assert LazyExportOptions.of({**shared, "self": None, "timeout": 1}) == LazyExportOptions()
+
+
+def test_the_syncs_options_are_declared_once_and_both_syncs_hold_an_engine_the_same_way() -> None:
+    # issue 57 item 3: SyncOptions is the one declaration; the Trainer's and Fabric's keyword signatures list exactly
+    # its names and defaults, both hand it whole to the engine they hold, and the engine's start/push/end are public
+    import dataclasses
+    import inspect
+    from datetime import timedelta
+
+    from lightning_fsdp_export import InMemoryTarget, VLLMWeightSync
+    from lightning_fsdp_export.fabric import WeightSync
+    from lightning_fsdp_export.sync.engine import SyncEngine
+    from lightning_fsdp_export.sync.holder import HoldsSyncEngine
+    from lightning_fsdp_export.sync.options import OnError, SyncOptions
+
+    shared = {f.name: f.default for f in dataclasses.fields(SyncOptions)}
+    triggers = {"every_n_train_steps", "every_n_epochs", "sync_on_train_start"}
+    for cls in (VLLMWeightSync, WeightSync):
+        params = inspect.signature(cls.__init__).parameters
+        ours = {name: p.default for name, p in params.items() if name not in ("self", "target", *triggers)}
+        assert ours == shared, cls
+        assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in shared)
+        sync = cls(InMemoryTarget(), on_error="warn", timeout=5)
+        assert isinstance(sync, HoldsSyncEngine) and not isinstance(sync, SyncEngine)
+        assert sync.options == SyncOptions(on_error=OnError.WARN, timeout=timedelta(seconds=5))
+    assert all(callable(getattr(SyncEngine, step)) for step in ("start", "push", "end"))
+    with pytest.raises(ValueError, match=r"WeightSync\(timeout=-1\) must be a positive"):
+        WeightSync(InMemoryTarget(), timeout=-1)
+    with pytest.raises(ValueError, match=r"SyncOptions\(verify_tolerance=0\) must be positive"):
+        SyncOptions(verify_tolerance=0)

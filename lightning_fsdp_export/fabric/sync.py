@@ -2,11 +2,19 @@
 
 from __future__ import annotations
 
-from typing import Any
+import os
+from datetime import timedelta
+from typing import TYPE_CHECKING, Literal
 
+import torch
 from lightning.fabric import Fabric
 
 from lightning_fsdp_export.sync.engine import SyncEngine
+from lightning_fsdp_export.sync.holder import HoldsSyncEngine
+from lightning_fsdp_export.sync.options import Drafter, SyncOptions
+
+if TYPE_CHECKING:
+    from lightning_fsdp_export.targets.base import WeightTarget
 
 __all__ = ["FabricRun", "WeightSync"]
 
@@ -25,7 +33,7 @@ class FabricRun:
         self.global_step = 0
 
 
-class WeightSync(SyncEngine):
+class WeightSync(HoldsSyncEngine):
     """Push the trainer's weights into a vLLM target from a loop you write with Lightning Fabric.
 
     Example::
@@ -41,16 +49,22 @@ class WeightSync(SyncEngine):
         fabric.save("ckpt.pt", {"model": model, "optimizer": optimizer, "sync": sync})
         sync.teardown()
 
-    The engine of :class:`~lightning_fsdp_export.VLLMWeightSync` without its Trainer hooks: the same targets and
-    transports, LoRA modes, checks (the ranks' agreement, ``exact_first_sync``, ``verify``), errors and metrics;
-    every option is documented there. ``push()`` returns the metrics and logs them with ``fabric.log_dict`` (to
-    Fabric's loggers, if any). Its state goes into ``fabric.save`` and back with ``fabric.load``: a resumed loop's
-    next push is version ``N + 1`` and full (a new server holds its checkpoint). ``exact_first_sync=True`` checks
-    the first push, which must come before the first optimizer step.
+    The engine of :class:`~lightning_fsdp_export.VLLMWeightSync` (held the same way: ``sync.engine``) without its
+    Trainer hooks: the same targets and transports, LoRA modes, checks (the ranks' agreement, ``exact_first_sync``,
+    ``verify``), errors and metrics; every option is documented there (the triggers aside: the loop pushes).
+    ``push()`` returns the metrics and logs them with ``fabric.log_dict`` (to Fabric's loggers, if any). Its state
+    goes into ``fabric.save`` and back with ``fabric.load``: a resumed loop's next push is version ``N + 1`` and full
+    (a new server holds its checkpoint). ``exact_first_sync=True`` checks the first push, which must come before the
+    first optimizer step.
     """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, target: WeightTarget, *, dtype: torch.dtype | None = None,
+                 verify: Literal["logprobs"] | None = None, verify_tolerance: float = 1.0,
+                 lora: Literal["merged", "adapter"] = "merged", adapter_dir: str | os.PathLike[str] | None = None,
+                 on_error: Literal["raise", "warn"] = "raise", check_finite: bool = True,
+                 timeout: timedelta | float | None = None, exact_first_sync: bool = False, name: str | None = None,
+                 when_busy: Literal["wait", "skip"] = "wait", drafter: Drafter | None = None) -> None:
+        self.engine = SyncEngine(target, SyncOptions.of(locals(), "WeightSync"), owner="WeightSync")
         self._run: FabricRun | None = None
 
     def setup(self, fabric: Fabric) -> None:
@@ -62,7 +76,7 @@ class WeightSync(SyncEngine):
         if self._run is not None and self._run.fabric is fabric:
             return
         self._run = FabricRun(fabric)
-        self._start(self._run)
+        self.engine.start(self._run)
 
     def push(self, fabric: Fabric, *, step: int | None = None) -> dict[str, float] | None:
         """Every rank: push the current weights as the next version (``self.version + 1``); a collective.
@@ -80,11 +94,11 @@ class WeightSync(SyncEngine):
         """
         self.setup(fabric)
         assert self._run is not None
-        if self._exact_pending and any(opt.state for opt in getattr(fabric.strategy, "_optimizers", ())):
+        if self.engine.exact_pending and any(opt.state for opt in getattr(fabric.strategy, "_optimizers", ())):
             raise ValueError("WeightSync(exact_first_sync=True) checks the first push against the engine's checkpoint:"
                              " push once before the first optimizer step (or drop exact_first_sync).")
         self._run.global_step = self.version + 1 if step is None else step
-        metrics = self._push(self._run)
+        metrics = self.engine.push(self._run)
         if metrics is not None:
             fabric.log_dict(metrics, step=self._run.global_step)
         return metrics
@@ -95,8 +109,8 @@ class WeightSync(SyncEngine):
         if self._run is None:
             return
         try:
-            if self._target_ready:
+            if self.engine.target_ready:
                 self.settle()
         finally:
-            self._end(self._run.strategy)
+            self.engine.end(self._run.strategy)
             self._run = None

@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
@@ -120,13 +121,13 @@ def _load_converted(converted: list[tuple[str, Tensor]], fmt: CheckpointFormat, 
     for file in sorted(path.glob("*.safetensors")):
         with safe_open(str(file), framework="pt") as f:
             files.update(dict.fromkeys(f.keys(), file))
-    handles: dict[Path, object] = {}
+    handles: dict[Path, Any] = {}  # safetensors' safe_open handles (untyped)
 
     def read(name: str) -> Tensor:
         file = files[name]
         if file not in handles:
             handles[file] = safe_open(str(file), framework="pt")
-        return handles[file].get_tensor(name)  # type: ignore[attr-defined]
+        return handles[file].get_tensor(name)
 
     with torch.no_grad():
         for name, tensor in converted:

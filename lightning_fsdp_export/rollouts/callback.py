@@ -23,8 +23,8 @@ from lightning_fsdp_export.rollouts.pacing import Pacing
 from lightning_fsdp_export.rollouts.samples import Prompt, RolloutBatch, RolloutError, Sample
 from lightning_fsdp_export.rollouts.state import RolloutState
 from lightning_fsdp_export.sync.callback import VLLMWeightSync
-from lightning_fsdp_export.sync.engine import SyncEngine
-from lightning_fsdp_export.targets.remote import RemoteVLLM
+from lightning_fsdp_export.sync.holder import HoldsSyncEngine
+from lightning_fsdp_export.targets.base import ServesRollouts
 from lightning_fsdp_export.transfer.http import Server, ServerError
 
 __all__ = ["AsyncRollouts"]
@@ -63,17 +63,16 @@ class AsyncRollouts(Callback, FabricLoop):
         request_timeout: seconds for one request (a group).
     """
 
-    def __init__(self, sync: SyncEngine | VLLMWeightSync, prompts: Sequence[Prompt] | Callable[[int], Prompt],
+    def __init__(self, sync: HoldsSyncEngine, prompts: Sequence[Prompt] | Callable[[int], Prompt],
                  reward: Callable[[Sample], float], *, batch_size: int, group_size: int = 1,
                  max_staleness: int = 1, sampling: dict[str, Any] | None = None, max_in_flight: int | None = None,
                  versions_every: int | None = None, batch_timeout: float = 300.0,
                  request_timeout: float = 300.0) -> None:
-        syncs = (SyncEngine, VLLMWeightSync)
-        if not isinstance(sync, syncs) or not isinstance(sync.target, RemoteVLLM):
+        if not isinstance(sync, HoldsSyncEngine) or not isinstance(sync.target, ServesRollouts):
             raise TypeError("AsyncRollouts(sync=...) needs the VLLMWeightSync(RemoteVLLM(...)) (or Fabric's"
                             " WeightSync(RemoteVLLM(...))) that updates the servers it generates on; got"
                             f" {type(sync).__name__}"
-                            f"{'' if not isinstance(sync, syncs) else f'({type(sync.target).__name__})'}.")
+                            f"{'' if not isinstance(sync, HoldsSyncEngine) else f'({type(sync.target).__name__})'}.")
         if isinstance(sync, VLLMWeightSync) and not sync.syncs_on_train_start:
             raise ValueError("AsyncRollouts needs VLLMWeightSync(sync_on_train_start=True): the first rollouts must"
                              " come from the trainer's weights.")
@@ -174,7 +173,8 @@ class AsyncRollouts(Callback, FabricLoop):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if self.pacing.versions_every is None:
-            every = self.sync.every_n_train_steps  # type: ignore[attr-defined] - a VLLMWeightSync, in a Trainer
+            assert isinstance(self.sync, VLLMWeightSync)  # setup() found it among the Trainer's callbacks
+            every = self.sync.every_n_train_steps
             if every is None:
                 raise ValueError("AsyncRollouts with VLLMWeightSync(every_n_epochs=...): pass versions_every= (steps"
                                  " per sync), the pacing needs it.")
@@ -277,7 +277,7 @@ class AsyncRollouts(Callback, FabricLoop):
                    "rollouts/wait_seconds": batch.waited, "rollouts/versions_in_batch": float(len(filled["versions"]))}
         if self.clients.keeps_old_kv:
             metrics["rollouts/resampled"] = float(self.resampled)
-        paused = self.sync.target.last_paused_seconds  # type: ignore[attr-defined] - a RemoteVLLM, checked in __init__
+        paused = self.clients.target.last_paused_seconds
         if paused is not None:
             metrics["rollouts/server_paused_seconds"] = paused
         return metrics

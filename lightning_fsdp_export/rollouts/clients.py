@@ -21,7 +21,8 @@ from lightning_fsdp_export.rollouts.samples import (
     split_prompt,
 )
 from lightning_fsdp_export.rollouts.state import RolloutState
-from lightning_fsdp_export.sync.callback import VLLMWeightSync
+from lightning_fsdp_export.sync.holder import HoldsSyncEngine
+from lightning_fsdp_export.targets.base import ServesRollouts
 from lightning_fsdp_export.transfer.http import Server, ServerError, interrupt
 
 __all__ = ["RolloutClients"]
@@ -33,7 +34,8 @@ class RolloutClients:
     Args:
         state: what they share with the batch fill.
         pacing: when a prompt may be admitted.
-        sync: the sync updating the servers (its ``served_version`` paces admission; ``lora`` names the model).
+        sync: the sync updating the servers (its ``served_version`` paces admission; ``lora`` names the model), whose
+            target's servers take the requests (a ``ServesRollouts``: ``RemoteVLLM``).
         prompts: token-id prompts, or ``index -> prompt``.
         reward: ``Sample -> float``.
         sampling: vLLM sampling parameters of every request.
@@ -45,17 +47,20 @@ class RolloutClients:
     MAX_ATTEMPTS = 3
     """A prompt whose request failed this often (on any servers) is dropped and counted."""
 
-    def __init__(self, state: RolloutState, pacing: Pacing, *, sync: VLLMWeightSync,
+    def __init__(self, state: RolloutState, pacing: Pacing, *, sync: HoldsSyncEngine,
                  prompts: Sequence[Prompt] | Callable[[int], Prompt], reward: Callable[[Sample], float],
                  sampling: dict[str, Any], request_timeout: float) -> None:
         self.state = state
         self.pacing = pacing
         self.sync = sync
+        assert isinstance(sync.target, ServesRollouts)  # AsyncRollouts checks it, naming the target
+        self.target: ServesRollouts = sync.target
+        """``sync.target``: the servers requests go to."""
         self.prompts = prompts
         self.reward = reward
         self.sampling = sampling
         self.request_timeout = request_timeout
-        self.keeps_old_kv = sync.target.pause_mode == "keep_old_kv"  # type: ignore[attr-defined] - a RemoteVLLM
+        self.keeps_old_kv = self.target.pause_mode == "keep_old_kv"
         """The servers keep older weights' blocks across a swap: the prefix cache is salted per version."""
         self.rank, self.world = 0, 1
         self._threads: list[threading.Thread] = []
@@ -65,7 +70,7 @@ class RolloutClients:
     def servers(self) -> list[Server]:
         """The servers new requests go to: those the target says serve (``RemoteVLLM.serving``: with ``min_servers``,
         none set aside, none still joining)."""
-        return list(self.sync.target.serving)  # type: ignore[attr-defined] - a RemoteVLLM
+        return list(self.target.serving)
 
     def start(self, count: int, *, rank: int, world: int) -> None:
         """Start ``count`` threads for trainer rank ``rank`` of ``world`` (it takes prompts ``rank, rank + world,
@@ -190,7 +195,7 @@ class RolloutClients:
         if media is not None:  # the images, resolved by the server (its processor expands each placeholder)
             body["content_parts"] = image_parts(media)
         if self.sync.lora == "adapter":  # the policy is the adapter the sync loads, not the base model
-            body["model"] = self.sync.target.adapter_name  # type: ignore[attr-defined]
+            body["model"] = self.target.adapter_name
         admitted = time.time()
         state = self.state
         try:

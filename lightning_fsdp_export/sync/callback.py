@@ -19,15 +19,15 @@ from typing_extensions import override
 from lightning_fsdp_export._common import WeightSyncError
 from lightning_fsdp_export.strategy import LazyExportFSDP2
 from lightning_fsdp_export.sync.engine import SyncEngine
-from lightning_fsdp_export.sync.exact import ExactCheck
-from lightning_fsdp_export.sync.options import Drafter, OnError, SyncLora, parse_option
+from lightning_fsdp_export.sync.holder import HoldsSyncEngine
+from lightning_fsdp_export.sync.options import Drafter, OnError, SyncLora, SyncOptions
 from lightning_fsdp_export.sync.triggers import SyncTriggers
 from lightning_fsdp_export.targets.base import SleepsDuringCompute, WeightTarget
 
 __all__ = ["VLLMWeightSync", "WeightSyncError"]
 
 
-class VLLMWeightSync(SyncTriggers):
+class VLLMWeightSync(HoldsSyncEngine, SyncTriggers):
     """Push the trainer's weights into a vLLM target after optimizer steps or epochs.
 
     Example::
@@ -111,15 +111,12 @@ class VLLMWeightSync(SyncTriggers):
                  exact_first_sync: bool = False, name: str | None = None,
                  when_busy: Literal["wait", "skip"] = "wait", drafter: Drafter | None = None) -> None:
         _validate_triggers(every_n_train_steps, every_n_epochs)
-        _validate_sleep(target, every_n_train_steps, every_n_epochs, parse_option(SyncLora, lora, "lora"),
-                        parse_option(OnError, on_error, "on_error"))
+        options = SyncOptions.of(locals(), "VLLMWeightSync")
+        _validate_sleep(target, every_n_train_steps, every_n_epochs, options)
         if exact_first_sync and not sync_on_train_start:
             raise ValueError("VLLMWeightSync(exact_first_sync=True) checks the sync at train start, where the trainer"
                              " still holds the engine's checkpoint: it needs sync_on_train_start=True.")
-        engine = SyncEngine(target, dtype=dtype, verify=verify, verify_tolerance=verify_tolerance, lora=lora,
-                            adapter_dir=adapter_dir, on_error=on_error, check_finite=check_finite, timeout=timeout,
-                            exact_first_sync=exact_first_sync, name=name, when_busy=when_busy, drafter=drafter,
-                            owner="VLLMWeightSync")
+        engine = SyncEngine(target, options, owner="VLLMWeightSync")
         super().__init__(engine, every_n_train_steps=every_n_train_steps, every_n_epochs=every_n_epochs,
                          sync_on_train_start=sync_on_train_start)
         self._in_trainer = False  # set at setup(): from then on state_key is the checkpoint's key
@@ -149,12 +146,12 @@ class VLLMWeightSync(SyncTriggers):
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         _require_strategy(trainer)
-        self.engine._start(trainer)
+        self.engine.start(trainer)
 
     @override
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         if stage == "fit":
-            self.engine._end(trainer.strategy)
+            self.engine.end(trainer.strategy)
         elif isinstance(trainer.strategy, LazyExportFSDP2):
             trainer.strategy.remove_phase_listener(self.engine)
 
@@ -165,86 +162,10 @@ class VLLMWeightSync(SyncTriggers):
         on (``"warn"``); either way the target is marked stale and the next sync pushes everything.
         """
         _require_strategy(trainer)
-        metrics = self.engine._push(trainer)
+        metrics = self.engine.push(trainer)
         if metrics is not None and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=trainer.global_step)
-
-    # -- state ---------------------------------------------------------------------------------------------
-
-    def settle(self) -> bool:
-        """Every rank: end the push still in the background, if any, and agree on it (see ``SyncEngine.settle``)."""
-        return self.engine.settle()
-
-    # -- the engine's state ---------------------------------------------------------------------------------
-
-    @property
-    def target(self) -> WeightTarget:
-        """Where the weights go."""
-        return self.engine.target
-
-    @property
-    def version(self) -> int:
-        """The last version pushed (0: none yet)."""
-        return self.engine.version
-
-    @property
-    def served_version(self) -> int | None:
-        """The version the target serves as every rank agreed (see ``SyncEngine.served_version``)."""
-        return self.engine.served_version
-
-    @served_version.setter
-    def served_version(self, version: int | None) -> None:
-        self.engine.served_version = version
-
-    @property
-    def stale(self) -> bool:
-        """The target does not hold the trainer's last pushed weights (before the first sync, after a failure)."""
-        return self.engine.stale
-
-    @stale.setter
-    def stale(self, value: bool) -> None:
-        self.engine.stale = value
-
-    @property
-    def lora(self) -> SyncLora:
-        """The mode: ``"merged"`` or ``"adapter"``."""
-        return self.engine.lora
-
-    @property
-    def last_synced_step(self) -> int:
-        """The global step of the last sync that succeeded (-1: none)."""
-        return self.engine.last_synced_step
-
-    @property
-    def last_metrics(self) -> dict[str, float]:
-        """The last sync's metrics (``weight_sync/...``)."""
-        return self.engine.last_metrics
-
-    @property
-    def last_verify_diff(self) -> float | None:
-        """The last ``verify="logprobs"`` check's largest logprob difference."""
-        return self.engine.last_verify_diff
-
-    @property
-    def last_exact_check(self) -> ExactCheck | None:
-        """What the exact check compared on this rank (``exact_first_sync=True``), once it ran."""
-        return self.engine.last_exact_check
-
-    @property
-    def skipped(self) -> int:
-        """Pushes skipped because the previous version was still travelling (``when_busy="skip"``)."""
-        return self.engine.skipped
-
-    # -- state ---------------------------------------------------------------------------------------------
-
-    @override
-    def state_dict(self) -> dict[str, Any]:
-        return self.engine.state_dict()
-
-    @override
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.engine.load_state_dict(state_dict)
 
 
 def _require_strategy(trainer: pl.Trainer) -> LazyExportFSDP2:
@@ -270,8 +191,7 @@ def _require_distinct_keys(trainer: pl.Trainer) -> None:
                          " name='eval'), and keep the names across a resume.")
 
 
-def _validate_sleep(target: WeightTarget, every_n_train_steps: Any, every_n_epochs: Any, lora: SyncLora,
-                    on_error: OnError) -> None:
+def _validate_sleep(target: WeightTarget, every_n_train_steps: Any, every_n_epochs: Any, options: SyncOptions) -> None:
     """``sleep_level=2`` drops the engine's weights at every step: only a full push after every step restores them."""
     if not isinstance(target, SleepsDuringCompute) or target.sleep_level != 2:
         return
@@ -279,8 +199,8 @@ def _validate_sleep(target: WeightTarget, every_n_train_steps: Any, every_n_epoc
            " back, so VLLMWeightSync must push all weights after every optimizer step and never give up on one")
     for bad, fix in ((every_n_train_steps not in (None, 1), f"every_n_train_steps={every_n_train_steps}"),
                      (every_n_epochs is not None, f"every_n_epochs={every_n_epochs}"),
-                     (lora is SyncLora.ADAPTER, "lora='adapter' (base weights pushed once)"),
-                     (on_error is OnError.WARN, "on_error='warn'")):
+                     (options.lora is SyncLora.ADAPTER, "lora='adapter' (base weights pushed once)"),
+                     (options.on_error is OnError.WARN, "on_error='warn'")):
         if bad:
             raise ValueError(f"{why}; {fix} would leave it without weights. Use sleep_level=1 for that, or drop it.")
 

@@ -10,15 +10,13 @@ from :mod:`~lightning_fsdp_export.sync.agreement`, the checks from :mod:`~lightn
 
 from __future__ import annotations
 
-import os
 import shutil
 import time
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Protocol
 
-import torch
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
 from lightning_fsdp_export._common import SyncGroup, WeightSyncError
@@ -26,7 +24,7 @@ from lightning_fsdp_export.export.source import ExportSource
 from lightning_fsdp_export.strategy_core import LazyExportCore
 from lightning_fsdp_export.sync.agreement import FAILED, agree_after, agree_arrived, agree_before
 from lightning_fsdp_export.sync.exact import EXACT_FAILED, ExactCheck, check_precondition, exact_verdict
-from lightning_fsdp_export.sync.options import Drafter, OnError, SyncLora, Verify, WhenBusy, parse_option
+from lightning_fsdp_export.sync.options import OnError, SyncLora, SyncOptions, WhenBusy
 from lightning_fsdp_export.sync.pushes import consume, plan_pushes, refusals, temporary_adapter_dir
 from lightning_fsdp_export.sync.verify import check_logprobs
 from lightning_fsdp_export.targets.base import (
@@ -56,57 +54,36 @@ class SyncRun(Protocol):
 
 
 class SyncEngine:
-    """A weight sync's state and path, for every rank; the adapters decide when :meth:`_push` runs.
+    """A weight sync's state and path, for every rank: :meth:`start` once a run has its ranks, :meth:`push` for each
+    version, :meth:`end` when the run ends. The Trainer's ``VLLMWeightSync`` and Fabric's ``WeightSync`` each hold one
+    (``sync.engine``) and decide when it pushes.
 
-    Every option is documented on :class:`~lightning_fsdp_export.sync.callback.VLLMWeightSync`.
+    Args:
+        target: where the weights go.
+        options: what a sync does (:class:`~lightning_fsdp_export.sync.options.SyncOptions`; documented for users on
+            ``VLLMWeightSync``); checked against ``target`` here.
+        owner: the class the user built, named in errors.
     """
 
-    def __init__(self, target: WeightTarget, *, dtype: torch.dtype | None = None,
-                 verify: Literal["logprobs"] | None = None, verify_tolerance: float = 1.0,
-                 lora: Literal["merged", "adapter"] = "merged", adapter_dir: str | os.PathLike[str] | None = None,
-                 on_error: Literal["raise", "warn"] = "raise", check_finite: bool = True,
-                 timeout: timedelta | float | None = None, exact_first_sync: bool = False,
-                 name: str | None = None, when_busy: Literal["wait", "skip"] = "wait",
-                 drafter: Drafter | None = None, owner: str | None = None) -> None:
+    def __init__(self, target: WeightTarget, options: SyncOptions | None = None, *, owner: str | None = None) -> None:
         owner = owner or type(self).__name__
         self._owner = owner
-        """The class a user built, named in messages (``VLLMWeightSync`` holds an engine; ``WeightSync`` is one)."""
-        _validate_target(target, dtype, owner)
-        mode, errors = parse_option(SyncLora, lora, "lora", owner), parse_option(OnError, on_error, "on_error", owner)
-        check = None if verify is None else parse_option(Verify, verify, "verify", owner)
-        _validate_checks(target, verify=check, verify_tolerance=verify_tolerance, lora=mode,
-                         exact_first_sync=exact_first_sync, owner=owner)
-        _validate_drafter(target, drafter, owner)
-        busy = parse_option(WhenBusy, when_busy, "when_busy", owner)
-        if busy is WhenBusy.SKIP and not target.pushes_in_background:
-            raise ValueError(f"{owner}(when_busy='skip') skips a push while the previous one still travels, which"
-                             f" only a target that pushes in the background does; {type(target).__name__} never does"
-                             " (use RemoteVLLM(urls, transport=Gloo(shard_direct=True, background=True)), or drop"
-                             " when_busy).")
-        if name is not None and (not isinstance(name, str) or not name):
-            raise ValueError(f"{owner}(name={name!r}) must be a non-empty string (it keys the sync's state in"
-                             " checkpoints), or None for the target's own name.")
+        """The class a user built, named in messages (``VLLMWeightSync`` or ``WeightSync``, each holding an engine)."""
+        self.options = options if options is not None else SyncOptions(owner=owner)
+        """What this sync does (each field parsed once); ``VLLMWeightSync`` and ``WeightSync`` document them."""
+        _validate_target(target, self.options, owner)
         self.target = target
-        self._name = target.state_name if name is None else name
-        self._lora = mode
-        self._on_error = errors
-        self._when_busy = busy
-        self._drafter = drafter
+        self._name = target.state_name if self.options.name is None else self.options.name
         self.skipped = 0
         """Pushes skipped because the previous version was still travelling (``when_busy="skip"``)."""
-        self._check_finite = bool(check_finite)
-        self._timeout = _as_timedelta(timeout, owner)
         self._group: SyncGroup | None = None  # built with the target, when the run starts
-        self._adapter_dir = Path(adapter_dir) if adapter_dir is not None else None
+        self._adapter_dir = None if self.options.adapter_dir is None else Path(self.options.adapter_dir)
         self._adapter_dir_is_ours = False  # a temporary adapter directory, removed at the run's end
         self._base_pushed = False
-        self._verify = check
-        self._verify_tolerance = verify_tolerance
         self.last_verify_diff: float | None = None
-        self._exact_pending = bool(exact_first_sync)
+        self._exact_pending = bool(self.options.exact_first_sync)
         self.last_exact_check: ExactCheck | None = None
         """What the exact check compared on this rank (``exact_first_sync=True``), once it ran."""
-        self._dtype = dtype
         self.version = 0
         self._in_flight: int | None = None  # a version pushed in the background, not yet settled
         self._served: int | None = None  # see served_version
@@ -140,6 +117,11 @@ class SyncEngine:
         return self._resumed
 
     @property
+    def exact_pending(self) -> bool:
+        """Whether the exact check (``exact_first_sync=True``) still waits for its push."""
+        return self._exact_pending
+
+    @property
     def target_ready(self) -> bool:
         """Whether the target is set up for this run (the first push or the run's start did it)."""
         return self._target_ready
@@ -148,16 +130,16 @@ class SyncEngine:
     def lora(self) -> SyncLora:
         """The mode: ``"merged"``, or ``"adapter"`` (the target serves the trained adapter, e.g. under
         ``RemoteVLLM.adapter_name``)."""
-        return self._lora
+        return self.options.lora  # type: ignore[return-value] - parsed into a SyncLora
 
     # -- the run's start and end ---------------------------------------------------------------------------
 
-    def _start(self, run: SyncRun) -> None:
+    def start(self, run: SyncRun) -> None:
         """Every rank, before the first push: the target set up, the exact check's precondition, the phase listener."""
         strategy = _require_strategy(run.strategy, self._owner)
         strategy.export_module  # noqa: B018 - no or several models to export: fail before the first step
-        if self._drafter is not None:  # no such module: fail before the first step too
-            strategy.module_source(self._drafter.module, prefix=self._drafter.prefix)
+        if self.options.drafter is not None:  # no such module: fail before the first step too
+            strategy.module_source(self.options.drafter.module, prefix=self.options.drafter.prefix)
         self._ensure_target(run, strategy)
         if self._exact_pending:
             assert isinstance(self.target, ExactCheckable)  # refused in __init__ otherwise
@@ -174,7 +156,7 @@ class SyncEngine:
         if isinstance(self.target, SleepsDuringCompute):
             self.target.after_compute()
 
-    def _end(self, strategy: Any) -> None:
+    def end(self, strategy: Any) -> None:
         """Every rank, at the run's end: the target torn down (a push in flight ends with it), temporary adapters
         removed; a later run (a resume) sets the target up again."""
         if isinstance(strategy, LazyExportCore):
@@ -189,13 +171,13 @@ class SyncEngine:
 
     # -- a sync -------------------------------------------------------------------------------------------
 
-    def _push(self, run: SyncRun) -> dict[str, float] | None:
+    def push(self, run: SyncRun) -> dict[str, float] | None:
         """Every rank: push the current weights as the next version; its metrics, or None when it failed and
         ``on_error="warn"`` (the target is then stale and the next sync pushes everything) or was skipped
         (``when_busy="skip"`` while the previous version still travels)."""
         strategy = _require_strategy(run.strategy, self._owner)
         self._ensure_target(run, strategy)
-        if self._when_busy is WhenBusy.SKIP and self._in_flight is not None \
+        if self.options.when_busy is WhenBusy.SKIP and self._in_flight is not None \
                 and not all(self._ranks.gather(self.target.push_arrived())):  # every rank skips, or none
             self.skipped += 1
             return None
@@ -222,7 +204,7 @@ class SyncEngine:
         self.last_synced_step = run.global_step
         self.last_metrics = _metrics(time.perf_counter() - start, sources, self.version)
         self.last_metrics.update(self.target.sync_metrics())
-        if self._when_busy is WhenBusy.SKIP:
+        if self.options.when_busy is WhenBusy.SKIP:
             self.last_metrics["weight_sync/skipped"] = float(self.skipped)
         return self.last_metrics
 
@@ -255,24 +237,24 @@ class SyncEngine:
         self.stale = True
         self.served_version = None
         self._base_pushed = False
-        if self._on_error is OnError.RAISE:
+        if self.options.on_error is OnError.RAISE:
             raise err
         rank_zero_warn(f"{err} Training goes on (on_error='warn'); the next sync pushes every tensor again.")
 
     def _sync(self, run: SyncRun, strategy: LazyExportCore) -> list[ExportSource]:
         self.target.agree(self._ranks)  # (RemoteVLLM's pool: which servers serve, on every rank)
-        pushes = plan_pushes(strategy, self.target, lora=self._lora, base_pushed=self._base_pushed,
-                             dtype=self._dtype or self.target.dtype, version=self.version, rank=run.global_rank,
+        pushes = plan_pushes(strategy, self.target, lora=self.lora, base_pushed=self._base_pushed,
+                             dtype=self.options.dtype or self.target.dtype, version=self.version, rank=run.global_rank,
                              adapter_dir=self._adapter_root, show_progress=run.is_global_zero,
-                             drafter=self._drafter)
+                             drafter=self.options.drafter)
         agree_before(self._ranks, self.version, [p.source for p in pushes], partial(refusals, self.target),
-                     check_finite=self._check_finite)
+                     check_finite=self.options.check_finite)
         exact, self._exact_pending = self._exact_pending, False
         not_held = strategy.checkpoint_format.parts_not_held  # (a text model of the engine's VLM checkpoint)
         baseline, zeroed, mine = consume(pushes, self.target if exact else None,  # type: ignore[arg-type]
                                          part=bool(not_held))
         agree_after(self._ranks, self.version, mine, FAILED)
-        if (exact or self._verify) and self.target.pushes_in_background:  # the checks read what arrived: wait for it
+        if (exact or self.options.verify) and self.target.pushes_in_background:  # the checks read what arrived
             agree_arrived(self._ranks, self.version, self.target)
         if exact:
             assert isinstance(self.target, ExactCheckable)
@@ -282,9 +264,9 @@ class SyncEngine:
             kept = f", {check.kept} not the trainer's (reloaded from the checkpoint)" if check.kept else ""
             rank_zero_info(f"{self._owner} exact check passed: {check.compared} engine parameter(s) restored"
                            f" bit for bit, {check.not_comparable} not comparable (repacked by the engine){kept}.")
-        if self._verify:
+        if self.options.verify:
             assert isinstance(self.target, ScoresLogprobs)
-            diff, mine = check_logprobs(strategy, self.target, self._verify_tolerance)
+            diff, mine = check_logprobs(strategy, self.target, self.options.verify_tolerance)
             self.last_verify_diff = diff if diff is not None else self.last_verify_diff
             agree_after(self._ranks, self.version, mine, "Weight sync of version {version} did not verify ({lines}).")
         return [p.source for p in pushes]
@@ -293,7 +275,7 @@ class SyncEngine:
         if self._target_ready:
             return
         self.target.setup(run)
-        self._group = SyncGroup(self._timeout or strategy.collective_timeout or timedelta(minutes=30))
+        self._group = SyncGroup(self.options.timeout or strategy.collective_timeout or timedelta(minutes=30))
         self._target_ready = True
 
     @property
@@ -342,52 +324,36 @@ def _require_strategy(strategy: Any, owner: str) -> LazyExportCore:
     return strategy
 
 
-def _validate_target(target: Any, dtype: Any, owner: str) -> None:
+def _validate_target(target: Any, options: SyncOptions, owner: str) -> None:
+    """Refuse a target that is not one, or an option it cannot serve (each named, with the fix)."""
     if not isinstance(target, WeightTarget):
         raise TypeError(
             f"{owner}(target={target!r}) is not a weight target: subclass"
             " lightning_fsdp_export.targets.WeightTarget and write its push(), or use one of the targets there"
             " (e.g. ColocatedVLLM(model=PATH))."
         )
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{owner}(dtype={dtype!r}) must be a torch.dtype such as torch.bfloat16, or None.")
-
-
-def _validate_checks(target: WeightTarget, *, verify: Verify | None, verify_tolerance: float, lora: SyncLora,
-                     exact_first_sync: bool, owner: str) -> None:
-    if verify is not None and not isinstance(target, ScoresLogprobs):
+    name = type(target).__name__
+    if options.verify is not None and not isinstance(target, ScoresLogprobs):
         raise TypeError(f"{owner}(verify='logprobs') needs a target with prompt_logprobs() (a ScoresLogprobs);"
-                        f" {type(target).__name__} has none (ColocatedVLLM and RemoteVLLM have).")
-    if verify_tolerance <= 0:
-        raise ValueError(f"{owner}(verify_tolerance={verify_tolerance}) must be positive.")
-    if lora is SyncLora.ADAPTER and not isinstance(target, LoadsAdapters):
-        raise TypeError(f"{owner}(lora='adapter') needs a target with push_adapter() (a LoadsAdapters);"
-                        f" {type(target).__name__} has none (ColocatedVLLM built with enable_lora=True has).")
-    if lora is SyncLora.ADAPTER and (why := target.cannot_load_adapters()):  # type: ignore[union-attr]
-        raise ValueError(f"{owner}(lora='adapter') with {type(target).__name__}: {why}. Or use lora='merged'.")
-    if exact_first_sync and not isinstance(target, ExactCheckable):
+                        f" {name} has none (ColocatedVLLM and RemoteVLLM have).")
+    if options.lora is SyncLora.ADAPTER:
+        if not isinstance(target, LoadsAdapters):
+            raise TypeError(f"{owner}(lora='adapter') needs a target with push_adapter() (a LoadsAdapters);"
+                            f" {name} has none (ColocatedVLLM built with enable_lora=True has).")
+        if why := target.cannot_load_adapters():
+            raise ValueError(f"{owner}(lora='adapter') with {name}: {why}. Or use lora='merged'.")
+    if options.exact_first_sync and not isinstance(target, ExactCheckable):
         raise TypeError(f"{owner}(exact_first_sync=True) needs a target with weight_checksums and"
-                        f" reset_weights() (an ExactCheckable); {type(target).__name__} has none (ColocatedVLLM and"
+                        f" reset_weights() (an ExactCheckable); {name} has none (ColocatedVLLM and"
                         " RemoteVLLM have).")
-
-
-def _validate_drafter(target: WeightTarget, drafter: Any, owner: str) -> None:
-    if drafter is None:
-        return
-    if not isinstance(drafter, Drafter):
-        raise TypeError(f"{owner}(drafter={drafter!r}) must be a lightning_fsdp_export.sync.options.Drafter, e.g."
-                        " Drafter('mtp', prefix='model.layers.46.'), or None.")
-    if not isinstance(target, PushesDrafts):
-        raise TypeError(f"{owner}(drafter=...) needs a target that loads a drafter into its engine's draft model (a"
-                        f" PushesDrafts: ColocatedVLLM, RemoteVLLM over Gloo); {type(target).__name__} cannot.")
-    if why := target.cannot_push_drafts():
-        raise ValueError(f"{owner}(drafter=...) with {type(target).__name__}: {why}.")
-
-
-def _as_timedelta(timeout: timedelta | float | None, owner: str) -> timedelta | None:
-    given = timeout
-    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
-        timeout = timedelta(seconds=timeout)
-    if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
-        raise ValueError(f"{owner}(timeout={given!r}) must be a positive timedelta or number of seconds.")
-    return timeout
+    if options.drafter is not None:
+        if not isinstance(target, PushesDrafts):
+            raise TypeError(f"{owner}(drafter=...) needs a target that loads a drafter into its engine's draft model"
+                            f" (a PushesDrafts: ColocatedVLLM, RemoteVLLM over Gloo); {name} cannot.")
+        if why := target.cannot_push_drafts():
+            raise ValueError(f"{owner}(drafter=...) with {name}: {why}.")
+    if options.when_busy is WhenBusy.SKIP and not target.pushes_in_background:
+        raise ValueError(f"{owner}(when_busy='skip') skips a push while the previous one still travels, which"
+                         f" only a target that pushes in the background does; {name} never does"
+                         " (use RemoteVLLM(urls, transport=Gloo(shard_direct=True, background=True)), or drop"
+                         " when_busy).")

@@ -1,17 +1,26 @@
-"""``VLLMWeightSync``'s mode options, parsed once in its ``__init__`` and passed on typed.
+"""A sync's options, declared once (:class:`SyncOptions`) and parsed once into typed values.
 
-Each mode is a ``StrEnum``: users keep passing the strings (``lora="adapter"``), a member still compares equal to its
-string, and a wrong value fails at construction with a ``ValueError`` listing the accepted ones. :class:`Drafter`
-names a speculative-decoding drafter the sync pushes too (``drafter=``).
+The Trainer's ``VLLMWeightSync`` and Fabric's ``WeightSync`` take them as plain keyword arguments (their signatures
+list exactly these names and defaults: ``tests/test_unit.py`` checks it) and hand them on whole
+(``SyncOptions.of(locals(), owner)``) to the :class:`~lightning_fsdp_export.sync.engine.SyncEngine` both hold. Each
+mode is a ``StrEnum``: users keep passing the strings (``lora="adapter"``), a member still compares equal to its
+string, and a wrong value fails at construction with a ``ValueError`` naming the class the user built, the option and
+the accepted values. :class:`Drafter` names a speculative-decoding drafter the sync pushes too (``drafter=``). What an
+option needs of the target (``verify`` a target that scores logprobs, ...) is checked by the engine, which holds both.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import os
+from collections.abc import Mapping
+from dataclasses import InitVar, dataclass, fields
+from datetime import timedelta
 from enum import Enum
 from typing import Any, TypeVar
 
-__all__ = ["Drafter", "OnError", "SyncLora", "Verify", "WhenBusy", "parse_option"]
+import torch
+
+__all__ = ["Drafter", "OnError", "SyncLora", "SyncOptions", "Verify", "WhenBusy", "parse_option"]
 
 
 class SyncLora(str, Enum):
@@ -96,3 +105,78 @@ class Drafter:
                              " attribute path, e.g. 'mtp' or 'heads.mtp'.")
         if not isinstance(self.prefix, str):
             raise TypeError(f"Drafter(prefix={self.prefix!r}) must be a string such as 'model.layers.46.'.")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SyncOptions:
+    """What a sync does beyond when it runs, for the Trainer's ``VLLMWeightSync`` and Fabric's ``WeightSync`` alike
+    (each documents them for its users; the triggers are the callback's own). Strings become their enums and numbers
+    their types here, once; a bad value raises naming ``owner`` (the class the user built), the option and the fix.
+    """
+
+    dtype: torch.dtype | None = None
+    """The dtype of the pushed tensors; ``None``: the target's own."""
+    verify: Verify | str | None = None
+    """``"logprobs"``: after each sync, score a fixed probe with the engine and the trainer's model; ``None``: none."""
+    verify_tolerance: float = 1.0
+    """The largest absolute logprob difference per probe token ``verify`` allows."""
+    lora: SyncLora | str = "merged"
+    """For peft models: ``"merged"`` (the adapters merged into the base weights) or ``"adapter"`` (the base once,
+    then the adapter alone, loaded as a LoRA)."""
+    adapter_dir: str | os.PathLike[str] | None = None
+    """Where ``lora="adapter"`` writes adapter directories (``None``: a temporary one, removed when the run ends)."""
+    on_error: OnError | str = "raise"
+    """``"raise"``: a failed sync stops the run; ``"warn"``: it warns and the next sync pushes every tensor."""
+    check_finite: bool = True
+    """Refuse to push a tensor holding NaN or Inf (checked on each rank's shards before any gather)."""
+    timeout: timedelta | float | None = None
+    """How long ranks wait for each other at a sync's control points (``None``: the strategy's ``timeout``)."""
+    exact_first_sync: bool = False
+    """Check the first sync bit for bit with vLLM's weight checker."""
+    name: str | None = None
+    """The sync's key in checkpoints (``None``: the target's ``state_name``)."""
+    when_busy: WhenBusy | str = "wait"
+    """With a target that pushes in the background: ``"wait"`` for the previous push, or ``"skip"`` this one."""
+    drafter: Drafter | None = None
+    """A speculative-decoding drafter every sync also pushes into the engine's draft model."""
+    owner: InitVar[str] = "SyncOptions"
+    """The class the user built, named in errors."""
+
+    def __post_init__(self, owner: str) -> None:
+        _set = _setter(self)
+        _set("lora", parse_option(SyncLora, self.lora, "lora", owner))
+        _set("on_error", parse_option(OnError, self.on_error, "on_error", owner))
+        _set("when_busy", parse_option(WhenBusy, self.when_busy, "when_busy", owner))
+        if self.verify is not None:
+            _set("verify", parse_option(Verify, self.verify, "verify", owner))
+        if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"{owner}(dtype={self.dtype!r}) must be a torch.dtype such as torch.bfloat16, or None.")
+        if isinstance(self.verify_tolerance, bool) or not isinstance(self.verify_tolerance, (int, float)) \
+                or self.verify_tolerance <= 0:
+            raise ValueError(f"{owner}(verify_tolerance={self.verify_tolerance}) must be positive.")
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise ValueError(f"{owner}(name={self.name!r}) must be a non-empty string (it keys the sync's state in"
+                             " checkpoints), or None for the target's own name.")
+        if self.drafter is not None and not isinstance(self.drafter, Drafter):
+            raise TypeError(f"{owner}(drafter={self.drafter!r}) must be a lightning_fsdp_export.sync.options.Drafter,"
+                            " e.g. Drafter('mtp', prefix='model.layers.46.'), or None.")
+        _set("timeout", _as_timedelta(self.timeout, owner))
+
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any], owner: str) -> SyncOptions:
+        """The options among a sync class's ``__init__`` arguments (its ``locals()``), errors naming ``owner``."""
+        return cls(**{f.name: arguments[f.name] for f in fields(cls)}, owner=owner)
+
+
+def _setter(options: SyncOptions) -> Any:
+    """Set a field of the frozen ``options`` while it parses itself (``__post_init__``)."""
+    return lambda name, value: object.__setattr__(options, name, value)
+
+
+def _as_timedelta(timeout: timedelta | float | None, owner: str) -> timedelta | None:
+    given = timeout
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
+        timeout = timedelta(seconds=timeout)
+    if timeout is not None and (not isinstance(timeout, timedelta) or timeout.total_seconds() <= 0):
+        raise ValueError(f"{owner}(timeout={given!r}) must be a positive timedelta or number of seconds.")
+    return timeout

@@ -12,9 +12,11 @@ target lacks is refused there, naming both):
 - :class:`SleepsDuringCompute` (``before_compute``, ``after_compute``, ``weights_discarded``,
   ``sleep_level``): told of the strategy's compute phases (a colocated engine sleeps through them);
 - :class:`SendsPatches` (``confirm``): told, before each sync, which version the engine holds as every rank
-  agreed (a sparse sync patches only that version);
+  agreed (a sparse sync patches only that version; another transport ignores it);
 - :class:`PushesDrafts` (``push_draft``, ``check_draft``): for ``drafter=`` (a speculative-decoding drafter trained
-  beside the policy, pushed into the engine's draft model).
+  beside the policy, pushed into the engine's draft model);
+- :class:`ServesRollouts` (``serving``, ``pause_mode``, ``adapter_name``, ``last_paused_seconds``): servers that take
+  ``AsyncRollouts``' requests between and during syncs.
 
 A sync calls, on every rank::
 
@@ -40,8 +42,10 @@ from lightning_fsdp_export.export.source import ExportSource, SourceLayout
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-__all__ = ["ExactCheckable", "LoadsAdapters", "PushesDrafts", "ScoresLogprobs", "SendsPatches", "SleepsDuringCompute",
-           "WeightTarget"]
+    from lightning_fsdp_export.transfer.http import Server
+
+__all__ = ["ExactCheckable", "LoadsAdapters", "PushesDrafts", "ScoresLogprobs", "SendsPatches", "ServesRollouts",
+           "SleepsDuringCompute", "WeightTarget"]
 
 
 class WeightTarget(ABC):
@@ -214,12 +218,36 @@ class SleepsDuringCompute(ABC):
 
 
 class SendsPatches(ABC):
-    """A target that may send only what changed since the version the engine holds (sparse syncs)."""
+    """A target that may send only what changed since the version the engine holds (sparse syncs): a class has it
+    where its objects may (``RemoteVLLM``: those whose transport sends patches use the version; the others ignore
+    it)."""
 
     @abstractmethod
     def confirm(self, version: int | None) -> None:
         """Before each sync, every rank: the version every rank agreed the engine holds; ``None`` at the first
         sync and after a failed one or a resume (the next push is then dense)."""
+
+
+class ServesRollouts(ABC):
+    """A target whose servers take rollout requests between and during syncs (``AsyncRollouts`` generates on them)."""
+
+    adapter_name: str
+    """The name a ``lora="adapter"`` sync serves the adapter under (requests ask for ``model=<adapter_name>``)."""
+
+    @property
+    @abstractmethod
+    def serving(self) -> list[Server]:
+        """Every rank: the servers requests may go to now (none set aside, none still joining)."""
+
+    @property
+    @abstractmethod
+    def pause_mode(self) -> str:
+        """How a sync pauses the servers (``"keep_old_kv"``: clients salt their prefix caches per version)."""
+
+    @property
+    @abstractmethod
+    def last_paused_seconds(self) -> float | None:
+        """Rank 0: how long the last sync kept the servers paused (None elsewhere and before one)."""
 
 
 class PushesDrafts(ABC):

@@ -28,13 +28,14 @@ from lightning_fsdp_export.targets.base import (
     PushesDrafts,
     ScoresLogprobs,
     SendsPatches,
+    ServesRollouts,
     WeightTarget,
 )
 from lightning_fsdp_export.targets.directory import CheckpointCheck
 from lightning_fsdp_export.targets.remote_directory import DirectoryReload
 from lightning_fsdp_export.transfer.adapters import AdapterFiles, adapter_problems, adapter_rank
 from lightning_fsdp_export.transfer.base import Transfer
-from lightning_fsdp_export.transfer.frame import NativeTransfer, PauseMode, pause_route
+from lightning_fsdp_export.transfer.frame import NativeTransfer, PauseMode
 from lightning_fsdp_export.transfer.http import Server, on_all
 from lightning_fsdp_export.transfer.pool import ServerPool, Urls
 from lightning_fsdp_export.transfer.transports import Directory, Transport, parse_transport
@@ -44,7 +45,8 @@ if TYPE_CHECKING:
 
 __all__ = ["RemoteVLLM"]
 
-class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, PushesDrafts):
+class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, PushesDrafts, SendsPatches,
+                 ServesRollouts):
     """Push each version to one or several running vLLM servers (replicas), all in the same sync.
 
     Transports (``transport=``: an options object of :mod:`~lightning_fsdp_export.transfer.transports`, whose
@@ -89,12 +91,6 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
     server that cannot load it leaves every server paused.
     """
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> RemoteVLLM:
-        # a capability follows the configuration: a transport that sends patches builds a PatchingRemoteVLLM
-        if cls is RemoteVLLM and _sends_patches(kwargs.get("transport")):
-            cls = PatchingRemoteVLLM
-        return super().__new__(cls)
-
     def __init__(self, base_url: Urls, *, transport: Transport | str | None = None,
                  api_key: str | None = None, dtype: torch.dtype | None = torch.bfloat16, timeout: float = 300.0,
                  pause_mode: PauseMode = "wait", adapter_name: str = "policy", min_servers: int | None = None) -> None:
@@ -125,10 +121,11 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
         return self._round.servers
 
     @property
+    @override
     def serving(self) -> list[Server]:
-        """Every rank: the servers rollouts may send requests to (``AsyncRollouts``): with ``min_servers`` or URLs
-        re-read, those rank 0 found holding the served version before the last sync (not set aside, not joining in
-        it: a server that joins serves from the sync after the one that gave it every tensor); else every server."""
+        """Every rank: the servers rollouts may send requests to: with ``min_servers`` or URLs re-read, those rank 0
+        found holding the served version before the last sync (not set aside, not joining: one that joins serves from
+        the sync after the one that gave it every tensor); else every server."""
         if self._serving is None:
             return self.servers
         return [self.pool.server(url) for url in self._serving]
@@ -141,7 +138,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
             return
         active, self._serving = self.pool.agree(ranks, rank_zero=self._is_rank_zero)
         if active is not None:
-            self._round.pauses.servers = active  # what this sync's checks and round address
+            self._round.servers = active  # what this sync's checks and round address
 
     @property
     def servers_out(self) -> dict[str, str]:
@@ -161,7 +158,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
     @property
     @override
     def state_name(self) -> str:
-        return f"RemoteVLLM({self.transport}{', sparse' if isinstance(self, SendsPatches) else ''})"
+        return f"RemoteVLLM({self.transport}{', sparse' if self.options.sends_patches else ''})"
 
     @property
     @override
@@ -179,32 +176,34 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
     def pushes_in_background(self) -> bool:
         """``Gloo(shard_direct=True, background=True)``: each rank's push takes its snapshot and returns; a thread sends
         it while training goes on."""
-        return self._round.background.enabled
+        return self._round.in_background
 
     @override
     def push_arrived(self) -> bool:
-        return self._round.background.arrived()
+        return self._round.arrived()
 
     @override
     def wait(self) -> None:
-        self._round.background.wait()
+        self._round.wait()
 
     @property
+    @override
     def pause_mode(self) -> PauseMode:
         """How a sync pauses the servers; ``"keep_old_kv"``: clients salt their prefix caches per version."""
-        return self._round.pauses.mode
+        return self._round.pause_mode
 
     @property
+    @override
     def last_paused_seconds(self) -> float | None:
         """Rank 0: how long the last completed sync kept the servers paused (``/pause`` to ``/resume``); with
         ``pause_mode="keep"`` the only time generation stops for a sync. None elsewhere and before one."""
-        pause = self._round.pauses.last_pause
+        pause = self._round.last_pause
         return None if pause is None else pause[1] - pause[0]
 
     @property
     def last_pause(self) -> tuple[float, float] | None:
         """Rank 0: wall-clock times (``time.time()``) of the last completed sync's ``/pause`` and ``/resume``."""
-        return self._round.pauses.last_pause
+        return self._round.last_pause  # (None before one)
 
     @property  # type: ignore[override]
     @override
@@ -244,11 +243,8 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
 
     @override
     def check_adapter(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:
-        """Rank 0, before anything of a ``lora="adapter"`` sync is sent: every server loads adapters of this rank
-        at run time (``--enable-lora``, ``--max-lora-rank``, ``VLLM_ALLOW_RUNTIME_LORA_UPDATING=True``)."""
-        if not self._is_rank_zero:
-            return []
-        return adapter_problems(self.servers, adapter_rank(exported))
+        """Rank 0, before an adapter sync sends anything: every server loads adapters of this rank at run time."""
+        return adapter_problems(self.servers, adapter_rank(exported)) if self._is_rank_zero else []
 
     @override
     def push_base(self, source: ExportSource, *, version: int) -> None:
@@ -259,8 +255,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
 
     @override
     def push_adapter(self, path: str | os.PathLike[str], *, version: int) -> None:
-        """Load this version's adapter (the peft directory ``path`` the sync wrote on this rank) on every server as
-        ``adapter_name``; every rank calls it (over ``Gloo`` it is a transfer round)."""
+        """Every rank: every server loads the peft directory ``path`` (this rank's) as ``adapter_name`` (a round)."""
         self.adapter_version = None
         self._round.push_adapter(AdapterFiles(Path(path)), version=version, name=self.adapter_name)
         self.adapter_version = version
@@ -307,8 +302,14 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
         only. The push resumes them; a push that fails leaves them paused, never serving the zeroed weights."""
         self._round.forget()  # every rank: the next push is dense
         if self._is_rank_zero:
-            on_all(self.servers, lambda s: s.request("POST", pause_route(self._round.pauses.mode)))
+            self._round.pause_all()
             on_all(self.servers, lambda s: s.request("POST", "/weight_checker", {"action": "reset"}))
+
+    @override
+    def confirm(self, version: int | None) -> None:
+        """Every rank, before each sync: the version the servers hold as every rank agreed (a transport that sends
+        patches patches that version; ``None``: the push is dense). Other transports ignore it."""
+        self._round.confirm(version)
 
     @override
     def held_version(self) -> int | None:
@@ -343,18 +344,6 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
                           stacklevel=2)
         self._round.disconnect()
         self._round.remove_adapter_files()
-
-
-class PatchingRemoteVLLM(RemoteVLLM, SendsPatches):
-    """What ``RemoteVLLM(...)`` builds for a transport that sends patches (``Gloo(shard_direct=True, sparse=True)``,
-    ``SparseNCCL()``): a :class:`~lightning_fsdp_export.targets.base.SendsPatches`, told before each sync which version
-    every rank agreed the servers hold."""
-
-    @override
-    def confirm(self, version: int | None) -> None:
-        """Every rank, before each sync: the version the servers hold as every rank agreed (``None``: unknown); with
-        ``Gloo(sparse=True)`` the push patches only that version, else it is dense."""
-        self._round.confirm(version)
 
 
 def _check_arguments(*, timeout: float, pause_mode: Any, adapter_name: Any) -> None:
@@ -423,12 +412,3 @@ def _reload_checkpoint(server: Server) -> None:
     root = server.request("GET", "/v1/models")["data"][0]["root"]
     server.request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": root}})
     server.request("POST", "/reset_prefix_cache")
-
-
-def _sends_patches(transport: Any) -> bool:
-    """Whether ``transport`` (as ``RemoteVLLM`` takes it) sends patches; a wrong one is refused by ``__init__``."""
-    try:
-        return transport is not None and parse_transport(transport).sends_patches
-    except (TypeError, ValueError):
-        return False
-

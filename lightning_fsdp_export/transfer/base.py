@@ -17,8 +17,8 @@ from torch import Tensor
 from lightning_fsdp_export.export.source import ExportSource
 from lightning_fsdp_export.transfer.adapters import AdapterFiles
 from lightning_fsdp_export.transfer.background import BackgroundPushes
-from lightning_fsdp_export.transfer.http import Server
-from lightning_fsdp_export.transfer.pauses import Pauses
+from lightning_fsdp_export.transfer.http import Server, on_all
+from lightning_fsdp_export.transfer.pauses import Pauses, pause_route
 from lightning_fsdp_export.transfer.transports import PauseMode
 
 __all__ = ["Transfer"]
@@ -41,6 +41,38 @@ class Transfer(ABC):
     def servers(self) -> list[Server]:
         """The servers every round updates."""
         return self.pauses.servers
+
+    @servers.setter
+    def servers(self, servers: list[Server]) -> None:
+        """Rank 0: the servers this sync's checks and round address (the pool's active ones, as agreed)."""
+        self.pauses.servers = servers
+
+    @property
+    def pause_mode(self) -> PauseMode:
+        """How a round pauses the servers."""
+        return self.pauses.mode
+
+    @property
+    def last_pause(self) -> tuple[float, float] | None:
+        """Rank 0: wall-clock times of the last completed round's ``/pause`` and ``/resume`` (None before one)."""
+        return self.pauses.last_pause
+
+    def pause_all(self) -> None:
+        """Rank 0: pause every server (as a round would) outside a round: before the exact check zeroes them."""
+        on_all(self.servers, lambda s: s.request("POST", pause_route(self.pause_mode)))
+
+    @property
+    def in_background(self) -> bool:
+        """A push takes this rank's snapshot and returns; a thread runs the round."""
+        return self.background.enabled
+
+    def arrived(self) -> bool:
+        """This rank: the push in the background (if any) has ended."""
+        return self.background.arrived()
+
+    def wait(self) -> None:
+        """This rank: wait for the push in the background (if any); its failure raises."""
+        self.background.wait()
 
     @property
     def rank(self) -> int:
