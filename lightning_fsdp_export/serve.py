@@ -22,11 +22,11 @@ import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from lightning_fsdp_export._network import is_loopback, route_address
+from lightning_fsdp_export.transfer.http import Server, ServerError
 
 try:
     import fcntl
@@ -69,9 +69,9 @@ def this_host_address(reach: str | None = None) -> str:
 def healthy(url: str, timeout: float = 2.0) -> bool:
     """Whether the server at ``url`` answers ``/health``."""
     try:
-        with urllib.request.urlopen(url + "/health", timeout=timeout):
-            return True
-    except OSError:
+        Server(url, api_key=None, timeout=timeout).health()
+        return True
+    except (ServerError, ValueError):
         return False
 
 

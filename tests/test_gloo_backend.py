@@ -546,7 +546,7 @@ def test_register_tolerates_repeats_and_the_plugin() -> None:
 
     import lightning_fsdp_export_plugin
 
-    lightning_fsdp_export_plugin.register_gloo()
+    lightning_fsdp_export_plugin.register()
     gloo.register()
     gloo.register()
     assert WeightTransferTrainerFactory._registry["gloo"]() is gloo.GlooTrainerWeightTransferEngine

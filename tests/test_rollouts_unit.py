@@ -183,7 +183,7 @@ def test_with_an_adapter_sync_the_rollouts_ask_for_the_adapter(lora: str, model:
     class Recording:
         url = URL
 
-        def post_interruptible(self, route: str, body: dict[str, object], **kwargs: object) -> object:
+        def generate(self, body: dict[str, object], **kwargs: object) -> object:
             bodies.append(body)
             raise ServerError("recorded", URL)
 

@@ -190,7 +190,10 @@ GLUE = ("strategy", "strategy_core")  # the Trainer strategy and the core both s
 
 
 def _room(module: str) -> str:
-    """The room of a module of the package (docs/architecture.md): its folder, ``bottom``, or ``glue``."""
+    """The room of a module of the package (docs/architecture.md): its folder, ``bottom``, or ``glue``; the vLLM
+    plugin (``lightning_fsdp_export_plugin``, beside the package) is the room ``plugin``."""
+    if module.split(".")[0] == "lightning_fsdp_export_plugin":
+        return "plugin"
     parts = module.split(".")[1:]
     if not parts:
         return "package"
@@ -207,9 +210,13 @@ def room_imports() -> dict[str, set[str]]:
 
     root = Path(lightning_fsdp_export.__file__).parent
     edges: dict[str, set[str]] = {}
-    for path in root.rglob("*.py"):
-        name = "lightning_fsdp_export." + ".".join(path.relative_to(root).with_suffix("").parts)
-        name = name.removesuffix(".__init__")
+    plugin = root.parent / "lightning_fsdp_export_plugin" / "__init__.py"
+    for path in [*root.rglob("*.py"), plugin]:
+        if path == plugin:
+            name = "lightning_fsdp_export_plugin"
+        else:
+            name = "lightning_fsdp_export." + ".".join(path.relative_to(root).with_suffix("").parts)
+            name = name.removesuffix(".__init__")
         tree = ast.parse(path.read_text())
         typing_only = {id(n) for node in ast.walk(tree) if isinstance(node, ast.If)
                        and getattr(node.test, "id", "") == "TYPE_CHECKING" for n in ast.walk(node)}
@@ -258,6 +265,22 @@ def test_the_rooms_import_each_other_without_a_cycle_as_architecture_md_says() -
         cells = [c.strip() for c in line.strip("|").split("|")]
         documented[cells[0].strip("*`")] = set(re.findall(r"`([a-z_]+)`", cells[1]))
     assert documented == {room: deps for room, deps in edges.items() if room != "package"}, edges
+    assert not any("plugin" in deps for deps in edges.values())  # the plugin hands vLLM's entry points to backend/
+
+
+def test_each_server_route_is_spelled_in_one_module_of_each_side() -> None:
+    # issue 57 item 2: the trainer's routes live on transfer/http.Server; what both sides share in backend/shared.py
+    import re
+
+    root = Path(__file__).resolve().parent.parent
+    route = re.compile(r"""["'](/(?:v1|v2|inference|pause|resume|health|is_paused|weight_info|weight_checker|"""
+                       r"""collective_rpc|reset_|update_weight|start_|finish_|init_weight|shutdown_weight|get_world|"""
+                       r"""server_info|lfe/)[^"']*)["']""")
+    spelled = {str(path.relative_to(root)) for path in [*root.joinpath("lightning_fsdp_export").rglob("*.py"),
+                                                        root / "lightning_fsdp_export_plugin" / "__init__.py"]
+               if route.search(path.read_text())}
+    assert spelled == {"lightning_fsdp_export/transfer/http.py", "lightning_fsdp_export/backend/shared.py",
+                       "lightning_fsdp_export/backend/server_swap.py"}, spelled  # (server_swap: vLLM's guarded ones)
 
 
 # What a function-local import may guard: an optional dependency (vLLM; our modules that import vLLM at their top; the
@@ -377,12 +400,14 @@ def test_a_server_that_drafts_with_no_model_is_named_before_a_drafter_is_sent(mo
     # RemoteVLLM.check_draft (the sync's precheck, before any gather): each server's dev-mode /server_info must name a
     # speculative_config, asked once per server; otherwise the drafter's round would fail after the policy's
     from lightning_fsdp_export import RemoteVLLM
+    from lightning_fsdp_export.transfer.http import Server
 
-    class FakeServer:
+    class FakeServer(Server):  # the typed routes over a request() that answers as the server would
         def __init__(self, url: str, speculative: Any) -> None:
-            self.url, self.speculative, self.asked = url, speculative, 0
+            super().__init__(url, api_key=None, timeout=5.0)
+            self.speculative, self.asked = speculative, 0
 
-        def request(self, method: str, route: str, body: Any = None) -> Any:
+        def request(self, method: str, route: str, body: Any = None, *, timeout: float | None = None) -> Any:
             if route.startswith("/server_info"):
                 self.asked += 1
                 return {"vllm_config": {"speculative_config": self.speculative}}

@@ -36,14 +36,9 @@ from typing import Any
 
 from fastapi.responses import JSONResponse  # (this module runs in the vLLM API server, which serves with FastAPI)
 
-__all__ = ["SWAP_ROUTE", "STEPS", "handle", "unauthorized"]
+from lightning_fsdp_export.backend.shared import PAUSE_MODES, SWAP_PROTOCOL, SWAP_ROUTE, SWAP_STEPS
 
-SWAP_ROUTE = "/lfe/swap"
-"""The route: ``GET`` says the server can swap on its own; ``POST`` swaps."""
-PROTOCOL = 1
-"""What ``GET`` answers as ``protocol``: a trainer sends only the body this version reads."""
-STEPS = ("checked", "paused", "swapped", "labelled", "cache_reset", "resumed")
-"""The steps of one swap, in order; a ``hold_at`` names one of them (tests only: see :func:`_hold`)."""
+__all__ = ["handle", "middleware", "unauthorized"]
 
 VLLM_GUARDED = ("/v1", "/v2", "/inference", "/cohere")
 """The prefixes vLLM's own ``--api-key`` middleware guards (its ``authenticate.GUARDED_PREFIX``; ``app.state.args``
@@ -51,6 +46,17 @@ holds its arguments: no public accessor for either. ``tests/test_vllm_contracts.
 
 _tasks: set[asyncio.Task[Any]] = set()  # swaps running, kept referenced until they end
 _lock: asyncio.Lock | None = None  # one swap at a time on a server
+
+
+async def middleware(request: Any, call_next: Any) -> Any:
+    """The plugin's ``swap_route``: refuse a request that needs the API key (:func:`unauthorized`), answer
+    ``/lfe/swap`` (:func:`handle`), pass every other request through untouched."""
+    refused = unauthorized(request)
+    if refused is not None:
+        return refused
+    if request.url.path != SWAP_ROUTE:
+        return await call_next(request)
+    return await handle(request)
 
 
 def unauthorized(request: Any) -> Any:
@@ -78,7 +84,7 @@ async def handle(request: Any) -> Any:
         return JSONResponse({"error": f"{SWAP_ROUTE} is a weight-transfer route: start the server with"
                                       " VLLM_SERVER_DEV_MODE=1, as every weight-sync route needs."}, status_code=404)
     if request.method == "GET":
-        return JSONResponse({"protocol": PROTOCOL, "steps": list(STEPS)})
+        return JSONResponse({"protocol": SWAP_PROTOCOL, "steps": list(SWAP_STEPS)})
     if request.method != "POST":
         return JSONResponse({"error": f"{SWAP_ROUTE} takes GET or POST"}, status_code=405)
     try:
@@ -99,10 +105,10 @@ class _Swap:
 
     def __init__(self, request: Any, *, update_info: dict[str, Any], check_info: dict[str, Any], version: str,
                  pause_mode: str, hold_at: str | None = None) -> None:
-        if pause_mode not in ("wait", "keep", "keep_old_kv"):
-            raise ValueError(f"pause_mode={pause_mode!r} is not one of 'wait', 'keep', 'keep_old_kv'")
-        if hold_at is not None and hold_at not in STEPS:
-            raise ValueError(f"hold_at={hold_at!r} is not one of {STEPS}")
+        if pause_mode not in PAUSE_MODES:
+            raise ValueError(f"pause_mode={pause_mode!r} is not one of {PAUSE_MODES}")
+        if hold_at is not None and hold_at not in SWAP_STEPS:
+            raise ValueError(f"hold_at={hold_at!r} is not one of {SWAP_STEPS}")
         self.request = request
         self.engine = request.app.state.engine_client
         self.update_info, self.check_info = update_info, check_info

@@ -43,6 +43,7 @@ from lightning_fsdp_export.backend.protocol import (
     patch_code,
     sparse_segment,
 )
+from lightning_fsdp_export.backend.shared import register_backends
 from lightning_fsdp_export.export.patches import PatchBase
 
 __all__ = ["DENSE", "GlooRound", "GlooTrainerWeightTransferEngine", "register", "swap_update_info"]
@@ -347,9 +348,7 @@ def swap_update_info(stage_id: str, *, check_only: bool = False) -> dict[str, An
 
 def register() -> None:
     """Register ``"gloo"`` in vLLM's worker and trainer factories (what the vLLM plugin does); a repeat is a no-op."""
-    from lightning_fsdp_export_plugin import register_gloo
-
-    register_gloo()
+    register_backends()
 
 
 def _ties(source: WeightSource, meta: list[Any]) -> dict[str, str] | None:

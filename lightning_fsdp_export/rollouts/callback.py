@@ -320,8 +320,8 @@ class AsyncRollouts(Callback, FabricLoop):
         states = []
         for server in self.servers:
             try:
-                paused = server.request("GET", "/is_paused", timeout=10.0)
-                served = server.request("GET", "/weight_info", timeout=10.0)
+                paused = server.is_paused(timeout=10.0)
+                served = server.weight_info(timeout=10.0)
                 states.append(f"{server.url}: paused={paused.get('is_paused')}, version={served.get('weight_version')}")
             except ServerError as err:
                 states.append(f"{server.url}: unreachable ({err})")

@@ -94,7 +94,7 @@ class RolloutClients:
                 by_server.setdefault(server.url, (server, []))[1].append(rid)
         for server, ids in by_server.values():
             try:
-                server.request("POST", "/inference/v1/abort_requests", {"request_ids": ids}, timeout=10.0)
+                server.abort(ids, timeout=10.0)
             except ServerError:
                 pass  # a dead server has nothing running
         # a paused server (a failed sync) answers nothing, aborted requests included: stop waiting for them
@@ -199,7 +199,7 @@ class RolloutClients:
         admitted = time.time()
         state = self.state
         try:
-            answer = server.post_interruptible(GENERATE_ROUTE, body, timeout=self.request_timeout,
+            answer = server.generate(body, timeout=self.request_timeout,
                                                opened=lambda conn: self._opened(rid, conn))
             samples = [self.sample(index, prompt, choice, server, media) for choice in answer["choices"]]
         except (ServerError, KeyError, TypeError, ValueError) as err:

@@ -11,12 +11,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from lightning_fsdp_export.transfer.http import GENERATE_ROUTE
+
 __all__ = ["GENERATE_ROUTE", "UNKNOWN_VERSION", "Prompt", "RolloutBatch", "RolloutError", "Sample", "SampleGroup",
            "image_parts", "split_prompt", "staleness_mask", "truncated_importance_weights"]
 
 Prompt = list[int] | dict[str, Any]
 """A rollout prompt: token ids, or vLLM's ``{"prompt_token_ids": [...], "multi_modal_data": {"image": ...}}``."""
-GENERATE_ROUTE = "/inference/v1/generate"
 UNKNOWN_VERSION = -1
 """A token's version when the server's label is not one of the sync's (``"default"``: a server that restarted
 from its checkpoint): older than any pushed version, so it counts as maximally stale."""

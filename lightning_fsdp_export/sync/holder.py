@@ -54,6 +54,11 @@ class HoldsSyncEngine:
         self.engine.stale = value
 
     @property
+    def resumed(self) -> bool:
+        """Whether the state came from a checkpoint (the next push is full and continues its versions)."""
+        return self.engine.resumed
+
+    @property
     def lora(self) -> SyncLora:
         """The mode: ``"merged"`` or ``"adapter"``."""
         return self.engine.lora

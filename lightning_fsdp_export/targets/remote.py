@@ -13,7 +13,7 @@ import uuid
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, get_args
+from typing import TYPE_CHECKING, Any
 
 import torch
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
@@ -21,6 +21,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from lightning_fsdp_export._common import SyncGroup
+from lightning_fsdp_export.backend.shared import PAUSE_MODES, PauseMode
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,
@@ -35,7 +36,7 @@ from lightning_fsdp_export.targets.directory import CheckpointCheck
 from lightning_fsdp_export.targets.remote_directory import DirectoryReload
 from lightning_fsdp_export.transfer.adapters import AdapterFiles, adapter_problems, adapter_rank
 from lightning_fsdp_export.transfer.base import Transfer
-from lightning_fsdp_export.transfer.frame import NativeTransfer, PauseMode
+from lightning_fsdp_export.transfer.frame import NativeTransfer
 from lightning_fsdp_export.transfer.http import Server, on_all
 from lightning_fsdp_export.transfer.pool import ServerPool, Urls
 from lightning_fsdp_export.transfer.transports import Directory, Transport, parse_transport
@@ -274,7 +275,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
         """The first server's checkpoint directory (its ``/v1/models`` root); rank 0 only (``""`` elsewhere)."""
         if not self._is_rank_zero:
             return ""
-        return str(self.servers[0].request("GET", "/v1/models")["data"][0].get("root", ""))
+        return str(self.servers[0].model().get("root", ""))
 
     @override
     def reload_checkpoint(self) -> None:
@@ -287,7 +288,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
         """``{url: {vLLM parameter: sha256}}`` of every server (``/weight_checker``); rank 0 only (``{}`` elsewhere)."""
         if not self._is_rank_zero:
             return {}
-        sums = on_all(self.servers, lambda s: s.request("POST", "/weight_checker", {"action": "checksum"})["checksums"])
+        sums = on_all(self.servers, lambda s: s.weight_checksums())
         return dict(zip((s.url for s in self.servers), sums))
 
     @property
@@ -303,7 +304,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
         self._round.forget()  # every rank: the next push is dense
         if self._is_rank_zero:
             self._round.pause_all()
-            on_all(self.servers, lambda s: s.request("POST", "/weight_checker", {"action": "reset"}))
+            on_all(self.servers, lambda s: s.zero_weights())
 
     @override
     def confirm(self, version: int | None) -> None:
@@ -350,8 +351,8 @@ def _check_arguments(*, timeout: float, pause_mode: Any, adapter_name: Any) -> N
     """Refuse ``RemoteVLLM``'s bad arguments, naming the value and the fix."""
     if timeout <= 0:
         raise ValueError(f"RemoteVLLM(timeout={timeout}) must be a positive number of seconds.")
-    if pause_mode not in get_args(PauseMode):
-        modes = ", ".join(map(repr, get_args(PauseMode)))
+    if pause_mode not in PAUSE_MODES:
+        modes = ", ".join(map(repr, PAUSE_MODES))
         raise ValueError(f"RemoteVLLM(pause_mode={pause_mode!r}) must be one of {modes}.")
     if not isinstance(adapter_name, str) or not adapter_name or "/" in adapter_name:
         raise ValueError(f"RemoteVLLM(adapter_name={adapter_name!r}) must be a non-empty name without '/'"
@@ -375,7 +376,7 @@ def _precheck(target: RemoteVLLM, problems: Any) -> list[str]:
     fit), each line naming the server; servers whose checkpoint is not readable here are skipped, and named once."""
     new = [s for s in target.servers if s.url not in target._checks]
     if new:
-        roots = on_all(new, lambda s: s.request("GET", "/v1/models")["data"][0].get("root", ""))
+        roots = on_all(new, lambda s: s.model().get("root", ""))
         target._checks.update((s.url, CheckpointCheck(root)) for s, root in zip(new, roots))
         skipped = [s.url for s in new if not target._checks[s.url].readable]
         target.precheck_skipped += skipped
@@ -389,7 +390,7 @@ def _draft_problems(target: RemoteVLLM, exported: list[tuple[str, tuple[int, ...
     """Rank 0, before a sync with a drafter: each server must draft with a model (its dev-mode ``/server_info``
     names a ``speculative_config``; asked once per server), and its checkpoint's drafter tensors take the export."""
     new = [s for s in target.servers if s.url not in target._drafting]
-    for server, config in zip(new, on_all(new, lambda s: s.request("GET", "/server_info?config_format=json"))):
+    for server, config in zip(new, on_all(new, lambda s: s.config())):
         speculative = (config.get("vllm_config") or {}).get("speculative_config")
         target._drafting[server.url] = None if speculative else (
             "drafts with no model: start it with --speculative-config '{\"method\": \"mtp\","
@@ -400,15 +401,14 @@ def _draft_problems(target: RemoteVLLM, exported: list[tuple[str, tuple[int, ...
 
 def _score(server: Server, adapter: str | None, token_ids: list[int]) -> list[float]:
     """``server``'s logprob of each token of ``token_ids`` given the ones before (with ``adapter``, if loaded)."""
-    model = adapter or server.request("GET", "/v1/models")["data"][0]["id"]
+    model = adapter or server.model()["id"]
     body = {"model": model, "prompt": token_ids, "max_tokens": 1, "temperature": 0, "prompt_logprobs": 0,
             "cache_salt": uuid.uuid4().hex}  # never a cached prefix of older weights (keep_old_kv)
-    rows = server.request("POST", "/v1/completions", body)["choices"][0]["prompt_logprobs"][1:]
+    rows = server.completions(body)["choices"][0]["prompt_logprobs"][1:]
     return [row[str(token)]["logprob"] for row, token in zip(rows, token_ids[1:])]
 
 
 def _reload_checkpoint(server: Server) -> None:
     """``reload_weights`` of ``server`` from its own checkpoint directory, then its prefix cache reset (dev mode)."""
-    root = server.request("GET", "/v1/models")["data"][0]["root"]
-    server.request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": root}})
-    server.request("POST", "/reset_prefix_cache")
+    server.reload_weights(server.model()["root"])
+    server.reset_prefix_cache()

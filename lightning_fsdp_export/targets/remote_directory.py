@@ -15,13 +15,14 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
+from lightning_fsdp_export.backend.shared import PauseMode
 from lightning_fsdp_export.export.source import ExportSource
 from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.transfer.adapters import AdapterFiles, prune_versions
 from lightning_fsdp_export.transfer.base import Transfer
 from lightning_fsdp_export.transfer.http import Server
 from lightning_fsdp_export.transfer.preflight import check_servers
-from lightning_fsdp_export.transfer.rounds import PauseMode, reset_prefix_caches, set_versions
+from lightning_fsdp_export.transfer.rounds import reset_prefix_caches, set_versions
 from lightning_fsdp_export.transfer.transports import Directory
 
 __all__ = ["DirectoryReload"]
@@ -65,14 +66,13 @@ class DirectoryReload(Transfer):
         if pauses.rank != 0:
             return
         path = os.fspath(Path(self.writer.version_dir(version)).resolve())
-        reload = {"method": "reload_weights", "kwargs": {"weights_path": path}}
         if not self._checked:
             check_servers(self.servers, backend=None)  # dev mode and quantization, before the first reload
             self._checked = True
         paused_at = pauses.pause()
 
         def reload_one(server: Server) -> None:
-            server.request("POST", "/collective_rpc", reload)
+            server.reload_weights(path)
             reset_prefix_caches([server], pauses.mode)
             set_versions([server], version)
 

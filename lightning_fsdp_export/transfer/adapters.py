@@ -73,7 +73,7 @@ def adapter_problems(servers: Sequence[Server], rank: int) -> list[str]:
     """What keeps each server from loading a rank-``rank`` adapter at run time, one line per problem with its fix:
     LoRA off, a smaller ``--max-lora-rank``, or runtime updating off (its route answers 404)."""
     def check(server: Server) -> list[str]:
-        info = server.request("GET", "/server_info?config_format=json")
+        info = server.config()
         lora = (info.get("vllm_config") or {}).get("lora_config")  # None without --enable-lora
         problems = []
         if not lora:
@@ -83,7 +83,7 @@ def adapter_problems(servers: Sequence[Server], rank: int) -> list[str]:
             problems.append(f"{server.url} takes LoRA ranks up to --max-lora-rank {lora['max_lora_rank']}, and this"
                             f" adapter has rank {rank}: restart it with --max-lora-rank {rank} (or more)")
         try:  # an empty body: 400/422 from the route, or 404 without runtime updating
-            server.request("POST", "/v1/load_lora_adapter", {})
+            server.load_adapter({})
         except ServerError as err:
             if " answered 404" in str(err):
                 problems.append(f"{server.url} does not load adapters at run time (POST /v1/load_lora_adapter answered"
@@ -97,4 +97,4 @@ def load_adapter(servers: Sequence[Server], name: str, path: str) -> None:
     """Every server loads the peft directory ``path`` (on its host) as ``name``, replacing the adapter of that name in
     place; a server that cannot is named with vLLM's reason (its previous adapter stays loaded)."""
     body = {"lora_name": name, "lora_path": os.fspath(path), "load_inplace": True}
-    on_all(servers, lambda s: s.request("POST", "/v1/load_lora_adapter", body))
+    on_all(servers, lambda s: s.load_adapter(body))

@@ -14,12 +14,12 @@ from typing import Any
 
 from torch import Tensor
 
+from lightning_fsdp_export.backend.shared import PauseMode
 from lightning_fsdp_export.export.source import ExportSource
 from lightning_fsdp_export.transfer.adapters import AdapterFiles
 from lightning_fsdp_export.transfer.background import BackgroundPushes
 from lightning_fsdp_export.transfer.http import Server, on_all
-from lightning_fsdp_export.transfer.pauses import Pauses, pause_route
-from lightning_fsdp_export.transfer.transports import PauseMode
+from lightning_fsdp_export.transfer.pauses import Pauses
 
 __all__ = ["Transfer"]
 
@@ -59,7 +59,7 @@ class Transfer(ABC):
 
     def pause_all(self) -> None:
         """Rank 0: pause every server (as a round would) outside a round: before the exact check zeroes them."""
-        on_all(self.servers, lambda s: s.request("POST", pause_route(self.pause_mode)))
+        on_all(self.servers, lambda s: s.pause(self.pause_mode))
 
     @property
     def in_background(self) -> bool:

@@ -32,25 +32,24 @@ class FanOutClient:
             info = dict(init_info)
             if "rank_offset" in info:  # broadcast backends; IPC has no group
                 info["rank_offset"] = self.offsets[server.url]
-            return server.request("POST", "/init_weight_transfer_engine", {"init_info": info})
+            return server.init_transfer(info)
 
         self._all("init_weight_transfer_engine", init)
 
     def start_weight_update(self) -> None:
-        self._all("start_weight_update", lambda s: s.request("POST", "/start_weight_update"))
+        self._all("start_weight_update", lambda s: s.start_update())
 
     def start_draft_weight_update(self) -> None:
         """The session's updates go to each server's speculative-decoding draft model (vLLM's dev-mode route)."""
-        self._all("start_draft_weight_update", lambda s: s.request("POST", "/start_draft_weight_update"))
+        self._all("start_draft_weight_update", lambda s: s.start_update(draft=True))
 
     def update_weights(self, update_info: dict[str, Any] | list[dict[str, Any]]) -> None:
-        body = {"update_info": json_safe_update_info(update_info)}
-        self._all("update_weights", lambda s: s.request("POST", "/update_weights", body))
+        info = json_safe_update_info(update_info)
+        self._all("update_weights", lambda s: s.update(info))
 
     def finish_weight_update(self, weight_version: str | None = None) -> None:
         version = weight_version if weight_version is not None else self.version
-        body = None if version is None else {"weight_version": version}
-        self._all("finish_weight_update", lambda s: s.request("POST", "/finish_weight_update", body))
+        self._all("finish_weight_update", lambda s: s.finish_update(version))
 
     def _all(self, what: str, call: Any) -> None:
         self.calls.append(what)

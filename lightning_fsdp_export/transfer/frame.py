@@ -41,6 +41,7 @@ from torch import Tensor
 from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export._compat import source_metadata
 from lightning_fsdp_export._network import is_loopback, route_address
+from lightning_fsdp_export.backend.shared import PauseMode
 from lightning_fsdp_export.export.patches import PatchBase
 from lightning_fsdp_export.export.shards import ShardSource
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
@@ -52,11 +53,10 @@ from lightning_fsdp_export.transfer.adapters import (
 from lightning_fsdp_export.transfer.base import Transfer
 from lightning_fsdp_export.transfer.clients import FanOutClient
 from lightning_fsdp_export.transfer.http import Server, ServerError, not_answering, on_all, on_each
-from lightning_fsdp_export.transfer.pauses import PartlyFailed, close_rounds, pause_route
+from lightning_fsdp_export.transfer.pauses import PartlyFailed, close_rounds
 from lightning_fsdp_export.transfer.pool import ServerPool
 from lightning_fsdp_export.transfer.preflight import check_servers
 from lightning_fsdp_export.transfer.rounds import (
-    PauseMode,
     Round,
     RoundInputs,
     Staged,
@@ -65,7 +65,7 @@ from lightning_fsdp_export.transfer.rounds import (
 )
 from lightning_fsdp_export.transfer.transports import NetworkTransport, RendezvousTransport
 
-__all__ = ["NativeTransfer", "PartlyFailed", "PauseMode", "pause_route", "reset_prefix_caches"]
+__all__ = ["NativeTransfer", "PartlyFailed", "reset_prefix_caches"]
 
 
 class NativeTransfer(Transfer):
@@ -156,7 +156,7 @@ class NativeTransfer(Transfer):
         self.disconnect()
         self.pool.members = [s.url for s in self.servers]
         check_servers(self.servers, backend=self.transport)  # dev mode, backend, quantization, vLLM minor
-        sizes = on_all(self.servers, lambda s: int(s.request("GET", "/get_world_size")["world_size"]))
+        sizes = on_all(self.servers, lambda s: s.world_size())
         if self.options.stages:
             self.pool.find_own_swaps(self.servers)
         address, port = _store_address(self.options, self.servers)
@@ -201,8 +201,7 @@ class NativeTransfer(Transfer):
             self.engine.shutdown()
             self.engine = None
         if self.rank == 0 and self.client is not None:
-            on_each(self.servers, lambda s: s.request("POST", "/shutdown_weight_transfer_engine",
-                                                      timeout=min(self.timeout, 30.0)))  # (a server down: nothing)
+            on_each(self.servers, lambda s: s.shutdown_transfer(timeout=min(self.timeout, 30.0)))  # (down: nothing)
         self.client = None
 
     # -- one sync ----------------------------------------------------------------------------------

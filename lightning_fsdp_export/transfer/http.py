@@ -1,4 +1,6 @@
-"""One vLLM server's HTTP routes, and calling several at once; standard library only."""
+"""A typed client of one vLLM server (:class:`Server`: every route the trainer, its rounds and its rollouts call,
+spelled here once), and calling several servers at once. Standard library only, and the swap route and pause modes
+our servers share (``backend.shared``)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,12 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-__all__ = ["Server", "ServerError", "interrupt", "not_answering", "on_all", "on_each"]
+from lightning_fsdp_export.backend.shared import SWAP_PROTOCOL, SWAP_ROUTE, PauseMode
+
+__all__ = ["GENERATE_ROUTE", "Server", "ServerError", "interrupt", "not_answering", "on_all", "on_each"]
+
+GENERATE_ROUTE = "/inference/v1/generate"
+"""Token-in, token-out generation (vLLM's ``--enable-scale-out`` route): what rollouts request."""
 
 T = TypeVar("T")
 
@@ -26,7 +33,8 @@ class ServerError(ConnectionError):
 
 
 class Server:
-    """A vLLM OpenAI server started with ``VLLM_SERVER_DEV_MODE=1`` (its weight-sync routes)."""
+    """A vLLM OpenAI server started with ``VLLM_SERVER_DEV_MODE=1`` (its weight-sync routes): one method per route
+    the package calls, each raising :class:`ServerError` naming the URL (:meth:`request` underneath)."""
 
     def __init__(self, base_url: str, *, api_key: str | None, timeout: float) -> None:
         parts = urlsplit(base_url)
@@ -98,6 +106,120 @@ class Server:
             raise ServerError(f"vLLM server POST {self.url + route} answered {resp.status}: {text[:500]}", self.url)
         return json.loads(text)
 
+    # -- what it serves -----------------------------------------------------------------------------------
+
+    def health(self, *, timeout: float | None = None) -> None:
+        """``GET /health``: raises unless the server answers."""
+        self.request("GET", "/health", timeout=timeout)
+
+    def model(self) -> dict[str, Any]:
+        """The served model's entry of ``GET /v1/models`` (``id``; ``root``: its checkpoint directory)."""
+        return dict(self.request("GET", "/v1/models")["data"][0])
+
+    def config(self) -> dict[str, Any]:
+        """``GET /server_info`` (dev mode): the server's ``vllm_config`` and more, as JSON."""
+        return dict(self.request("GET", "/server_info?config_format=json"))
+
+    def world_size(self) -> int:
+        """``GET /get_world_size``: its workers (the transfer group's members it brings)."""
+        return int(self.request("GET", "/get_world_size")["world_size"])
+
+    def weight_info(self, *, timeout: float | None = None) -> dict[str, Any]:
+        """``GET /weight_info``: the version label it serves (``weight_version``)."""
+        return dict(self.request("GET", "/weight_info", timeout=timeout))
+
+    def is_paused(self, *, timeout: float | None = None) -> Any:
+        """``GET /is_paused``."""
+        return self.request("GET", "/is_paused", timeout=timeout)
+
+    def completions(self, body: dict[str, Any]) -> dict[str, Any]:
+        """``POST /v1/completions``."""
+        return dict(self.request("POST", "/v1/completions", body))
+
+    def generate(self, body: dict[str, Any], *, timeout: float,
+                 opened: Callable[[http.client.HTTPConnection], None] | None = None) -> Any:
+        """``POST`` :data:`GENERATE_ROUTE`, a wait another thread may end (:meth:`post_interruptible`)."""
+        return self.post_interruptible(GENERATE_ROUTE, body, timeout=timeout, opened=opened)
+
+    def abort(self, request_ids: list[str], *, timeout: float | None = None) -> None:
+        """Abort these generation requests (``POST /inference/v1/abort_requests``)."""
+        self.request("POST", "/inference/v1/abort_requests", {"request_ids": request_ids}, timeout=timeout)
+
+    # -- its pause, label and caches ----------------------------------------------------------------------
+
+    def pause(self, mode: PauseMode) -> None:
+        """``POST /pause``: ``wait`` drains running requests; ``keep`` and ``keep_old_kv`` freeze them and keep their KV
+        (``clear_cache=false``): with ``keep`` it is recomputed after the prefix-cache reset, with ``keep_old_kv`` it
+        stays (see :meth:`reset_prefix_cache`)."""
+        self.request("POST", "/pause?mode=wait" if mode == "wait" else "/pause?mode=keep&clear_cache=false")
+
+    def resume(self, *, timeout: float | None = None) -> None:
+        """``POST /resume``."""
+        self.request("POST", "/resume", timeout=timeout)
+
+    def set_version(self, version: int) -> None:
+        """``POST /update_weight_version``: its requests report ``version`` from now on."""
+        self.request("POST", "/update_weight_version", {"new_version": str(version)})
+
+    def reset_prefix_cache(self, *, running: bool = False) -> Any:
+        """``POST /reset_prefix_cache`` (``running``: the frozen requests' blocks too); vLLM's answer."""
+        return self.request("POST", "/reset_prefix_cache?reset_running_requests=true" if running
+                            else "/reset_prefix_cache")
+
+    def reset_encoder_cache(self) -> None:
+        """``POST /reset_encoder_cache``: no image embedding of older weights stays."""
+        self.request("POST", "/reset_encoder_cache")
+
+    # -- its weights ------------------------------------------------------------------------------------
+
+    def init_transfer(self, init_info: dict[str, Any]) -> Any:
+        """``POST /init_weight_transfer_engine``: join the transfer group ``init_info`` describes."""
+        return self.request("POST", "/init_weight_transfer_engine", {"init_info": init_info})
+
+    def shutdown_transfer(self, *, timeout: float | None = None) -> None:
+        """``POST /shutdown_weight_transfer_engine``."""
+        self.request("POST", "/shutdown_weight_transfer_engine", timeout=timeout)
+
+    def start_update(self, *, draft: bool = False, timeout: float | None = None) -> None:
+        """``POST /start_weight_update`` (``draft``: the session goes to its speculative-decoding draft model)."""
+        self.request("POST", "/start_draft_weight_update" if draft else "/start_weight_update", timeout=timeout)
+
+    def update(self, update_info: Any) -> None:
+        """``POST /update_weights``: one round of the session."""
+        self.request("POST", "/update_weights", {"update_info": update_info})
+
+    def finish_update(self, version: str | None = None, *, timeout: float | None = None) -> None:
+        """``POST /finish_weight_update``, labelling the weights ``version`` (None: unchanged)."""
+        self.request("POST", "/finish_weight_update", None if version is None else {"weight_version": version},
+                     timeout=timeout)
+
+    def swap(self, body: dict[str, Any], *, sent: Callable[[], None] | None = None) -> dict[str, Any]:
+        """``POST /lfe/swap``: the server swaps a staged round in on its own (``backend.server_swap``); its answer."""
+        return dict(self.post_interruptible(SWAP_ROUTE, body, timeout=self.timeout, sent=sent))
+
+    def swaps_on_its_own(self) -> bool:
+        """Whether ``GET /lfe/swap`` answers our protocol (the server was started with our middleware)."""
+        try:
+            return bool(self.request("GET", SWAP_ROUTE).get("protocol") == SWAP_PROTOCOL)
+        except (ServerError, AttributeError):
+            return False
+
+    def load_adapter(self, body: dict[str, Any]) -> None:
+        """``POST /v1/load_lora_adapter`` (vLLM's runtime LoRA updating)."""
+        self.request("POST", "/v1/load_lora_adapter", body)
+
+    def reload_weights(self, path: str) -> None:
+        """Every worker reloads the model from the checkpoint directory ``path`` (``/collective_rpc``)."""
+        self.request("POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": path}})
+
+    def weight_checksums(self) -> dict[str, str]:
+        """vLLM's weight checker: ``{parameter: sha256}`` (``/weight_checker``)."""
+        return dict(self.request("POST", "/weight_checker", {"action": "checksum"})["checksums"])
+
+    def zero_weights(self) -> None:
+        """vLLM's weight checker: every parameter zeroed (``/weight_checker`` reset)."""
+        self.request("POST", "/weight_checker", {"action": "reset"})
+
     def _headers(self) -> dict[str, str]:
         headers = {"Content-Type": "application/json"}
         if self._api_key:
@@ -159,7 +281,7 @@ def not_answering(servers: Sequence[Server], timeout: float = 5.0) -> list[str]:
     silent = []
     for server in servers:
         try:
-            server.request("GET", "/health", timeout=timeout)
+            server.health(timeout=timeout)
         except ServerError:
             silent.append(server.url)
     return silent

@@ -13,11 +13,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 
+from lightning_fsdp_export.backend.shared import PauseMode
 from lightning_fsdp_export.transfer.adapters import load_adapter
 from lightning_fsdp_export.transfer.http import Server, ServerError, on_all, on_each
-from lightning_fsdp_export.transfer.rounds import PauseMode, pause_route, reset_prefix_caches, set_versions
+from lightning_fsdp_export.transfer.rounds import reset_prefix_caches, set_versions
 
-__all__ = ["PartlyFailed", "Pauses", "close_rounds", "pause_route"]
+__all__ = ["PartlyFailed", "Pauses", "close_rounds"]
 
 
 class PartlyFailed(ServerError):
@@ -54,7 +55,7 @@ class Pauses:
         served, its label true) and the error names the ones that failed."""
         if self.held_since is not None:
             return self.held_since
-        failed = on_each(self.servers, lambda s: s.request("POST", pause_route(self.mode)))
+        failed = on_each(self.servers, lambda s: s.pause(self.mode))
         if failed:
             self._resume_all_but(failed, failed_to="be paused", serving="the version they served")
         return time.time()
@@ -97,7 +98,7 @@ class Pauses:
         """Rank 0, a round that failed on ``failed`` only: resume every other server (each holds one whole version,
         ``serving``), then raise a :class:`PartlyFailed` naming them all."""
         whole = [s for s in self.servers if s not in failed]
-        stuck = on_each(whole, lambda s: s.request("POST", "/resume"))
+        stuck = on_each(whole, lambda s: s.resume())
         resumed = [s for s in whole if s not in stuck]
         self.held_since = None
         lines = "; ".join(f"{s.url}: {err}" for s, err in {**failed, **stuck}.items())
@@ -114,14 +115,14 @@ class Pauses:
         if not resume:
             self.held_since = paused_at
             return
-        on_all(self.servers, lambda s: s.request("POST", "/resume"))
+        on_all(self.servers, lambda s: s.resume())
         self.held_since = None
         self.last_pause = (paused_at, time.time())
 
     def resume_after(self, err: BaseException) -> None:
         """Rank 0, a round that failed after the pause but before any data was sent (building the group): resume every
         server that answers, then raise ``err`` saying so."""
-        stuck = on_each(self.servers, lambda s: s.request("POST", "/resume"))
+        stuck = on_each(self.servers, lambda s: s.resume())
         lines = f" ({'; '.join(f'{s.url}: {e}' for s, e in stuck.items())})" if stuck else ""
         raise ServerError(f"{type(err).__name__}: {err}; nothing was sent: {len(self.servers) - len(stuck)} of"
                           f" {len(self.servers)} server(s) resumed, serving the version they served{lines}.",
@@ -151,13 +152,13 @@ def close_rounds(servers: Sequence[Server], *, timeout: float, empty_round: bool
     open any more gets an empty one (vLLM's engines leave the layerwise reload open after a failed update)."""
     for server in servers:
         try:
-            server.request("POST", "/finish_weight_update", timeout=min(timeout, 30.0))
+            server.finish_update(timeout=min(timeout, 30.0))
             continue
         except ServerError as err:
             if "without a matching" not in str(err) or not empty_round:
                 continue  # down, or the worker already closed its round when it failed
         try:
-            server.request("POST", "/start_weight_update", timeout=min(timeout, 30.0))
-            server.request("POST", "/finish_weight_update", timeout=min(timeout, 30.0))
+            server.start_update(timeout=min(timeout, 30.0))
+            server.finish_update(timeout=min(timeout, 30.0))
         except ServerError:
             pass

@@ -100,7 +100,7 @@ class ServerPool:
         held = []
         for url in self.listed:
             try:
-                held.append(int(self.server(url).request("GET", "/weight_info", timeout=HEALTH_TIMEOUT_S)
+                held.append(int(self.server(url).weight_info(timeout=HEALTH_TIMEOUT_S)
                                 ["weight_version"]))
             except (ServerError, KeyError, TypeError, ValueError):
                 continue
@@ -143,7 +143,7 @@ class ServerPool:
         silent = {}
         for server in [self.known[u] for u in self.listed]:
             try:
-                server.request("GET", "/health", timeout=HEALTH_TIMEOUT_S)
+                server.health(timeout=HEALTH_TIMEOUT_S)
             except ServerError as err:
                 silent[server] = err
         if self.heals:

@@ -51,7 +51,7 @@ class ServerInfo:
 def server_info(server: Server) -> ServerInfo:
     """``GET /server_info?config_format=json`` of ``server`` (dev mode); a 404 is named as dev mode being off."""
     try:
-        info = server.request("GET", "/server_info?config_format=json")
+        info = server.config()
     except ServerError as err:
         if " answered 404" in str(err):
             raise ServerError(f"vLLM server {server.url} has its dev-mode routes off (GET /server_info answered 404):"

@@ -41,21 +41,17 @@ from typing_extensions import override
 from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export._compat import source_metadata
 from lightning_fsdp_export._faults import fault, hold_at
+from lightning_fsdp_export.backend.shared import PauseMode
 from lightning_fsdp_export.export.patches import PatchBase
 from lightning_fsdp_export.export.shards import ShardSource
 from lightning_fsdp_export.transfer.adapters import load_adapter
 from lightning_fsdp_export.transfer.http import Server, ServerError, on_all
 from lightning_fsdp_export.transfer.patch_lists import DEFAULT_CHUNK_BYTES, send_patch_lists
-from lightning_fsdp_export.transfer.transports import NetworkTransport, PauseMode, RoundKind, SparseNCCL
+from lightning_fsdp_export.transfer.transports import NetworkTransport, RoundKind, SparseNCCL
 
-SWAP_ROUTE = "/lfe/swap"
-"""The route a server started with our middleware swaps a staged round on (``backend.server_swap.SWAP_ROUTE``)."""
-SWAP_PROTOCOL = 1
-"""The body of ``/lfe/swap`` this trainer sends (``backend.server_swap.PROTOCOL``)."""
-
-__all__ = ["ROUNDS", "AdapterRound", "DenseRound", "DraftRound", "PatchListRound", "PatchRound", "PauseMode", "Round",
-           "RoundInputs", "RoundKind", "RoundResult", "SWAP_ROUTE", "Staged", "StagedPatchRound", "StagedRound",
-           "pause_route", "reset_prefix_caches", "round_for", "set_versions", "swap_on_server", "swap_routes",
+__all__ = ["ROUNDS", "AdapterRound", "DenseRound", "DraftRound", "PatchListRound", "PatchRound", "Round",
+           "RoundInputs", "RoundKind", "RoundResult", "Staged", "StagedPatchRound", "StagedRound",
+           "reset_prefix_caches", "round_for", "set_versions", "swap_on_server", "swap_routes",
            "swap_staged"]
 
 
@@ -276,9 +272,9 @@ class Staged(Round):
         if own:
             return swap_on_server(server, inputs.transport, self.stage_id, version, mode)
         start = time.monotonic()
-        server.request("POST", pause_route(mode))
+        server.pause(mode)
         swap_staged(server, inputs.transport.swap_info(self.stage_id), version, mode)
-        server.request("POST", "/resume")
+        server.resume()
         return time.monotonic() - start
 
 
@@ -322,14 +318,14 @@ def swap_staged(server: Server, update_info: dict[str, Any], version: int, mode:
     """Rank 0, the server paused: it loads the round its workers staged (``update_info``: the transport's
     ``swap_info``) and reports ``version``, then drops its prefix cache. A failed load is closed on the server (its
     model may be half-loaded: it stays paused)."""
-    server.request("POST", "/start_weight_update")
+    server.start_update()
     try:
-        server.request("POST", "/update_weights", {"update_info": update_info})
+        server.update(update_info)
     except ServerError:
         with contextlib.suppress(ServerError):  # a worker that failed closed its reload already
-            server.request("POST", "/finish_weight_update")
+            server.finish_update()
         raise
-    server.request("POST", "/finish_weight_update", {"weight_version": str(version)})
+    server.finish_update(str(version))
     reset_prefix_caches([server], mode)
 
 
@@ -340,7 +336,7 @@ def swap_on_server(server: Server, transport: NetworkTransport, stage_id: str, v
     failed inside the model)."""
     body = {"update_info": transport.swap_info(stage_id), "check_info": transport.swap_info(stage_id, check_only=True),
             "version": str(version), "pause_mode": mode, "hold_at": hold_at()}
-    answer = server.post_interruptible(SWAP_ROUTE, body, timeout=server.timeout, sent=lambda: fault("swap_sent"))
+    answer = server.swap(body, sent=lambda: fault("swap_sent"))
     if not answer.get("ok"):
         left = ("stays paused until the next full push (its model may be half-loaded)" if answer.get("paused")
                 else "never paused: it serves the version it served")
@@ -353,25 +349,12 @@ def swap_routes(servers: Sequence[Server]) -> list[bool]:
     """Whether each server swaps staged rounds on its own (started with ``--middleware
     lightning_fsdp_export_plugin.swap_route``: ``GET /lfe/swap`` answers our protocol)."""
 
-    def has(server: Server) -> bool:
-        try:
-            return server.request("GET", SWAP_ROUTE).get("protocol") == SWAP_PROTOCOL
-        except (ServerError, AttributeError):
-            return False
-
-    return [has(s) for s in servers]
-
-
-def pause_route(mode: PauseMode) -> str:
-    """The ``/pause`` request of every round: ``wait`` drains running requests; ``keep`` and ``keep_old_kv``
-    freeze them and keep their KV (``clear_cache=false``); with ``keep`` it is recomputed with the new weights
-    after the prefix cache reset, with ``keep_old_kv`` it stays (see :func:`reset_prefix_caches`)."""
-    return "/pause?mode=wait" if mode == "wait" else "/pause?mode=keep&clear_cache=false"
+    return [s.swaps_on_its_own() for s in servers]
 
 
 def set_versions(servers: Sequence[Server], version: int) -> None:
     """Every server reports ``version`` from now on (its requests' ``weight_versions``)."""
-    on_all(servers, lambda s: s.request("POST", "/update_weight_version", {"new_version": str(version)}))
+    on_all(servers, lambda s: s.set_version(version))
 
 
 def reset_prefix_caches(servers: Sequence[Server], mode: PauseMode) -> None:
@@ -385,14 +368,13 @@ def reset_prefix_caches(servers: Sequence[Server], mode: PauseMode) -> None:
     ``RemoteVLLM.prompt_logprobs`` salts every probe afresh)."""
     if mode == "keep_old_kv":
         return
-    reset = "/reset_prefix_cache?reset_running_requests=true" if mode == "keep" else "/reset_prefix_cache"
-    answers = on_all(servers, lambda s: (s, s.request("POST", reset)))
+    answers = on_all(servers, lambda s: (s, s.reset_prefix_cache(running=mode == "keep")))
     refused = [s.url for s, answer in answers if not (isinstance(answer, dict) and answer.get("success"))]
     if refused:
         raise ServerError(f"vLLM server(s) {refused} refused to reset the prefix cache after the update"
                           " ({'success': false}: blocks still held); their cached prompts would use the old"
                           " weights.", refused[0])
-    on_all(servers, lambda s: s.request("POST", "/reset_encoder_cache"))  # no image embedding of the old weights
+    on_all(servers, lambda s: s.reset_encoder_cache())  # no image embedding of the old weights
 
 
 def _sender_device() -> torch.device | None:

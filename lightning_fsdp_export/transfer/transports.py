@@ -16,18 +16,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, fields
 from enum import Enum
-from typing import Any, ClassVar, Literal
+from typing import Any, ClassVar
 
 import torch
 
 from lightning_fsdp_export._common import DEFAULT_SHARD_BYTES, check_staging
 from lightning_fsdp_export.export.source import SourceLayout
 
-__all__ = ["IPC", "NCCL", "TRANSPORTS", "Directory", "Gloo", "NCCLM2N", "NetworkTransport", "PauseMode",
+__all__ = ["IPC", "NCCL", "TRANSPORTS", "Directory", "Gloo", "NCCLM2N", "NetworkTransport",
            "RendezvousTransport", "RoundKind", "SparseNCCL", "StagedNCCL", "Transport", "parse_transport"]
 
-PauseMode = Literal["wait", "keep", "keep_old_kv"]
-"""How a round pauses the servers (``RemoteVLLM(pause_mode=...)``)."""
 
 
 class RoundKind(str, Enum):
