@@ -727,7 +727,7 @@ def test_every_problem_of_every_server_is_named_with_its_fix(recording_engine: A
     stubs[2].vllm_version = "0.33.0"
     target = RemoteVLLM([s.url for s in stubs], transport="gloo")
     with pytest.raises(ServerError) as err:
-        target._round._plan()  # type: ignore[union-attr]
+        target._round.plan_group()  # type: ignore[attr-defined]
     text = str(err.value)
     assert f"{stubs[0].url} was started without --weight-transfer-config" in text
     assert """restart it with --weight-transfer-config '{"backend": "gloo"}'""" in text

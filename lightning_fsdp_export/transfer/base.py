@@ -36,6 +36,9 @@ class Transfer(ABC):
     def __init__(self, servers: Sequence[Server], *, pause_mode: PauseMode, background: bool = False) -> None:
         self.pauses = Pauses(servers, pause_mode)
         self.background = BackgroundPushes(background)
+        self.last_patch: dict[str, Any] | None = None
+        """This rank's last sparse round's report: patched or dense, bytes sent and dense, elements, changed, copy
+        bytes (``None``: no sparse round yet, or a transfer that sends no patches)."""
 
     @property
     def servers(self) -> list[Server]:
@@ -102,11 +105,6 @@ class Transfer(ABC):
 
     def forget(self) -> None:  # noqa: B027 - a default that does nothing
         """The servers' weights are no longer what this rank last sent: the next push is dense."""
-
-    @property
-    def last_patch(self) -> dict[str, Any] | None:
-        """This rank's last sparse round's report (``None``: the transfer sends no patches)."""
-        return None
 
     def disconnect(self) -> None:  # noqa: B027 - a default that does nothing
         """Rank 0 at the fit's end: shut down what the servers hold for this transfer."""

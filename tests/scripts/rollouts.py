@@ -220,7 +220,6 @@ def a_request_frozen_by_a_push(trainer: Trainer, sync: VLLMWeightSync, rollouts:
     the send instead: a third of the last request's duration after a late pause, twice the last delay after an
     early one. Each attempt is a push."""
     from lightning_fsdp_export.rollouts import GENERATE_ROUTE
-    from lightning_fsdp_export.transfer.frame import pause_route
     from lightning_fsdp_export.transfer.http import Server
 
     rank0 = trainer.global_rank == 0
@@ -248,7 +247,7 @@ def a_request_frozen_by_a_push(trainer: Trainer, sync: VLLMWeightSync, rollouts:
             else:
                 time.sleep(delay)
             paused = time.monotonic() - sent
-            server.request("POST", pause_route("keep"))
+            server.pause("keep")
         dist.barrier()
         with torch.no_grad():
             for p in policy.parameters():
