@@ -260,7 +260,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
         plan = Plan.of(update_info, self.trainers, self.buffer_bytes)
         error: BaseException | None = None
-        held: _Received | None = None  # the last chunk received: loaded while the next one arrives
         adapter = update_info.adapter_dir is not None
         policy = not adapter and not update_info.draft  # a round into the policy's weights (the copy follows them)
         if policy and staging is None and update_info.patch_of is None:
@@ -277,25 +276,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         if staging is not None:
             r.digests = [[0, 0] for _ in range(plan.trainers)]
         with disable_mtp_completeness_check() if staging is None else contextlib.nullcontext():
-            for index, chunk in enumerate(plan.chunks):
-                code, origin = self._header(r)
-                if code == ABORT:
-                    raise RuntimeError(abort_message(origin))
-                if code == END:
-                    left = sum(len(c) for c in plan.chunks[index:])
-                    error = error or RuntimeError(f"the trainer ended the round with {left} announced tensors unsent")
-                    break
-                posted = self._post(r, plan, chunk, index)
-                error = self._load(r, held, error)
-                held = posted
-            else:
-                error = self._load(r, held, error)
-                held = None
-                code, origin = self._header(r)
-                if code == ABORT:
-                    raise RuntimeError(abort_message(origin))
-            if held is not None:
-                self._load(r, held, error or RuntimeError("the round ended early"))  # its sends complete
+            error = self._receive_chunks(r, plan, error)
         for work in r.forwards:
             work.wait(self.timeout)
         if error is None and r.adapter is not None:
@@ -314,18 +295,35 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             self._kept = None if failed else update_info.keep_as
         if current:
             self.times = r.times
-        times = r.times
-        kept = sum(t.nbytes for t in r.base.values()) if not failed and update_info.keep_as else 0
-        _logger().info("gloo weight update: %d tensors, %.1f MB from %d trainer rank(s) in %.3f s (waiting for the"
-                       " trainers and data %.3f s, %s %.3f s)%s", len(plan.tensors), plan.nbytes / 1e6, plan.trainers,
-                       time.perf_counter() - times["round"], times["waiting"],
-                       "staging" if staging is not None else "loading", times["loading"],
-                       (", failed" if failed else "") + (
-                           f", {'patched' if update_info.patch_of else 'kept'} a host copy of {kept / 1e6:.1f} MB"
-                           if kept else "") + (f", into the draft model {type(self.model).__name__}"
-                                               if update_info.draft else ""))
+        _log_round(plan, update_info, r, staged=staging is not None, failed=failed,
+                   draft_model=type(self.model).__name__ if update_info.draft else None)
         if failed:
             raise error or RuntimeError("another member of the weight-transfer group failed this round")
+
+    def _receive_chunks(self, r: _Round, plan: Plan, error: BaseException | None) -> BaseException | None:
+        """Every chunk of the round: each posted, then the one before loaded while it arrives; an abort raises, an
+        early end is the round's error (returned)."""
+        held: _Received | None = None  # the last chunk received: loaded while the next one arrives
+        for index, chunk in enumerate(plan.chunks):
+            code, origin = self._header(r)
+            if code == ABORT:
+                raise RuntimeError(abort_message(origin))
+            if code == END:
+                left = sum(len(c) for c in plan.chunks[index:])
+                error = error or RuntimeError(f"the trainer ended the round with {left} announced tensors unsent")
+                break
+            posted = self._post(r, plan, chunk, index)
+            error = self._load(r, held, error)
+            held = posted
+        else:
+            error = self._load(r, held, error)
+            held = None
+            code, origin = self._header(r)
+            if code == ABORT:
+                raise RuntimeError(abort_message(origin))
+        if held is not None:
+            self._load(r, held, error or RuntimeError("the round ended early"))  # its sends complete
+        return error
 
     def _header(self, r: _Round) -> tuple[int, int]:
         start = time.perf_counter()
@@ -478,3 +476,17 @@ def _keeping(pairs: Iterator[tuple[str, torch.Tensor]], base: dict[str, torch.Te
     for name, tensor in pairs:
         base[name] = tensor.clone()
         yield name, tensor
+
+
+def _log_round(plan: Plan, info: GlooWeightTransferUpdateInfo, r: _Round, *, staged: bool, failed: bool,
+               draft_model: str | None) -> None:
+    """The worker's one log line per round: tensors, bytes, trainers, seconds (waiting, loading or staging), and
+    what it kept or patched."""
+    times = r.times
+    kept = sum(t.nbytes for t in r.base.values()) if not failed and info.keep_as else 0
+    _logger().info("gloo weight update: %d tensors, %.1f MB from %d trainer rank(s) in %.3f s (waiting for the"
+                   " trainers and data %.3f s, %s %.3f s)%s", len(plan.tensors), plan.nbytes / 1e6, plan.trainers,
+                   time.perf_counter() - times["round"], times["waiting"], "staging" if staged else "loading",
+                   times["loading"], (", failed" if failed else "") + (
+                       f", {'patched' if info.patch_of else 'kept'} a host copy of {kept / 1e6:.1f} MB"
+                       if kept else "") + (f", into the draft model {draft_model}" if draft_model else ""))

@@ -138,11 +138,10 @@ def lazy_export(
 ) -> Iterator[tuple[str, Tensor]]:
     """Yield ``(hf_name, full_tensor)`` for every state-dict entry of ``module``, in order.
 
-    A collective generator: every rank of the module's mesh must drain it in the same order.
-    Floating tensors are cast to ``dtype`` before their gather wherever the result is bit-identical.
-    Runs of consecutive FSDP2 shards (``Shard(0)``, one 1-D mesh) go through
-    :func:`~lightning_fsdp_export.export.buckets.gather_in_order` (grouped per layer up to ``bucket_bytes``,
-    larger tensors in blocks of it, ``prefetch`` collectives in flight); other layouts one by one.
+    A collective generator: every rank of the module's mesh must drain it in the same order. Floating tensors are cast
+    to ``dtype`` before their gather wherever the result is bit-identical. Runs of consecutive FSDP2 shards
+    (``Shard(0)``, one 1-D mesh) go through :func:`~lightning_fsdp_export.export.buckets.gather_in_order` (grouped per
+    layer up to ``bucket_bytes``, larger tensors in blocks of it, ``prefetch`` collectives in flight); others alone.
 
     Args:
         module: an FSDP2 (``fully_shard``) module, or any module (then it is a plain state-dict walk).
@@ -159,10 +158,7 @@ def lazy_export(
             MoE expert tensor is split into per-expert views; see
             :mod:`~lightning_fsdp_export.export.checkpoint_format`). Default: ``CheckpointFormat.of(module)``.
     """
-    if bucket_bytes < 0:
-        raise ValueError(f"lazy_export(bucket_bytes={bucket_bytes}) must be 0 (no buckets) or a positive size.")
-    if prefetch < 0:
-        raise ValueError(f"lazy_export(prefetch={prefetch}) must be 0 (no overlap) or a positive count.")
+    _check_knobs(bucket_bytes, prefetch)
     entries = plan_export(module) if entries is None else entries
     fmt = CheckpointFormat.of(module) if checkpoint_format is None else checkpoint_format
     device = torch.device(device) if device is not None else _default_device(entries)
@@ -170,18 +166,12 @@ def lazy_export(
     gathered = [0]
     for run in _runs(entries):
         start = time.perf_counter()
-        if bucketable(run[0][1]):
-            fulls: Iterator[Tensor] = gather_in_order(
-                [t for _, t in run], device=device, dtype=dtype, bucket_bytes=bucket_bytes, prefetch=prefetch,
-                names=[names[0] for names, _ in run], stats=gathered)  # type: ignore[misc]
-        else:
-            fulls = iter([gather_full(run[0][1], device=device, dtype=dtype, stats=gathered)])
+        fulls = _gather_run(run, device=device, dtype=dtype, bucket_bytes=bucket_bytes, prefetch=prefetch,
+                            stats=gathered)
         for names, _ in run:
-            full = next(fulls)
             # In checkpoint format (a fused expert tensor split per expert, a block of experts at a time); the
             # full tensor lives only as long as its conversion, and each piece until the consumer moves on.
-            converted = _converted(fmt, names, full)
-            del full
+            converted = _converted(fmt, names, next(fulls))
             for name, piece in converted:
                 stats[2] += time.perf_counter() - start
                 stats[0] += 1
@@ -195,6 +185,24 @@ def lazy_export(
     if on_finish is not None:
         on_finish(ExportReport("lazy", int(stats[0]), int(stats[1]), float(stats[2]), module_moves=0,
                                gathered_bytes=gathered[0]))
+
+
+def _check_knobs(bucket_bytes: int, prefetch: int) -> None:
+    if bucket_bytes < 0:
+        raise ValueError(f"lazy_export(bucket_bytes={bucket_bytes}) must be 0 (no buckets) or a positive size.")
+    if prefetch < 0:
+        raise ValueError(f"lazy_export(prefetch={prefetch}) must be 0 (no overlap) or a positive count.")
+
+
+def _gather_run(run: list[tuple[list[str], Tensor]], *, device: torch.device, dtype: torch.dtype | None,
+                bucket_bytes: int, prefetch: int, stats: list[int]) -> Iterator[Tensor]:
+    """The full tensors of one run of entries, in order: consecutive FSDP2 shards bucketed
+    (:func:`~lightning_fsdp_export.export.buckets.gather_in_order`), any other layout alone."""
+    if bucketable(run[0][1]):
+        return gather_in_order([t for _, t in run], device=device, dtype=dtype, bucket_bytes=bucket_bytes,
+                               prefetch=prefetch, names=[names[0] for names, _ in run],
+                               stats=stats)  # type: ignore[misc]
+    return iter([gather_full(run[0][1], device=device, dtype=dtype, stats=stats)])
 
 
 def _converted(fmt: CheckpointFormat, names: list[str], full: Tensor) -> Iterator[tuple[str, Tensor]]:

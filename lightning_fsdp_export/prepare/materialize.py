@@ -100,6 +100,12 @@ def materialize_meta(
             sub.__dict__.pop(_FLAG, None)
     _make_replicas_equal(root, rank_distinct=distinct)
     unset = _agreed_unset(root)
+    _warn_unset(root, unset)
+    return unset
+
+
+def _warn_unset(root: nn.Module, unset: list[str]) -> None:
+    """Warn about the modules left holding uninitialised memory, naming the fix."""
     lacking = sorted({unsharded_class(root.get_submodule(n)).__name__ for n in unset
                       if not callable(getattr(root.get_submodule(n), "reset_parameters", None))})
     if lacking:  # Lightning's own wording (ModelParallelStrategy), so its tests and users' log filters see it
@@ -115,7 +121,6 @@ def materialize_meta(
             " `reset_parameters()` method set them. Give these modules a `reset_parameters()`, load them from a"
             " checkpoint (`LazyExportFSDP2(pretrained=...)`), or build the model without `empty_init=True`."
         )
-    return unset
 
 
 def _own_tensors(root: nn.Module) -> Iterator[Tensor]:

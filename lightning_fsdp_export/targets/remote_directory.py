@@ -21,8 +21,8 @@ from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.transfer.adapters import AdapterFiles, prune_versions
 from lightning_fsdp_export.transfer.base import Transfer
 from lightning_fsdp_export.transfer.http import Server
+from lightning_fsdp_export.transfer.pauses import reset_prefix_caches, set_versions
 from lightning_fsdp_export.transfer.preflight import check_servers
-from lightning_fsdp_export.transfer.rounds import reset_prefix_caches, set_versions
 from lightning_fsdp_export.transfer.transports import Directory
 
 __all__ = ["DirectoryReload"]

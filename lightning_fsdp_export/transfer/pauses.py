@@ -16,9 +16,8 @@ from collections.abc import Callable, Sequence
 from lightning_fsdp_export.backend.shared import PauseMode
 from lightning_fsdp_export.transfer.adapters import load_adapter
 from lightning_fsdp_export.transfer.http import Server, ServerError, on_all, on_each
-from lightning_fsdp_export.transfer.rounds import reset_prefix_caches, set_versions
 
-__all__ = ["PartlyFailed", "Pauses", "close_rounds"]
+__all__ = ["PartlyFailed", "Pauses", "close_rounds", "reset_prefix_caches", "set_versions"]
 
 
 class PartlyFailed(ServerError):
@@ -162,3 +161,28 @@ def close_rounds(servers: Sequence[Server], *, timeout: float, empty_round: bool
             server.finish_update(timeout=min(timeout, 30.0))
         except ServerError:
             pass
+
+
+def set_versions(servers: Sequence[Server], version: int) -> None:
+    """Every server reports ``version`` from now on (its requests' ``weight_versions``)."""
+    on_all(servers, lambda s: s.set_version(version))
+
+
+def reset_prefix_caches(servers: Sequence[Server], mode: PauseMode) -> None:
+    """After an update: drop every server's prefix cache (with ``keep``, the kept requests' blocks too, so they
+    are recomputed with the new weights; a server answering ``{"success": false}`` fails the round), then its
+    encoder cache (vision embeddings, kept across requests by vLLM: a ``keep`` pause does not clear it).
+
+    ``keep_old_kv`` resets nothing: the frozen requests hold blocks (vLLM would answer ``{"success": false}``)
+    and keep their old KV by choice; the prefix cache must then be isolated per version by the clients
+    (``cache_salt``: ``AsyncRollouts`` salts every request with the version it starts at, and
+    ``RemoteVLLM.prompt_logprobs`` salts every probe afresh)."""
+    if mode == "keep_old_kv":
+        return
+    answers = on_all(servers, lambda s: (s, s.reset_prefix_cache(running=mode == "keep")))
+    refused = [s.url for s, answer in answers if not (isinstance(answer, dict) and answer.get("success"))]
+    if refused:
+        raise ServerError(f"vLLM server(s) {refused} refused to reset the prefix cache after the update"
+                          " ({'success': false}: blocks still held); their cached prompts would use the old"
+                          " weights.", refused[0])
+    on_all(servers, lambda s: s.reset_encoder_cache())  # no image embedding of the old weights

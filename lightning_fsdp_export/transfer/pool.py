@@ -24,7 +24,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export.transfer.http import Server, ServerError
 from lightning_fsdp_export.transfer.pauses import PartlyFailed
-from lightning_fsdp_export.transfer.rounds import swap_routes
 
 __all__ = ["HEALTH_TIMEOUT_S", "ServerPool", "Urls", "read_urls"]
 
@@ -196,7 +195,7 @@ class ServerPool:
     def find_own_swaps(self, servers: Sequence[Server]) -> None:
         """Rank 0, building a group for staged rounds: which ``servers`` swap on their own (``/lfe/swap``); the
         others are named once."""
-        self.own_swaps = {s for s, has in zip(servers, swap_routes(servers)) if has}
+        self.own_swaps = {s for s in servers if s.swaps_on_its_own()}
         stepwise = [s.url for s in servers if s not in self.own_swaps and s.url not in self._warned_swaps]
         if stepwise:
             self._warned_swaps.update(stepwise)

@@ -31,7 +31,6 @@ import contextlib
 import time
 import uuid
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -45,13 +44,14 @@ from lightning_fsdp_export.backend.shared import PauseMode
 from lightning_fsdp_export.export.patches import PatchBase
 from lightning_fsdp_export.export.shards import ShardSource
 from lightning_fsdp_export.transfer.adapters import load_adapter
-from lightning_fsdp_export.transfer.http import Server, ServerError, on_all
+from lightning_fsdp_export.transfer.http import Server, ServerError
 from lightning_fsdp_export.transfer.patch_lists import DEFAULT_CHUNK_BYTES, send_patch_lists
+from lightning_fsdp_export.transfer.pauses import reset_prefix_caches, set_versions
 from lightning_fsdp_export.transfer.transports import NetworkTransport, RoundKind, SparseNCCL
 
 __all__ = ["ROUNDS", "AdapterRound", "DenseRound", "DraftRound", "PatchListRound", "PatchRound", "Round",
            "RoundInputs", "RoundKind", "RoundResult", "Staged", "StagedPatchRound", "StagedRound",
-           "reset_prefix_caches", "round_for", "set_versions", "swap_on_server", "swap_routes",
+           "round_for", "swap_on_server",
            "swap_staged"]
 
 
@@ -343,38 +343,6 @@ def swap_on_server(server: Server, transport: NetworkTransport, stage_id: str, v
         raise ServerError(f"vLLM server {server.url} could not swap in version {version}: {answer.get('error')};"
                           f" it {left}.", server.url)
     return float(answer.get("paused_s") or 0.0)
-
-
-def swap_routes(servers: Sequence[Server]) -> list[bool]:
-    """Whether each server swaps staged rounds on its own (started with ``--middleware
-    lightning_fsdp_export_plugin.swap_route``: ``GET /lfe/swap`` answers our protocol)."""
-
-    return [s.swaps_on_its_own() for s in servers]
-
-
-def set_versions(servers: Sequence[Server], version: int) -> None:
-    """Every server reports ``version`` from now on (its requests' ``weight_versions``)."""
-    on_all(servers, lambda s: s.set_version(version))
-
-
-def reset_prefix_caches(servers: Sequence[Server], mode: PauseMode) -> None:
-    """After an update: drop every server's prefix cache (with ``keep``, the kept requests' blocks too, so they
-    are recomputed with the new weights; a server answering ``{"success": false}`` fails the round), then its
-    encoder cache (vision embeddings, kept across requests by vLLM: a ``keep`` pause does not clear it).
-
-    ``keep_old_kv`` resets nothing: the frozen requests hold blocks (vLLM would answer ``{"success": false}``)
-    and keep their old KV by choice; the prefix cache must then be isolated per version by the clients
-    (``cache_salt``: ``AsyncRollouts`` salts every request with the version it starts at, and
-    ``RemoteVLLM.prompt_logprobs`` salts every probe afresh)."""
-    if mode == "keep_old_kv":
-        return
-    answers = on_all(servers, lambda s: (s, s.reset_prefix_cache(running=mode == "keep")))
-    refused = [s.url for s, answer in answers if not (isinstance(answer, dict) and answer.get("success"))]
-    if refused:
-        raise ServerError(f"vLLM server(s) {refused} refused to reset the prefix cache after the update"
-                          " ({'success': false}: blocks still held); their cached prompts would use the old"
-                          " weights.", refused[0])
-    on_all(servers, lambda s: s.reset_encoder_cache())  # no image embedding of the old weights
 
 
 def _sender_device() -> torch.device | None:
