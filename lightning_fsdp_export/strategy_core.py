@@ -14,62 +14,34 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
 from datetime import timedelta
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy
 
 from lightning_fsdp_export._network import trainer_gloo_interface
 from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
-from lightning_fsdp_export.export.lazy import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH, ExportReport
+from lightning_fsdp_export.export.lazy import ExportReport
 from lightning_fsdp_export.export.lora import LoraMode
 from lightning_fsdp_export.export.model_export import ModelExport
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
 from lightning_fsdp_export.phases.compute import ComputePhases, PhaseListener
 from lightning_fsdp_export.phases.offload import OffloadMode
 from lightning_fsdp_export.prepare.preparation import (
+    LazyExportOptions,
     ModelPreparation,
     move_unsharded,
     validate_options,
-    validate_pretrained,
 )
 
 log = logging.getLogger(__name__)
 
 __all__ = ["LazyExportCore", "LazyExportOptions"]
-
-
-@dataclass(frozen=True)
-class LazyExportOptions:
-    """The options both ``LazyExportFSDP2`` strategies (the Trainer's and Fabric's) take beyond Lightning's
-    ``ModelParallelStrategy``, declared here once with their defaults (each documented on the Trainer's
-    :class:`lightning_fsdp_export.LazyExportFSDP2`). Both strategies keep them as plain keyword arguments, as
-    Lightning's strategies do, and hand them to the core with :meth:`of`; ``tests/test_unit.py`` checks that both
-    signatures list exactly these names and defaults, so they cannot drift. Each is validated once, where the core
-    builds its parts.
-    """
-
-    shard_modules: Sequence[type[nn.Module] | str] | None = None
-    export_module: str | None = None
-    pretrained: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None
-    mixed_precision: MixedPrecisionPolicy | None = None
-    reshard_after_forward: bool = True
-    offload: Literal["params", "policy"] | None = None
-    offload_optimizer: bool = False
-    export_bucket_bytes: int = DEFAULT_BUCKET_BYTES
-    export_prefetch: int = DEFAULT_PREFETCH
-
-    @classmethod
-    def of(cls, arguments: Mapping[str, Any]) -> LazyExportOptions:
-        """The options among a strategy's ``__init__`` arguments (its ``locals()``)."""
-        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
 
 
 class LazyExportCore:
@@ -125,10 +97,7 @@ class LazyExportCore:
         self._offload = OffloadMode.parse(options.offload)
         validate_options(self, options.shard_modules, options.export_module, options.mixed_precision,
                          options.offload_optimizer, tensor_parallel_size)
-        self._preparation = ModelPreparation(
-            name, shard_modules=options.shard_modules, export_module=options.export_module,
-            pretrained=validate_pretrained(options.pretrained, name), mixed_precision=options.mixed_precision,
-            reshard_after_forward=options.reshard_after_forward, offload=self._offload)
+        self._preparation = ModelPreparation(name, options, offload=self._offload)
         self._phases = ComputePhases(self._offload, offload_optimizer=options.offload_optimizer, model=model,
                                      device=lambda: self.root_device, optimizers=optimizers)
         self._export = ModelExport(name, bucket_bytes=options.export_bucket_bytes, prefetch=options.export_prefetch,

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import Tensor, nn
@@ -21,13 +22,41 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from lightning_fsdp_export.export.lazy import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH
 from lightning_fsdp_export.export.lora import is_peft_model
 from lightning_fsdp_export.phases.offload import OffloadMode
 from lightning_fsdp_export.prepare.materialize import materialize_meta
 from lightning_fsdp_export.prepare.pretrained import load_hf_checkpoint
 from lightning_fsdp_export.prepare.sharding import auto_shard, is_fully_sharded, outermost, reject_fsdp1
 
-__all__ = ["ModelPreparation", "validate_options", "validate_pretrained"]
+__all__ = ["LazyExportOptions", "ModelPreparation", "validate_options", "validate_pretrained"]
+
+
+@dataclass(frozen=True)
+class LazyExportOptions:
+    """The options both ``LazyExportFSDP2`` strategies (the Trainer's and Fabric's) take beyond Lightning's
+    ``ModelParallelStrategy``, declared here once with their defaults (each documented on the Trainer's
+    :class:`lightning_fsdp_export.LazyExportFSDP2`). Both strategies keep them as plain keyword arguments, as
+    Lightning's strategies do, and hand them to the core with :meth:`of`; ``tests/test_unit.py`` checks that both
+    signatures list exactly these names and defaults, so they cannot drift. Each is validated once, where the core
+    builds its parts; each part takes them whole. (Here, in the preparation room, so that its ``ModelPreparation``
+    can take them; ``strategy_core`` re-exports it.)
+    """
+
+    shard_modules: Sequence[type[nn.Module] | str] | None = None
+    export_module: str | None = None
+    pretrained: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None
+    mixed_precision: MixedPrecisionPolicy | None = None
+    reshard_after_forward: bool = True
+    offload: Literal["params", "policy"] | None = None
+    offload_optimizer: bool = False
+    export_bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    export_prefetch: int = DEFAULT_PREFETCH
+
+    @classmethod
+    def of(cls, arguments: Mapping[str, Any]) -> LazyExportOptions:
+        """The options among a strategy's ``__init__`` arguments (its ``locals()``)."""
+        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
 
 
 class ModelPreparation:
@@ -35,21 +64,19 @@ class ModelPreparation:
 
     Args:
         name: the strategy's class name, for error messages.
-        shard_modules, export_module, mixed_precision, reshard_after_forward: as in ``LazyExportFSDP2``.
-        pretrained: ``{submodule name or None (the exported model): directory}`` (:func:`validate_pretrained`).
-        offload: the strategy's offload mode (``POLICY`` shards with FSDP2's ``CPUOffloadPolicy``).
+        options: the strategy's options, whole (this part reads ``shard_modules``, ``export_module``, ``pretrained``,
+            validated here into ``{submodule name or None (the exported model): directory}``, ``mixed_precision`` and
+            ``reshard_after_forward``).
+        offload: the strategy's offload mode, parsed once by the core (``POLICY`` shards with ``CPUOffloadPolicy``).
     """
 
-    def __init__(self, name: str, *, shard_modules: Sequence[type[nn.Module] | str] | None,
-                 export_module: str | None, pretrained: dict[str | None, Path] | None,
-                 mixed_precision: MixedPrecisionPolicy | None, reshard_after_forward: bool,
-                 offload: OffloadMode) -> None:
+    def __init__(self, name: str, options: LazyExportOptions, *, offload: OffloadMode) -> None:
         self.name = name
-        self.shard_modules = shard_modules
-        self.export_module_name = export_module
-        self.pretrained = pretrained
-        self.mixed_precision = mixed_precision
-        self.reshard_after_forward = reshard_after_forward
+        self.shard_modules = options.shard_modules
+        self.export_module_name = options.export_module
+        self.pretrained = validate_pretrained(options.pretrained, name)
+        self.mixed_precision = options.mixed_precision
+        self.reshard_after_forward = options.reshard_after_forward
         self.offload = offload
 
     def prepare(self, model: nn.Module, lightning_module: nn.Module, *, mesh: DeviceMesh,
