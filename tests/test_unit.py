@@ -268,6 +268,17 @@ def test_the_rooms_import_each_other_without_a_cycle_as_architecture_md_says() -
     assert not any("plugin" in deps for deps in edges.values())  # the plugin hands vLLM's entry points to backend/
 
 
+def test_at_most_three_attribute_ignores_are_left() -> None:
+    # issue 57 item 4: what a room needs of another is declared (capabilities, HoldsSyncEngine), not reached through
+    # `type: ignore`: three are left (an attribute vLLM's exception lacks, two generic helpers mypy cannot type)
+    import re
+
+    root = Path(__file__).resolve().parent.parent / "lightning_fsdp_export"
+    ignores = [f"{p.name}:{i}" for p in root.rglob("*.py") for i, line in enumerate(p.read_text().splitlines(), 1)
+               if re.search(r"type: ignore\[(attr-defined|misc)", line)]
+    assert len(ignores) <= 3, ignores
+
+
 def test_each_server_route_is_spelled_in_one_module_of_each_side() -> None:
     # issue 57 item 2: the trainer's routes live on transfer/http.Server; what both sides share in backend/shared.py
     import re
