@@ -12,7 +12,7 @@ One code base for vLLM's two source contracts, chosen by its API (``_compat.weig
   defined), engines call ``iter_full()`` (broadcast, IPC) or ``iter_local()`` (``nccl_m2n``), and ownership
   lives in ``ParamMeta`` (``owners``, ``mesh_shape``, ``placements=(Shard(0),)``): ``M2NWeightSource`` is gone.
 
-Both sources are repointed at each sync's export (``source.export = ...``); on 0.33 that also drops the cached
+Both sources may be repointed at another export (``source.export = ...``); on 0.33 that also drops the cached
 ``metadata``, so an engine never plans from the previous sync's tensors.
 """
 
@@ -85,8 +85,8 @@ class FSDP2WeightSource(_Repointable, WeightSource):
     other ranks' gathers complete. Every rank must run the same number of passes: ``export.passes`` counts
     this rank's. Every rank yields every tensor (every rank owns every name).
 
-    ``export`` may be repointed between rounds (``RemoteVLLM`` builds its trainer engine with one
-    source at setup and gives it each sync's export).
+    ``RemoteVLLM`` makes one per round over that push's export and gives it to its trainer engine
+    (:mod:`lightning_fsdp_export.transfer.pipeline`); ``export`` may still be repointed (the metadata follows).
     """
 
     def __init__(self, export: ExportSource | None) -> None:
