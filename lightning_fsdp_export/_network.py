@@ -14,6 +14,7 @@ import os
 import socket
 import struct
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -49,6 +50,25 @@ def route_address(peer: str, port: int = 9) -> str:
     except OSError as err:
         raise ValueError(f"no local address reaches {peer!r} ({err}): is the name right and the network up? Give the"
                          " transport's master_address= an address of this host that the servers reach.") from None
+
+
+def free_port(host: str, want: int = 0, wait: float = 0.0) -> int:
+    """A port free on ``host``: ``want`` where it is free (or frees) within ``wait`` seconds, else one the kernel
+    picks."""
+    deadline = time.monotonic() + wait
+    while want:
+        with socket.socket() as probe:
+            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            try:
+                probe.bind((host, want))
+                return want
+            except OSError:
+                if time.monotonic() > deadline:
+                    break
+        time.sleep(0.5)
+    with socket.socket() as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
 
 
 def gloo_group(store: Any, rank: int, world_size: int, timeout: Any, peer: str) -> dist.ProcessGroup:

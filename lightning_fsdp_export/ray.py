@@ -43,7 +43,8 @@ import ray.train.torch
 import torch
 from typing_extensions import override
 
-from lightning_fsdp_export.serve import SERVER_ENV, free_port, healthy, server_command, wait_healthy
+from lightning_fsdp_export._network import free_port
+from lightning_fsdp_export.serve import SERVER_ENV, healthy, server_command, wait_healthy
 from lightning_fsdp_export.strategy import LazyExportFSDP2
 
 __all__ = ["RayLazyExportFSDP2", "VLLMServers"]

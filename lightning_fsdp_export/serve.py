@@ -25,7 +25,7 @@ import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from lightning_fsdp_export._network import is_loopback, route_address
+from lightning_fsdp_export._network import free_port, is_loopback, route_address
 from lightning_fsdp_export.transfer.http import Server, ServerError
 
 try:
@@ -33,7 +33,7 @@ try:
 except ImportError:  # (Windows)
     fcntl = None  # type: ignore[assignment]
 
-__all__ = ["SERVER_ENV", "free_port", "healthy", "main", "server_command", "this_host_address", "wait_healthy"]
+__all__ = ["SERVER_ENV", "healthy", "main", "server_command", "this_host_address", "wait_healthy"]
 
 SERVER_ENV = {"VLLM_SERVER_DEV_MODE": "1"}
 """The environment a server needs for the sync: vLLM's dev routes (pause, weight transfer, ``/collective_rpc``)."""
@@ -73,25 +73,6 @@ def healthy(url: str, timeout: float = 2.0) -> bool:
         return True
     except (ServerError, ValueError):
         return False
-
-
-def free_port(host: str, want: int = 0, wait: float = 0.0) -> int:
-    """A port free on ``host``: ``want`` where it is free (or frees) within ``wait`` seconds, else one the kernel
-    picks."""
-    deadline = time.monotonic() + wait
-    while want:
-        with socket.socket() as probe:
-            probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            try:
-                probe.bind((host, want))
-                return want
-            except OSError:
-                if time.monotonic() > deadline:
-                    break
-        time.sleep(0.5)
-    with socket.socket() as probe:
-        probe.bind((host, 0))
-        return int(probe.getsockname()[1])
 
 
 def wait_healthy(url: str, alive: Callable[[], bool], timeout: float) -> str | None:

@@ -134,8 +134,8 @@ def test_a_restarted_server_ends_what_its_last_start_left_and_takes_its_port_bac
     import socket
     import time
 
+    from lightning_fsdp_export._network import free_port
     from lightning_fsdp_export.ray import _end_group
-    from lightning_fsdp_export.serve import free_port
 
     left = subprocess.Popen([sys.executable, "-c", "import socket, time; s = socket.socket();"
                              " s.bind(('127.0.0.1', 0)); s.listen(); print(s.getsockname()[1], flush=True);"

@@ -143,12 +143,11 @@ class SyncOptions:
     """The class the user built, named in errors."""
 
     def __post_init__(self, owner: str) -> None:
-        _set = _setter(self)
-        _set("lora", parse_option(SyncLora, self.lora, "lora", owner))
-        _set("on_error", parse_option(OnError, self.on_error, "on_error", owner))
-        _set("when_busy", parse_option(WhenBusy, self.when_busy, "when_busy", owner))
-        if self.verify is not None:
-            _set("verify", parse_option(Verify, self.verify, "verify", owner))
+        parsed = {"lora": parse_option(SyncLora, self.lora, "lora", owner),
+                  "on_error": parse_option(OnError, self.on_error, "on_error", owner),
+                  "when_busy": parse_option(WhenBusy, self.when_busy, "when_busy", owner),
+                  "verify": None if self.verify is None else parse_option(Verify, self.verify, "verify", owner),
+                  "timeout": _as_timedelta(self.timeout, owner)}
         if self.dtype is not None and not isinstance(self.dtype, torch.dtype):
             raise TypeError(f"{owner}(dtype={self.dtype!r}) must be a torch.dtype such as torch.bfloat16, or None.")
         if isinstance(self.verify_tolerance, bool) or not isinstance(self.verify_tolerance, (int, float)) \
@@ -160,17 +159,13 @@ class SyncOptions:
         if self.drafter is not None and not isinstance(self.drafter, Drafter):
             raise TypeError(f"{owner}(drafter={self.drafter!r}) must be a lightning_fsdp_export.sync.options.Drafter,"
                             " e.g. Drafter('mtp', prefix='model.layers.46.'), or None.")
-        _set("timeout", _as_timedelta(self.timeout, owner))
+        for name, value in parsed.items():  # (frozen: set once, here, as the values parsed)
+            object.__setattr__(self, name, value)
 
     @classmethod
     def of(cls, arguments: Mapping[str, Any], owner: str) -> SyncOptions:
         """The options among a sync class's ``__init__`` arguments (its ``locals()``), errors naming ``owner``."""
         return cls(**{f.name: arguments[f.name] for f in fields(cls)}, owner=owner)
-
-
-def _setter(options: SyncOptions) -> Any:
-    """Set a field of the frozen ``options`` while it parses itself (``__post_init__``)."""
-    return lambda name, value: object.__setattr__(options, name, value)
 
 
 def _as_timedelta(timeout: timedelta | float | None, owner: str) -> timedelta | None:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import shutil
-import socket
 import uuid
 from collections.abc import Iterable, Sequence
 from datetime import timedelta
@@ -24,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_fsdp_export._common import SyncGroup
-from lightning_fsdp_export._network import is_loopback, route_address
+from lightning_fsdp_export._network import free_port, is_loopback, route_address
 from lightning_fsdp_export.backend.shared import PauseMode
 from lightning_fsdp_export.export.patches import PatchBase
 from lightning_fsdp_export.export.shards import ShardSource
@@ -128,7 +127,7 @@ class NativeTransfer(Transfer):
             self.pool.find_own_swaps(self.servers)
         address, port = _store_address(self.options, self.servers)
         if isinstance(self.options, RendezvousTransport):
-            port = port or _free_port(address)
+            port = port or free_port(address)
         return {"sizes": sizes, "address": address, "port": port,
                 "group": uuid.uuid4().hex if self.every_rank else ""}
 
@@ -195,13 +194,12 @@ class NativeTransfer(Transfer):
                             f" ShardSource (strategy.export_source(layout={self.options.layout.value!r})), as"
                             " VLLMWeightSync does.")
         self.background.wait()  # at most one push in flight: the previous one ends (or raises) first
+        this = _round_of(self.options, version, adapter, run=self._run, draft=draft)
         if self.background.enabled and adapter is None and not draft:
             snapshot = self.background.snapshot(source, version, self.control)
-            this = _round_of(self.options, version, None, run=self._run)
             self.background.start(RoundRun(self, this, snapshot, version=version, resume=resume).run,
                                   name=f"lfe-sync-v{version}")
             return
-        this = _round_of(self.options, version, adapter, run=self._run, draft=draft)
         RoundRun(self, this, source, version=version, resume=resume).run()
 
     def forget(self) -> None:
@@ -275,9 +273,3 @@ def _vllm_version() -> str:
     import vllm
 
     return str(vllm.__version__)
-
-
-def _free_port(address: str) -> int:
-    with socket.socket() as sock:
-        sock.bind((address, 0))
-        return int(sock.getsockname()[1])
