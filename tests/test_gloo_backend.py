@@ -48,8 +48,9 @@ def worker_engine(model: Model) -> gloo.GlooWeightTransferEngine:
     engine.group = None
     engine._store = None
     engine._reloading = False
-    engine._start_reload = lambda: None  # vLLM's layerwise reload needs a real model; Model records its loads
+    engine._start_reload = lambda info: None  # vLLM's layerwise reload needs a real model; Model records its loads
     engine._base, engine._kept, engine._staging = {}, None, None
+    engine._inplace, engine._trace_ties, engine._placing = None, None, False  # (in place: test_remote_sparse.py)
     engine.timeout = timedelta(seconds=20)
     engine.times = {}
     engine.buffer_bytes = gloo.DEFAULT_BUFFER_BYTES

@@ -27,10 +27,10 @@ import math
 import os
 import socket
 import zlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
@@ -160,12 +160,44 @@ def sparse_segment(chunk: list[PlannedTensor], rank: int, counts: list[int]) -> 
     return sum(wire_part(t, rank, c) for t, c in zip(chunk, counts) if t.part(rank))
 
 
+class PatchTarget(Protocol):
+    """Where a sparse round writes one tensor, by flat positions: the worker's host copy (:class:`HostCopy`), or the
+    engine's parameters themselves (``backend.inplace.Placed``)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    def put(self, start: int, values: torch.Tensor) -> None: ...
+
+    def get(self, positions: torch.Tensor) -> torch.Tensor: ...
+
+    def set(self, positions: torch.Tensor, values: torch.Tensor) -> None: ...
+
+
+class HostCopy:
+    """A :class:`PatchTarget` over a tensor the worker keeps."""
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self.tensor, self.flat = tensor, tensor.view(-1)
+        self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
+
+    def put(self, start: int, values: torch.Tensor) -> None:
+        self.flat[start:start + values.numel()] = values
+
+    def get(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.flat[positions]
+
+    def set(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        self.flat[positions] = values
+
+
 def patch_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], counts: list[list[int] | None],
-                trainers: int, base: dict[str, torch.Tensor], *,
+                trainers: int, base: Mapping[str, torch.Tensor | PatchTarget], *,
                 fresh: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
     """A sparse round's chunk: each tensor is its copy in ``base`` (the previous round's, updated here in place)
     with every trainer rank's part written whole or patched; yielded as a fresh tensor (the copy stays ours), or
-    with ``fresh=False`` as the copy itself (a staged round, which loads from the copy later)."""
+    with ``fresh=False`` as the copy itself (a staged round, which loads from the copy later). A tensor whose entry in
+    ``base`` is a :class:`PatchTarget` (the engine's parameters) is written there and not yielded."""
     offsets = [0] * trainers
     for i, tensor in enumerate(chunk):
         if tensor.same_as is not None:
@@ -174,43 +206,48 @@ def patch_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], co
         if full is None or tuple(full.shape) != tensor.shape or full.dtype != tensor.dtype:
             raise RuntimeError(f"sparse round: this worker keeps no copy of {tensor.name!r} {tensor.dtype}"
                                f" {list(tensor.shape)} to patch; the next sync pushes every tensor whole.")
-        flat = full.view(-1)
+        target = HostCopy(full) if isinstance(full, torch.Tensor) else full
         for rank in range(trainers):
-            if not tensor.part(rank):
-                continue
-            start, end = tensor.span(rank)
-            rank_counts = counts[rank]
-            assert rank_counts is not None  # a rank with a part sent its counts
-            code, elements = rank_counts[i], end - start
-            if code == WHOLE:
-                flat[start:end] = _take(parts[rank], offsets, rank, elements, tensor.dtype)
-                continue
-            coded = decode_coded(code)
-            if coded is not None:
-                count, positions, stepped = coded
-                where, escapes = _positions(_take(parts[rank], offsets, rank, positions, torch.uint8), count,
-                                            elements, stepped, tensor.name, rank)
-                if count:
-                    span = flat[start:end]
-                    moved = _take(parts[rank], offsets, rank, count, torch.int8 if stepped else tensor.dtype)
-                    span[where] = apply_steps(span[where], moved, escapes) if stepped else moved
-                continue
-            count, bitmap = decode(code)
-            if bitmap:
-                where = unpack_bits(_take(parts[rank], offsets, rank, -(-elements // 8), torch.uint8), elements)
-                marked = int(torch.count_nonzero(where))  # (a bool sum is 20-40x slower on the host)
-                if marked != count:
-                    raise RuntimeError(f"sparse round: trainer rank {rank}'s bitmap of {tensor.name!r} marks {marked}"
-                                       f" elements, its counts say {count}.")
-            else:
-                where = _take(parts[rank], offsets, rank, count, torch.int32)
-                if count and (int(where.min()) < 0 or int(where.max()) >= elements):
-                    raise RuntimeError(f"sparse round: trainer rank {rank}'s patch of {tensor.name!r} indexes outside"
-                                       f" its {elements} elements.")
-                where = where.long()
-            if count:  # (none: a rank may send no payload at all)
-                flat[start:end][where] = _take(parts[rank], offsets, rank, count, tensor.dtype)
-        yield tensor.name, full.clone() if fresh else full
+            if tensor.part(rank):
+                _patch_part(tensor, rank, counts[rank], i, parts[rank], offsets, target)
+        if isinstance(full, torch.Tensor):
+            yield tensor.name, full.clone() if fresh else full
+
+
+def _patch_part(tensor: PlannedTensor, rank: int, rank_counts: list[int] | None, i: int, part: torch.Tensor | None,
+                offsets: list[int], target: PatchTarget) -> None:
+    """Write trainer ``rank``'s part of ``tensor`` (whole, or its patch) into ``target``."""
+    start, end = tensor.span(rank)
+    assert rank_counts is not None  # a rank with a part sent its counts
+    code, elements = rank_counts[i], end - start
+    if code == WHOLE:
+        target.put(start, _take(part, offsets, rank, elements, tensor.dtype))
+        return
+    coded = decode_coded(code)
+    if coded is not None:
+        count, positions, stepped = coded
+        where, escapes = _positions(_take(part, offsets, rank, positions, torch.uint8), count, elements, stepped,
+                                    tensor.name, rank)
+        if count:
+            moved = _take(part, offsets, rank, count, torch.int8 if stepped else tensor.dtype)
+            where = where.long() + start
+            target.set(where, apply_steps(target.get(where), moved, escapes) if stepped else moved)
+        return
+    count, bitmap = decode(code)
+    if bitmap:
+        mask = unpack_bits(_take(part, offsets, rank, -(-elements // 8), torch.uint8), elements)
+        where = torch.nonzero(mask).view(-1)  # (a bool sum is 20-40x slower on the host than counting)
+        if where.numel() != count:
+            raise RuntimeError(f"sparse round: trainer rank {rank}'s bitmap of {tensor.name!r} marks {where.numel()}"
+                               f" elements, its counts say {count}.")
+    else:
+        where = _take(part, offsets, rank, count, torch.int32)
+        if count and (int(where.min()) < 0 or int(where.max()) >= elements):
+            raise RuntimeError(f"sparse round: trainer rank {rank}'s patch of {tensor.name!r} indexes outside"
+                               f" its {elements} elements.")
+        where = where.long()
+    if count:  # (none: a rank may send no payload at all)
+        target.set(where + start, _take(part, offsets, rank, count, tensor.dtype))
 
 
 def _positions(stream: torch.Tensor, count: int, elements: int, stepped: bool, name: str,

@@ -25,10 +25,12 @@ from lightning_fsdp_export.backend.infos import (
     GlooWeightTransferInitInfo,
     GlooWeightTransferUpdateInfo,
 )
+from lightning_fsdp_export.backend.inplace import InPlace
 from lightning_fsdp_export.backend.protocol import (
     ABORT,
     CPU,
     END,
+    PatchTarget,
     Plan,
     PlannedTensor,
     Relays,
@@ -44,6 +46,7 @@ from lightning_fsdp_export.backend.protocol import (
     sparse_segment,
     unpack_chunk,
 )
+from lightning_fsdp_export.backend.staging import Staging, digest_mismatch, staged
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,29 +75,6 @@ class _Received:
 
 
 @dataclass
-class _Staging:
-    """A staged round (``stage_as``): received by a thread while the engine generates; loaded by a swap round.
-
-    ``tensors`` maps each name to its tensor, or to ``None`` where it is read from ``base`` (the host copy a
-    ``keep_as`` round keeps: the staging is that copy, never a second one)."""
-
-    id: str
-    base: dict[str, torch.Tensor]
-    tensors: dict[str, torch.Tensor | None] = field(default_factory=dict)
-    thread: threading.Thread | None = None
-    error: BaseException | None = None
-    complete: bool = False  # every member checked the digests and nobody failed
-
-    @property
-    def nbytes(self) -> int:
-        return sum((t if t is not None else self.base[n]).nbytes for n, t in self.tensors.items())
-
-    def pairs(self) -> Iterator[tuple[str, torch.Tensor]]:
-        for name, tensor in self.tensors.items():
-            yield name, tensor if tensor is not None else self.base[name].clone()  # the copy stays ours
-
-
-@dataclass
 class _Round:
     """What one round's receive works on: a round that outlives its group (a staged one whose trainer vanished)
     writes only here, never into the engine's state of a newer round."""
@@ -103,7 +83,8 @@ class _Round:
     group: dist.ProcessGroup
     base: dict[str, torch.Tensor]
     adapter: dict[str, torch.Tensor] | None = None  # an adapter round's tensors
-    staging: _Staging | None = None
+    staging: Staging | None = None
+    targets: dict[str, torch.Tensor | PatchTarget] | None = None  # a sparse round in place: the copy and the engine's
     digests: list[list[int]] = field(default_factory=list)  # a staged round: per trainer rank, [bytes, crc]
     forwards: list[Any] = field(default_factory=list)  # a relay's sends to its host's other workers, in flight
     tied: dict[str, torch.Tensor | None] = field(default_factory=dict)  # tensors a later name is the same as (ties)
@@ -135,7 +116,10 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         self._reloading = False
         self._base: dict[str, torch.Tensor] = {}  # the copy of the last kept round (sparse rounds patch it)
         self._kept: str | None = None  # its id, once its round succeeded
-        self._staging: _Staging | None = None  # the last staged round, until a swap loads it
+        self._inplace: InPlace | None = None  # where sparse rounds write in place (the copy then holds only the rest)
+        self._trace_ties: dict[str, str] | None = None  # a kept round's ties: trace where it loaded, once reloaded
+        self._placing = False  # this round writes into the engine's parameters
+        self._staging: Staging | None = None  # the last staged round, until a swap loads it
         self.times = {"round": 0.0, "waiting": 0.0, "loading": 0.0}  # the last round's, in seconds
         self.rank = 0  # this worker's rank in the transfer group
         self.relays = Relays()  # which workers of this host receive through which (Relays)
@@ -163,21 +147,50 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         """Nothing yet: the round's update info says whether it reloads the model (the layerwise reload starts at
         its first ``update_weights``), stages a round, or writes an adapter."""
 
-    def _start_reload(self) -> None:
+    def _start_reload(self, info: GlooWeightTransferUpdateInfo) -> None:
+        """Open vLLM's layerwise reload: for the whole model, or (a sparse round in place) only for the layers that
+        cannot be patched in place (:mod:`.inplace`)."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self._placing = (self._inplace is not None and info.patch_of is not None and info.stage_as is None
+                         and info.swap_to is None and not info.draft)
+        if self._placing:
+            assert self._inplace is not None
+            self._reloading = self._inplace.open_reload(self.model)
+            return
         initialize_layerwise_reload(self.model)
         self._reloading = True
 
     def finish_weight_update(self) -> None:
-        if not self._reloading:
-            return
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
 
-        self._reloading = False
         start = time.perf_counter()
-        finalize_layerwise_reload(self.model, self.model_config)
-        _logger().info("gloo weight update: finalized in %.3f s", time.perf_counter() - start)
+        if self._reloading:
+            self._reloading = False
+            finalize_layerwise_reload(self.model, self.model_config)
+            _logger().info("gloo weight update: finalized in %.3f s", time.perf_counter() - start)
+        if self._placing and self._inplace is not None:
+            self._placing = False
+            self._inplace.after_round(self.model, self.model_config.dtype)
+        if self._trace_ties is not None:
+            ties, self._trace_ties = self._trace_ties, None
+            self._trace(ties)
+
+    def _trace(self, ties: dict[str, str]) -> None:
+        """After a kept dense round loaded: learn where each tensor lives in the engine (:class:`.InPlace`); the host
+        copy keeps only what sparse rounds reload. Said once per kept round."""
+        start = time.perf_counter()
+        try:
+            inplace = InPlace.build(self.model, self._base, ties)
+        except Exception as err:  # noqa: BLE001 - sparse rounds then reload every tensor from the copy, as before
+            _logger().warning("gloo weight update: sparse rounds reload every tensor (tracing the loader failed: %s)",
+                              err)
+            return
+        for name in inplace.placed:
+            del self._base[name]
+        self._inplace = inplace
+        _logger().info("gloo weight update: sparse rounds: %s; traced in %.3f s", inplace.summary(),
+                       time.perf_counter() - start)
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU-only torch;
@@ -187,11 +200,11 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             if info.stage_as is not None:
                 self._stage(info)  # returns at once: the model is not touched
                 return
-            staging = None if info.swap_to is None else _staged(self._staging, info.swap_to, self.timeout)  # (first)
+            staging = None if info.swap_to is None else staged(self._staging, info.swap_to, self.timeout)  # (first)
             if info.check_only:
                 return  # the staged round is complete: the swap that follows loads it
             if info.adapter_dir is None and not self._reloading:
-                self._start_reload()
+                self._start_reload(info)
             if staging is not None:
                 self._swap(staging)
                 return
@@ -212,14 +225,17 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialized: call init_weight_transfer_engine first.")
         if info.keep_as is not None and info.patch_of is None:
-            self._base = {}  # a dense round that keeps a copy: the staging is that copy
-        staging = _Staging(info.stage_as, self._base)
+            self._base, self._inplace = {}, None  # a dense round that keeps a copy: the staging is that copy
+        elif info.patch_of is not None and self._inplace is not None:  # the staging patches a whole copy
+            self._base.update(self._inplace.read_back())
+            self._inplace = None
+        staging = Staging(info.stage_as, self._base)
         staging.thread = threading.Thread(target=self._receive_staged, args=(info, staging), daemon=True,
                                           name=f"gloo-staged-{info.stage_as[:8]}")
         self._staging = staging
         staging.thread.start()
 
-    def _receive_staged(self, info: GlooWeightTransferUpdateInfo, staging: _Staging) -> None:
+    def _receive_staged(self, info: GlooWeightTransferUpdateInfo, staging: Staging) -> None:
         try:
             with self._receiving():
                 self.receive_weights(info, staging)
@@ -238,7 +254,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         to pinned host memory where the staging is on the host)."""
         return part
 
-    def _swap(self, staging: _Staging) -> None:
+    def _swap(self, staging: Staging) -> None:
         """Load ``staging`` into the model (the layerwise reload is open; ``finish_weight_update`` closes it)."""
         self._staging = None
         start = time.perf_counter()
@@ -251,7 +267,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     # -- receiving a round -------------------------------------------------------------------------
 
-    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo, staging: _Staging | None = None) -> None:
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo, staging: Staging | None = None) -> None:
         """Receive one round: load it (inside the layerwise reload), write it as an adapter, or (``staging``) keep
         it for a swap round."""
         if self.group is None:
@@ -263,10 +279,12 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         adapter = update_info.adapter_dir is not None
         policy = not adapter and not update_info.draft  # a round into the policy's weights (the copy follows them)
         if policy and staging is None and update_info.patch_of is None:
-            self._base = {}  # the model's weights change: the copy is valid only if this round succeeds
+            self._base, self._inplace = {}, None  # the weights change: the copy is valid only if this round succeeds
         base = {} if update_info.draft else self._base if staging is None else staging.base  # a drafter's: no copy
         r = _Round(update_info, self.group, base, adapter={} if adapter else None, staging=staging,
                    tied=dict.fromkeys(t.same_as for t in plan.tensors if t.same_as))
+        if self._placing and self._inplace is not None and staging is None:
+            r.targets = {**base, **self._inplace.placed}
         if policy:
             if update_info.patch_of is not None and update_info.patch_of != self._kept:
                 error = RuntimeError(f"sparse round against the copy {update_info.patch_of!r}, but this worker keeps"
@@ -287,12 +305,16 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
                 error = err
         if staging is not None:
             sent = exchange_digests(r.group, plan.trainers, None, device=self.wire_device, timeout=self.timeout)
-            error = error or _digest_mismatch(sent, r.digests)
+            error = error or digest_mismatch(sent, r.digests)
         failed = exchange_status(r.group, error is not None, device=self.wire_device, timeout=self.timeout)
         current = staging is None or staging is self._staging  # a staged round replaced since writes nothing more
         if policy and current:
             self._base = {} if failed or update_info.keep_as is None else r.base
             self._kept = None if failed else update_info.keep_as
+            if failed or update_info.keep_as is None:
+                self._inplace = None
+            elif staging is None and update_info.patch_of is None:
+                self._trace_ties = dict(update_info.same_as or {})  # once the reload finished
         if current:
             self.times = r.times
         _log_round(plan, update_info, r, staged=staging is not None, failed=failed,
@@ -387,12 +409,13 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
             if staged:
                 held.parts = [self._on_host(part) for part in held.parts]
             if held.counts is not None:
-                pairs = patch_chunk(held.chunk, held.parts, held.counts, held.trainers, r.base, fresh=not staged)
+                pairs = patch_chunk(held.chunk, held.parts, held.counts, held.trainers,
+                                    r.base if r.targets is None else r.targets, fresh=not staged)
             else:
                 pairs = unpack_chunk(held.chunk, held.parts, held.trainers)
                 if r.info.keep_as is not None:
                     pairs = _keeping(pairs, r.base)
-            pairs = _tied(pairs, held.chunk, r.tied)
+            pairs = _tied(pairs, held.chunk, r.tied, r.targets or {})
             if r.staging is not None:  # staged: kept for the swap (from the host copy where one is kept)
                 kept = r.info.keep_as is not None
                 r.staging.tensors.update((name, None if kept and name in r.base else tensor) for name, tensor in pairs)
@@ -408,21 +431,7 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
 
     def shutdown(self) -> None:
         self.group = self._store = None
-        self._base, self._kept, self._staging = {}, None, None
-
-
-def _staged(staging: _Staging | None, stage_id: str, timeout: timedelta) -> _Staging:
-    """The staged round ``stage_id``, complete (its thread joined), or why a swap to it cannot run."""
-    if staging is None or staging.id != stage_id:
-        held = "none" if staging is None else repr(staging.id)
-        raise RuntimeError(f"swap to the staged round {stage_id!r}, but this worker holds {held} (restarted, or a"
-                           " newer round replaced it); the next sync pushes every tensor whole.")
-    if staging.thread is not None:
-        staging.thread.join(timeout.total_seconds())
-    if not staging.complete:
-        why = "is still being received" if staging.error is None else f"failed: {staging.error}"
-        raise RuntimeError(f"swap to the staged round {stage_id!r}, which {why}; the served weights are unchanged.")
-    return staging
+        self._base, self._kept, self._staging, self._inplace = {}, None, None, None
 
 
 def _log_relays(rank: int, relays: Relays) -> None:
@@ -431,16 +440,17 @@ def _log_relays(rank: int, relays: Relays) -> None:
                        len(relays.followers.get(rank, [])), relays)
 
 
-def _tied(pairs: Iterator[tuple[str, torch.Tensor]], chunk: list[PlannedTensor],
-          tied: dict[str, torch.Tensor | None]) -> Iterator[tuple[str, torch.Tensor]]:
+def _tied(pairs: Iterator[tuple[str, torch.Tensor]], chunk: list[PlannedTensor], tied: dict[str, torch.Tensor | None],
+          targets: dict[str, Any]) -> Iterator[tuple[str, torch.Tensor]]:
     """``pairs``, then each tensor of ``chunk`` that is an earlier one (``same_as``: nothing of it was sent) under its
-    own name; ``tied`` keeps the earlier tensors as they pass (a reference: every chunk's buffers are fresh)."""
+    own name; ``tied`` keeps the earlier tensors as they pass (a reference: every chunk's buffers are fresh). An
+    earlier one written in place (a ``targets`` entry that is no tensor) took its tied names' places with it."""
     for name, tensor in pairs:
         if name in tied:
             tied[name] = tensor
         yield name, tensor
     for planned in chunk:
-        if planned.same_as is not None:
+        if planned.same_as is not None and isinstance(targets.get(planned.same_as, torch.empty(0)), torch.Tensor):
             earlier = tied.get(planned.same_as)
             if earlier is None:
                 raise RuntimeError(f"{planned.name!r} is the same tensor as {planned.same_as!r}, which this round did"
@@ -461,15 +471,6 @@ def _forward(r: _Round, followers: list[int], message: torch.Tensor, tag: int, r
         r.forwards.append(r.group.send([message], follower, relay_tag(tag, rank, trainers)))
 
 
-def _digest_mismatch(sent: list[tuple[int, int]], received: list[list[int]]) -> RuntimeError | None:
-    """The first trainer rank whose ``(bytes, checksum)`` differs from what this worker received, as an error."""
-    for rank, ((nbytes, crc), (got, got_crc)) in enumerate(zip(sent, received)):
-        if (nbytes, crc) != (got, got_crc):
-            return RuntimeError(f"staged round: trainer rank {rank} sent {nbytes} bytes (checksum {crc:#010x}) but this"
-                                f" worker received {got} (checksum {got_crc:#010x}); the round is dropped.")
-    return None
-
-
 def _keeping(pairs: Iterator[tuple[str, torch.Tensor]], base: dict[str, torch.Tensor]
              ) -> Iterator[tuple[str, torch.Tensor]]:
     """``pairs``, each also copied into ``base`` (the copy the next sparse round patches)."""
@@ -484,9 +485,11 @@ def _log_round(plan: Plan, info: GlooWeightTransferUpdateInfo, r: _Round, *, sta
     what it kept or patched."""
     times = r.times
     kept = sum(t.nbytes for t in r.base.values()) if not failed and info.keep_as else 0
+    placed = len(r.targets) - len(r.base) if r.targets else 0
     _logger().info("gloo weight update: %d tensors, %.1f MB from %d trainer rank(s) in %.3f s (waiting for the"
                    " trainers and data %.3f s, %s %.3f s)%s", len(plan.tensors), plan.nbytes / 1e6, plan.trainers,
                    time.perf_counter() - times["round"], times["waiting"], "staging" if staged else "loading",
                    times["loading"], (", failed" if failed else "") + (
                        f", {'patched' if info.patch_of else 'kept'} a host copy of {kept / 1e6:.1f} MB"
-                       if kept else "") + (f", into the draft model {draft_model}" if draft_model else ""))
+                       if kept else "") + (f", {placed} tensor(s) written in place" if placed else "") + (
+                       f", into the draft model {draft_model}" if draft_model else ""))
