@@ -114,11 +114,19 @@ def test_sparse_rounds_write_in_place_what_the_loader_keeps_as_loaded_and_reload
 
     for log in results["logs"]:
         traced = re.findall(r"sparse rounds: (\d+) tensor\(s\) \(([\d.]+) MB\) patched in place, (\d+) reloaded in"
-                            r" (\d+) layer", log)
+                            r" (\d+) layer", log)  # the fit's (its tied head sent as the embedding: same_as)
         assert traced, log[-3000:]
         placed, placed_mb, reloaded, layers = traced[-1]
         assert int(placed) >= 5 + 1  # 2 layers x 2 norms + the final norm, and the (tied) embedding
         assert int(reloaded) + int(placed) == 26 and int(layers) <= int(reloaded)  # tiny Qwen2: 26 tensors sent
         assert float(placed_mb) >= 0.25  # the 512 x 256 bf16 embedding at least
-        written = re.findall(r"(\d+) tensor\(s\) written in place", log)
-        assert written and all(int(n) == int(placed) for n in written)
+        # every sparse round wrote what its worker's last trace placed (the rounds scenario's head is a tensor of
+        # its own, which vLLM's tied Qwen2 loads only beside the embedding: its trace reloads the whole model)
+        events = re.findall(r"sparse rounds: (\d+) tensor|(\d+) tensor\(s\) written in place", log)
+        last = None
+        for trace, written in events:
+            if trace:
+                last = trace
+            else:
+                assert written == last, events
+        assert sum(1 for _, written in events if written) >= 6  # rounds 101, 105, the fit's 3 and the resumed 3
