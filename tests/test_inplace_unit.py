@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from lightning_fsdp_export.backend.inplace import InPlace, Placement  # noqa: E402
+from lightning_fsdp_export.backend.inplace import InPlace, Placement
 
 VIEWS = {  # how a loader takes a view of a checkpoint tensor of shape (6, 8), and the parameter's view it copies into
     "whole": (lambda t: t, lambda p: p[2:8]),
@@ -105,9 +105,10 @@ def test_the_trace_places_what_the_engine_keeps_as_loaded_writes_nothing_and_pat
     inplace = InPlace.build(model, tensors, {})
     assert sorted(inplace.placed) == ["k_proj.bias", "k_proj.weight", "norm.weight", "q_proj.bias", "q_proj.weight",
                                       "v_proj.bias", "v_proj.weight"]
-    assert inplace.reloaded == {"packed.weight": "a copy into (2, 4) from another tensor (computed)",
-                                "packed.bias": "a layer it shares with a tensor that is reloaded",
-                                "relaid.weight": "the engine holds other values than it loaded (a layout its kernel made)"}
+    assert inplace.reloaded == {
+        "packed.weight": "a copy into (2, 4) from another tensor (computed)",
+        "packed.bias": "a layer it shares with a tensor that is reloaded",
+        "relaid.weight": "the engine holds other values than it loaded (a layout its kernel made)"}
     assert {id(m) for m in inplace.reload_modules or []} == {id(model.packed), id(model.relaid)}
     assert all(torch.equal(before[n], p) for n, p in model.named_parameters())  # the trace wrote nothing
     assert model.qkv.weight.weight_loader is fused_loader and "weight_loader" not in vars(model.norm.weight)

@@ -1151,3 +1151,13 @@ def test_a_replica_that_stops_answering_health_fails_the_round_unpaused_and_the_
     del stubs[1].fail["/health"]
     target.push_source(source(), version=3)
     assert [s.paths().count("/init_weight_transfer_engine") for s in stubs] == [2, 2]  # a new group
+
+
+def test_a_server_whose_process_ended_is_named_as_gone_not_as_misconfigured() -> None:
+    """Issue 58 item 4: a server that died (its worker's 'Executor failed') refuses connections; the error says so."""
+    from lightning_fsdp_export.transfer.http import Server
+
+    gone = Server(f"http://127.0.0.1:{free_port()}", api_key=None, timeout=5)
+    with pytest.raises(ServerError, match=r"connection refused: no server listens there now. Its process ended") as err:
+        gone.is_paused()
+    assert err.value.url == gone.url

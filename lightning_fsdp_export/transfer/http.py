@@ -70,6 +70,11 @@ class Server:
                         " weights, until the next full push resumes it; vLLM >= 0.33 answers requests with 503 then)")
             raise ServerError(f"vLLM server {method} {url} answered {err.code}: {detail}{hint}", self.url) from err
         except (urllib.error.URLError, OSError) as err:
+            if isinstance(getattr(err, "reason", err), ConnectionRefusedError):  # the host answered, nothing listens
+                raise ServerError(
+                    f"vLLM server {method} {url} failed: connection refused: no server listens there now. Its process"
+                    " ended (a worker that dies, e.g. vLLM's 'Executor failed' under memory pressure, takes the server"
+                    " down: see the server's own log) or it was never started on this port.", self.url) from err
             raise ServerError(
                 f"vLLM server {method} {url} failed: {err}. Is the server up, started with VLLM_SERVER_DEV_MODE=1,"
                 f" and reachable from this trainer?", self.url) from err
