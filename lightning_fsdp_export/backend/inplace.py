@@ -139,17 +139,17 @@ class Placed:
         self.set(torch.arange(start, start + values.numel()), values)
 
     def get(self, positions: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros(positions.numel(), dtype=self.dtype)
-        for placement in self.placements:
-            inside, dst = placement.locate(positions)
-            out[inside] = placement.flat()[dst.to(placement.param.device)].to(out.device)
+        out = torch.zeros(positions.numel(), dtype=self.dtype, device=positions.device)
+        for placement in self.placements:  # (located where the parameter is: a GPU's, or the host's)
+            inside, dst = placement.locate(positions.to(placement.param.device))
+            out[inside.to(out.device)] = placement.flat()[dst].to(out.device)
         return out
 
     def set(self, positions: torch.Tensor, values: torch.Tensor) -> None:
         for placement in self.placements:
-            inside, dst = placement.locate(positions)
             device = placement.param.device
-            placement.flat()[dst.to(device)] = values[inside].to(device)
+            inside, dst = placement.locate(positions.to(device))
+            placement.flat()[dst] = values.to(device)[inside]
         self.written += positions.numel()
 
     def full(self) -> torch.Tensor | None:
