@@ -35,6 +35,10 @@ m = tiny_family('gpt_oss')
 m.to(torch.bfloat16).save_pretrained(sys.argv[1]); tiny_family('deepseek_v3').to(torch.bfloat16).save_pretrained(sys.argv[2])" "$OSS_DIR" "$MLA_DIR"
   timeout 120 python tests/scripts/families_reload.py --dir "$OSS_DIR" --fix gpt_oss | grep '^RESULT' || echo "gpt-oss reload check failed"
   timeout 120 python tests/scripts/families_reload.py --dir "$MLA_DIR" --fix mla | grep '^RESULT' || echo "mla reload check failed"
+  # Sparse patches written in place (issue 58): on a GPU with unquantized weights every tensor should be placed and
+  # nothing reloaded ("0 reloaded in 0 layer(s)"), the checksums and logprobs equal to a whole reload
+  timeout 180 python benchmarks/inplace_check.py | grep '^RESULT' || echo "inplace check failed"
+  timeout 180 python benchmarks/inplace_check.py --untied | grep '^RESULT' || echo "inplace check (untied) failed"
   # Our WeightSource views and the gloo protocol under the machine's own vLLM (0.33's contract where it has 0.33)
   timeout 120 python -m pytest -q -p no:cacheprovider tests/test_vllm_contracts.py tests/test_gloo_backend.py \
     -k "not llm_in_this_process and not same_tests_pass" 2>&1 | tail -1 || echo "vllm contract tests failed"

@@ -22,6 +22,7 @@ from another layer's (MLA's ``W_UK``/``W_UV`` from ``kv_b_proj``) derive them ag
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -266,6 +267,24 @@ class InPlace:
                                       [owners[m] for m in trace.modules])
         return cls(placed, reloaded, None if whole else list(modules.values()))
 
+    @classmethod
+    def trace(cls, model: torch.nn.Module, base: dict[str, torch.Tensor], ties: dict[str, str],
+              log: Any) -> InPlace | None:
+        """A worker, after a kept dense round loaded ``base``: :meth:`build`, said once on ``log``; the placed tensors
+        leave ``base`` (the host copy keeps only what sparse rounds reload). ``None`` where tracing failed: sparse
+        rounds then reload every tensor from the copy, as before."""
+        start = time.perf_counter()
+        try:
+            inplace = cls.build(model, base, ties)
+        except Exception as err:  # noqa: BLE001 - said, and the copy stays whole
+            log.warning("gloo weight update: sparse rounds reload every tensor (tracing the loader failed: %s)", err)
+            return None
+        for name in inplace.placed:
+            del base[name]
+        log.info("gloo weight update: sparse rounds: %s; traced in %.3f s", inplace.summary(),
+                 time.perf_counter() - start)
+        return inplace
+
     def open_reload(self, model: torch.nn.Module) -> bool:
         """Start vLLM's layerwise reload for the layers this round reloads (none: nothing to open); whether opened."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
@@ -310,7 +329,7 @@ class InPlace:
 
     def summary(self) -> str:
         placed_mb = sum(math.prod(p.shape) * p.dtype.itemsize for p in self.placed.values()) / 1e6
-        whys = sorted(set(self.reloaded.values()))
+        whys = sorted({why.split(" (")[0] for why in self.reloaded.values()})  # (each tensor's in full: reloaded)
         layers = "the whole model" if self.reload_modules is None else f"{len(self.reload_modules)} layer(s)"
         return (f"{len(self.placed)} tensor(s) ({placed_mb:.1f} MB) patched in place, {len(self.reloaded)} reloaded"
                 f" in {layers}" + (f" ({'; '.join(whys)})" if whys else ""))

@@ -3,14 +3,30 @@ generating, until a swap round loads it (:class:`~lightning_fsdp_export.backend.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-__all__ = ["Staging", "digest_mismatch", "staged"]
+from lightning_fsdp_export._compat import load_naming_refusals
+
+if TYPE_CHECKING:
+    from lightning_fsdp_export.backend.infos import GlooWeightTransferUpdateInfo
+    from lightning_fsdp_export.backend.inplace import InPlace
+
+__all__ = ["StagedRounds", "Staging", "digest_mismatch", "logger", "staged"]
+
+
+def logger() -> Any:
+    """A child of vLLM's logger, so a server prints the gloo worker's lines with its own."""
+    from vllm.logger import init_logger
+
+    return init_logger("vllm.lightning_fsdp_export.gloo")
 
 
 @dataclass
@@ -57,3 +73,68 @@ def digest_mismatch(sent: list[tuple[int, int]], received: list[list[int]]) -> R
             return RuntimeError(f"staged round: trainer rank {rank} sent {nbytes} bytes (checksum {crc:#010x}) but this"
                                 f" worker received {got} (checksum {got_crc:#010x}); the round is dropped.")
     return None
+
+
+class StagedRounds:
+    """A gloo worker's staged rounds (``stage_as``; ``GlooWeightTransferEngine`` is one): received by a thread into a
+    :class:`Staging` while the engine generates, swapped in by a later round under the pause. ``staged_nccl``'s engine
+    overrides where the thread receives (:meth:`_receiving`) and where it keeps the parts (:meth:`_on_host`)."""
+
+    group: Any  # the transfer group (``None`` until joined)
+    model: Any
+    _base: dict[str, torch.Tensor]  # the host copy a sparse round patches
+    _inplace: InPlace | None  # where sparse rounds write in place
+    _staging: Staging | None  # the last staged round, until a swap loads it
+
+    def receive_weights(self, update_info: GlooWeightTransferUpdateInfo, staging: Staging | None = None) -> None:
+        raise NotImplementedError
+
+    def _stage(self, info: GlooWeightTransferUpdateInfo) -> None:
+        """Start receiving ``info``'s round in a thread into a fresh staging area (the previous one is dropped)."""
+        assert info.stage_as is not None
+        old = self._staging
+        if old is not None and old.thread is not None and old.thread.is_alive():
+            raise RuntimeError(f"staged round {old.id!r} is still being received; a new staged round can start only"
+                               " when it ended (the trainer waits for its round before the next one).")
+        if self.group is None:
+            raise RuntimeError("gloo weight transfer is not initialized: call init_weight_transfer_engine first.")
+        if info.keep_as is not None and info.patch_of is None:
+            self._base, self._inplace = {}, None  # a dense round that keeps a copy: the staging is that copy
+        elif info.patch_of is not None and self._inplace is not None:  # the staging patches a whole copy
+            self._base.update(self._inplace.read_back())
+            self._inplace = None
+        staging = Staging(info.stage_as, self._base)
+        staging.thread = threading.Thread(target=self._receive_staged, args=(info, staging), daemon=True,
+                                          name=f"gloo-staged-{info.stage_as[:8]}")
+        self._staging = staging
+        staging.thread.start()
+
+    def _receive_staged(self, info: GlooWeightTransferUpdateInfo, staging: Staging) -> None:
+        try:
+            with self._receiving():
+                self.receive_weights(info, staging)
+            staging.complete = True
+        except BaseException as err:  # noqa: BLE001 - the swap round (or the trainer's status) reports it
+            staging.error = err
+            staging.tensors.clear()
+            logger().warning("gloo staged round %s failed; the served weights are unchanged: %s", staging.id, err)
+
+    def _receiving(self) -> contextlib.AbstractContextManager[None]:
+        """Where a staged round's thread runs its receives: the host for gloo (the NCCL engine: a side stream)."""
+        return contextlib.nullcontext()
+
+    def _on_host(self, part: torch.Tensor | None) -> torch.Tensor | None:
+        """``part`` where a staged round keeps it: as received for gloo (the NCCL engine: on the device, or copied
+        to pinned host memory where the staging is on the host)."""
+        return part
+
+    def _swap(self, staging: Staging) -> None:
+        """Load ``staging`` into the model (the layerwise reload is open; ``finish_weight_update`` closes it)."""
+        self._staging = None
+        start = time.perf_counter()
+        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
+
+        with disable_mtp_completeness_check():
+            load_naming_refusals(self.model.load_weights, self.model, staging.pairs())
+        logger().info("gloo weight update: swapped in the staged round %s (%d tensors, %.1f MB) in %.3f s", staging.id,
+                       len(staging.tensors), staging.nbytes / 1e6, time.perf_counter() - start)

@@ -6,7 +6,6 @@ stages them in a thread for a later swap)."""
 from __future__ import annotations
 
 import contextlib
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -46,20 +45,14 @@ from lightning_fsdp_export.backend.protocol import (
     sparse_segment,
     unpack_chunk,
 )
-from lightning_fsdp_export.backend.staging import Staging, digest_mismatch, staged
+from lightning_fsdp_export.backend.staging import StagedRounds, Staging, digest_mismatch, staged
+from lightning_fsdp_export.backend.staging import logger as _logger
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.config.weight_transfer import WeightTransferConfig
 
 __all__ = ["GlooWeightTransferEngine", "write_adapter_dir"]  # (the latter: backend.adapter_dirs)
-
-def _logger() -> Any:
-    """A child of vLLM's logger, so a server prints it with its own lines."""
-    from vllm.logger import init_logger
-
-    return init_logger("vllm.lightning_fsdp_export.gloo")
-
 
 @dataclass
 class _Received:
@@ -92,7 +85,8 @@ class _Round:
                                                              "loading": 0.0})
 
 
-class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
+class GlooWeightTransferEngine(StagedRounds,
+                               WeightTransferEngine[GlooWeightTransferInitInfo, GlooWeightTransferUpdateInfo]):
     """Worker side: receives every trainer rank's parts of each chunk over gloo, assembles each tensor in a
     fresh buffer, and loads them with the layerwise reload; a chunk is loaded while the next one arrives.
 
@@ -172,25 +166,9 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         if self._placing and self._inplace is not None:
             self._placing = False
             self._inplace.after_round(self.model, self.model_config.dtype)
-        if self._trace_ties is not None:
+        if self._trace_ties is not None:  # a kept dense round loaded: where its tensors live (logged once)
             ties, self._trace_ties = self._trace_ties, None
-            self._trace(ties)
-
-    def _trace(self, ties: dict[str, str]) -> None:
-        """After a kept dense round loaded: learn where each tensor lives in the engine (:class:`.InPlace`); the host
-        copy keeps only what sparse rounds reload. Said once per kept round."""
-        start = time.perf_counter()
-        try:
-            inplace = InPlace.build(self.model, self._base, ties)
-        except Exception as err:  # noqa: BLE001 - sparse rounds then reload every tensor from the copy, as before
-            _logger().warning("gloo weight update: sparse rounds reload every tensor (tracing the loader failed: %s)",
-                              err)
-            return
-        for name in inplace.placed:
-            del self._base[name]
-        self._inplace = inplace
-        _logger().info("gloo weight update: sparse rounds: %s; traced in %.3f s", inplace.summary(),
-                       time.perf_counter() - start)
+            self._inplace = InPlace.trace(self.model, self._base, ties, _logger())
 
     def update_weights(self, update_info: dict[str, Any]) -> None:
         # The base class ends with torch.accelerator.synchronize(), which raises on CPU-only torch;
@@ -212,58 +190,6 @@ class GlooWeightTransferEngine(WeightTransferEngine[GlooWeightTransferInitInfo, 
         except BaseException:
             self.finish_weight_update()  # leaves the model loadable: the next round can start
             raise
-
-    # -- staged rounds -----------------------------------------------------------------------------
-
-    def _stage(self, info: GlooWeightTransferUpdateInfo) -> None:
-        """Start receiving ``info``'s round in a thread into a fresh staging area (the previous one is dropped)."""
-        assert info.stage_as is not None
-        old = self._staging
-        if old is not None and old.thread is not None and old.thread.is_alive():
-            raise RuntimeError(f"staged round {old.id!r} is still being received; a new staged round can start only"
-                               " when it ended (the trainer waits for its round before the next one).")
-        if self.group is None:
-            raise RuntimeError("gloo weight transfer is not initialized: call init_weight_transfer_engine first.")
-        if info.keep_as is not None and info.patch_of is None:
-            self._base, self._inplace = {}, None  # a dense round that keeps a copy: the staging is that copy
-        elif info.patch_of is not None and self._inplace is not None:  # the staging patches a whole copy
-            self._base.update(self._inplace.read_back())
-            self._inplace = None
-        staging = Staging(info.stage_as, self._base)
-        staging.thread = threading.Thread(target=self._receive_staged, args=(info, staging), daemon=True,
-                                          name=f"gloo-staged-{info.stage_as[:8]}")
-        self._staging = staging
-        staging.thread.start()
-
-    def _receive_staged(self, info: GlooWeightTransferUpdateInfo, staging: Staging) -> None:
-        try:
-            with self._receiving():
-                self.receive_weights(info, staging)
-            staging.complete = True
-        except BaseException as err:  # noqa: BLE001 - the swap round (or the trainer's status) reports it
-            staging.error = err
-            staging.tensors.clear()
-            _logger().warning("gloo staged round %s failed; the served weights are unchanged: %s", staging.id, err)
-
-    def _receiving(self) -> contextlib.AbstractContextManager[None]:
-        """Where a staged round's thread runs its receives: the host for gloo (the NCCL engine: a side stream)."""
-        return contextlib.nullcontext()
-
-    def _on_host(self, part: torch.Tensor | None) -> torch.Tensor | None:
-        """``part`` where a staged round keeps it: as received for gloo (the NCCL engine: on the device, or copied
-        to pinned host memory where the staging is on the host)."""
-        return part
-
-    def _swap(self, staging: Staging) -> None:
-        """Load ``staging`` into the model (the layerwise reload is open; ``finish_weight_update`` closes it)."""
-        self._staging = None
-        start = time.perf_counter()
-        from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
-
-        with disable_mtp_completeness_check():
-            load_naming_refusals(self.model.load_weights, self.model, staging.pairs())
-        _logger().info("gloo weight update: swapped in the staged round %s (%d tensors, %.1f MB) in %.3f s", staging.id,
-                       len(staging.tensors), staging.nbytes / 1e6, time.perf_counter() - start)
 
     # -- receiving a round -------------------------------------------------------------------------
 

