@@ -307,8 +307,9 @@ class InPlace:
         return tensors
 
     def after_round(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
-        """After a round that wrote in place: attention layers derive their weights again (as vLLM's reload does
-        last), except those the reload already processed."""
+        """After a round that wrote in place: each layer written runs its quantization method's
+        ``process_weights_after_loading`` again (a packed copy of its weight is packed anew), and attention layers
+        derive their weights again (as vLLM's reload does last), except those the reload already processed."""
         from vllm.model_executor.layers.attention import is_deferred_attention_layer
 
         written = {id(m): m for p in self.placed.values() if p.written for m in p.layers}
