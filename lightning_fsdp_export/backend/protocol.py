@@ -178,8 +178,7 @@ class HostCopy:
     """A :class:`PatchTarget` over a tensor the worker keeps."""
 
     def __init__(self, tensor: torch.Tensor) -> None:
-        self.tensor, self.flat = tensor, tensor.view(-1)
-        self.shape, self.dtype = tuple(tensor.shape), tensor.dtype
+        self.flat, self.shape, self.dtype = tensor.view(-1), tuple(tensor.shape), tensor.dtype
 
     def put(self, start: int, values: torch.Tensor) -> None:
         self.flat[start:start + values.numel()] = values

@@ -376,7 +376,8 @@ def _tied(pairs: Iterator[tuple[str, torch.Tensor]], chunk: list[PlannedTensor],
             tied[name] = tensor
         yield name, tensor
     for planned in chunk:
-        if planned.same_as is not None and isinstance(targets.get(planned.same_as, torch.empty(0)), torch.Tensor):
+        in_place = planned.same_as in targets and not isinstance(targets[planned.same_as], torch.Tensor)
+        if planned.same_as is not None and not in_place:
             earlier = tied.get(planned.same_as)
             if earlier is None:
                 raise RuntimeError(f"{planned.name!r} is the same tensor as {planned.same_as!r}, which this round did"
