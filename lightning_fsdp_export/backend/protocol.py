@@ -192,11 +192,12 @@ class HostCopy:
 
 def patch_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], counts: list[list[int] | None],
                 trainers: int, base: Mapping[str, torch.Tensor | PatchTarget], *,
-                fresh: bool = True) -> Iterator[tuple[str, torch.Tensor]]:
+                fresh: bool = True, changed: set[str] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """A sparse round's chunk: each tensor is its copy in ``base`` (the previous round's, updated here in place)
     with every trainer rank's part written whole or patched; yielded as a fresh tensor (the copy stays ours), or
     with ``fresh=False`` as the copy itself (a staged round, which loads from the copy later). A tensor whose entry in
-    ``base`` is a :class:`PatchTarget` (the engine's parameters) is written there and not yielded."""
+    ``base`` is a :class:`PatchTarget` (the engine's parameters) is written there and not yielded. ``changed``
+    collects the names of the tensors something was written into (a part sent whole, or a patch of any element)."""
     offsets = [0] * trainers
     for i, tensor in enumerate(chunk):
         if tensor.same_as is not None:
@@ -206,22 +207,25 @@ def patch_chunk(chunk: list[PlannedTensor], parts: list[torch.Tensor | None], co
             raise RuntimeError(f"sparse round: this worker keeps no copy of {tensor.name!r} {tensor.dtype}"
                                f" {list(tensor.shape)} to patch; the next sync pushes every tensor whole.")
         target = HostCopy(full) if isinstance(full, torch.Tensor) else full
+        written = False
         for rank in range(trainers):
             if tensor.part(rank):
-                _patch_part(tensor, rank, counts[rank], i, parts[rank], offsets, target)
+                written = _patch_part(tensor, rank, counts[rank], i, parts[rank], offsets, target) or written
+        if written and changed is not None:
+            changed.add(tensor.name)
         if isinstance(full, torch.Tensor):
             yield tensor.name, full.clone() if fresh else full
 
 
 def _patch_part(tensor: PlannedTensor, rank: int, rank_counts: list[int] | None, i: int, part: torch.Tensor | None,
-                offsets: list[int], target: PatchTarget) -> None:
-    """Write trainer ``rank``'s part of ``tensor`` (whole, or its patch) into ``target``."""
+                offsets: list[int], target: PatchTarget) -> bool:
+    """Write trainer ``rank``'s part of ``tensor`` (whole, or its patch) into ``target``; whether anything was."""
     start, end = tensor.span(rank)
     assert rank_counts is not None  # a rank with a part sent its counts
     code, elements = rank_counts[i], end - start
     if code == WHOLE:
         target.put(start, _take(part, offsets, rank, elements, tensor.dtype))
-        return
+        return True
     coded = decode_coded(code)
     if coded is not None:
         count, positions, stepped = coded
@@ -231,7 +235,7 @@ def _patch_part(tensor: PlannedTensor, rank: int, rank_counts: list[int] | None,
             moved = _take(part, offsets, rank, count, torch.int8 if stepped else tensor.dtype)
             where = where.long() + start
             target.set(where, apply_steps(target.get(where), moved, escapes) if stepped else moved)
-        return
+        return count > 0
     count, bitmap = decode(code)
     if bitmap:
         mask = unpack_bits(_take(part, offsets, rank, -(-elements // 8), torch.uint8), elements)
@@ -247,6 +251,7 @@ def _patch_part(tensor: PlannedTensor, rank: int, rank_counts: list[int] | None,
         where = where.long()
     if count:  # (none: a rank may send no payload at all)
         target.set(where + start, _take(part, offsets, rank, count, tensor.dtype))
+    return count > 0
 
 
 def _positions(stream: torch.Tensor, count: int, elements: int, stepped: bool, name: str,

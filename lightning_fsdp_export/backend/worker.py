@@ -5,6 +5,7 @@ stages them in a thread for a later swap)."""
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import time
 from collections.abc import Iterator
@@ -78,6 +79,7 @@ class _Round:
     adapter: dict[str, torch.Tensor] | None = None  # an adapter round's tensors
     staging: Staging | None = None
     targets: dict[str, torch.Tensor | PatchTarget] | None = None  # a sparse round in place: the copy and the engine's
+    changed: set[str] | None = None  # a sparse round in place: the tensors it wrote into (their layers reload)
     digests: list[list[int]] = field(default_factory=list)  # a staged round: per trainer rank, [bytes, crc]
     forwards: list[Any] = field(default_factory=list)  # a relay's sends to its host's other workers, in flight
     tied: dict[str, torch.Tensor | None] = field(default_factory=dict)  # tensors a later name is the same as (ties)
@@ -142,18 +144,34 @@ class GlooWeightTransferEngine(StagedRounds,
         its first ``update_weights``), stages a round, or writes an adapter."""
 
     def _start_reload(self, info: GlooWeightTransferUpdateInfo) -> None:
-        """Open vLLM's layerwise reload: for the whole model, or (a sparse round in place) only for the layers that
-        cannot be patched in place (:mod:`.inplace`)."""
+        """Open vLLM's layerwise reload for the whole model; a sparse round in place (:mod:`.inplace`) opens it once
+        its chunks are in, only for the layers that changed and cannot be patched in place (:meth:`_reload_changed`)."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self._placing = (self._inplace is not None and info.patch_of is not None and info.stage_as is None
                          and info.swap_to is None and not info.draft)
-        if self._placing:
-            assert self._inplace is not None
-            self._reloading = self._inplace.open_reload(self.model)
-            return
-        initialize_layerwise_reload(self.model)
-        self._reloading = True
+        if not self._placing:
+            initialize_layerwise_reload(self.model)
+            self._reloading = True
+
+    def _reload_changed(self, r: _Round) -> BaseException | None:
+        """A sparse round in place, every chunk in: reload the layers its changes reach that are not patched in place
+        (every tensor of theirs, from the copy); the round's error, if any."""
+        assert self._inplace is not None and r.changed is not None
+        start = time.perf_counter()
+        try:
+            names = self._inplace.open_reload(self.model, r.changed)
+            self._reloading = bool(names)
+            load_naming_refusals(self.model.load_weights, self.model, self._inplace.reload_pairs(names, r.base))
+        except Exception as err:  # noqa: BLE001 - the whole group learns of it in the status
+            return err
+        finally:
+            r.times["loading"] += time.perf_counter() - start
+        opened, reloadable = self._inplace.opened, self._inplace.reload_modules
+        _logger().info("gloo weight update: %d tensor(s) changed; reloaded %d tensor(s) in %s", len(r.changed),
+                       len(names), "the whole model" if opened is None else f"{len(opened)} of"
+                       f" {'the' if reloadable is None else len(reloadable)} reloadable layer(s)")
+        return None
 
     def finish_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
@@ -210,7 +228,7 @@ class GlooWeightTransferEngine(StagedRounds,
         r = _Round(update_info, self.group, base, adapter={} if adapter else None, staging=staging,
                    tied=dict.fromkeys(t.same_as for t in plan.tensors if t.same_as))
         if self._placing and self._inplace is not None and staging is None:
-            r.targets = {**base, **self._inplace.placed}
+            r.targets, r.changed = {**base, **self._inplace.placed}, set()
         if policy:
             if update_info.patch_of is not None and update_info.patch_of != self._kept:
                 error = RuntimeError(f"sparse round against the copy {update_info.patch_of!r}, but this worker keeps"
@@ -221,6 +239,8 @@ class GlooWeightTransferEngine(StagedRounds,
             r.digests = [[0, 0] for _ in range(plan.trainers)]
         with disable_mtp_completeness_check() if staging is None else contextlib.nullcontext():
             error = self._receive_chunks(r, plan, error)
+            if error is None and r.changed is not None:
+                error = self._reload_changed(r)
         for work in r.forwards:
             work.wait(self.timeout)
         if error is None and r.adapter is not None:
@@ -336,13 +356,16 @@ class GlooWeightTransferEngine(StagedRounds,
                 held.parts = [self._on_host(part) for part in held.parts]
             if held.counts is not None:
                 pairs = patch_chunk(held.chunk, held.parts, held.counts, held.trainers,
-                                    r.base if r.targets is None else r.targets, fresh=not staged)
+                                    r.base if r.targets is None else r.targets, fresh=not staged and r.changed is None,
+                                    changed=r.changed)
             else:
                 pairs = unpack_chunk(held.chunk, held.parts, held.trainers)
                 if r.info.keep_as is not None:
                     pairs = _keeping(pairs, r.base)
             pairs = _tied(pairs, held.chunk, r.tied, r.targets or {})
-            if r.staging is not None:  # staged: kept for the swap (from the host copy where one is kept)
+            if r.changed is not None:  # in place: the copy patched here, its layers reloaded once all chunks are in
+                collections.deque(pairs, maxlen=0)
+            elif r.staging is not None:  # staged: kept for the swap (from the host copy where one is kept)
                 kept = r.info.keep_as is not None
                 r.staging.tensors.update((name, None if kept and name in r.base else tensor) for name, tensor in pairs)
             elif r.adapter is not None:  # an adapter round: kept for its files, the model untouched

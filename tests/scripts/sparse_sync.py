@@ -120,15 +120,23 @@ def fit_trainer(root: Path, sync: VLLMWeightSync, steps: int, callbacks: list[pl
                    default_root_dir=str(root))
 
 
+def second_layer_frozen() -> torch.nn.Module:
+    """The tiny Qwen2 training all but its second decoder layer (as a run that trains part of a policy): that layer's
+    tensors never change, so a sparse round reloads none of the server's layers they fill."""
+    model = tiny_qwen2()
+    model.model.layers[1].requires_grad_(False)
+    return model
+
+
 def scenario_fit(root: Path, urls: list[str]) -> dict[str, Any]:
     seed_everything(0)
     sync = VLLMWeightSync(RemoteVLLM(urls, transport=SPARSE, timeout=TIMEOUT), every_n_train_steps=1,
                           verify="logprobs", verify_tolerance=0.1)
     record = Record(sync)
-    fit_trainer(root, sync, 3, [record]).fit(CausalLM(lr=1e-5), token_loader(16))
+    fit_trainer(root, sync, 3, [record]).fit(CausalLM(second_layer_frozen, lr=1e-5), token_loader(16))
     out: dict[str, Any] = {"records": record.records, "final": getattr(record, "final", None)}
     resumed = Record(sync)  # the same callback, restored from the checkpoint: stale, its first push dense
-    fit_trainer(root / "resumed", sync, 4, [resumed]).fit(CausalLM(lr=1e-5), token_loader(16),
+    fit_trainer(root / "resumed", sync, 4, [resumed]).fit(CausalLM(second_layer_frozen, lr=1e-5), token_loader(16),
                                                          ckpt_path=str(root / "ckpt" / "last.ckpt"))
     out["resumed"] = resumed.records
     sync.target.teardown()
