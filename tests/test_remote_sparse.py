@@ -137,4 +137,4 @@ def test_sparse_rounds_write_in_place_what_the_loader_keeps_as_loaded_and_reload
                              r" (\w+) reloadable)", log)
         assert ("0", "0", "0", "the") in changes, changes
         fit = [(int(n), int(of)) for _, _, n, of in changes if of.isdigit()]
-        assert len(fit) >= 6 and all(0 < n < of for n, of in fit if of), changes
+        assert len(fit) >= 4 and all(0 < n < of for n, of in fit if of), changes  # the fit's 3, the resumed 1
