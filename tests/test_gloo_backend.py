@@ -48,7 +48,7 @@ def worker_engine(model: Model) -> gloo.GlooWeightTransferEngine:
     engine.group = None
     engine._store = None
     engine._reloading = False
-    engine._start_reload = lambda info: None  # vLLM's layerwise reload needs a real model; Model records its loads
+    engine._start_reload = lambda info, staging: None  # vLLM's layerwise reload needs a real model; Model records
     engine._base, engine._kept, engine._staging = {}, None, None
     engine._inplace, engine._trace_ties, engine._placing = None, None, False  # (in place: test_remote_sparse.py)
     engine.timeout = timedelta(seconds=20)

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("vllm")
 
-from lightning_fsdp_export.backend.inplace import InPlace, Placement
+from lightning_fsdp_export.backend.inplace import Deferred, InPlace, Placement
 
 VIEWS = {  # how a loader takes a view of a checkpoint tensor of shape (6, 8), and the parameter's view it copies into
     "whole": (lambda t: t, lambda p: p[2:8]),
@@ -117,6 +117,13 @@ def test_the_trace_places_what_the_engine_keeps_as_loaded_writes_nothing_and_pat
     placed.set(torch.tensor([1, 6]), torch.tensor([10.0, 20.0]))
     assert model.qkv.weight[4, 1] == 10.0 and model.qkv.weight[5, 2] == 20.0
     assert torch.equal(placed.get(torch.tensor([6, 0])), torch.tensor([20.0, tensors["k_proj.weight"][0, 0]]))
-    tensors["k_proj.weight"].view(-1)[[1, 6]] = torch.tensor([10.0, 20.0])
-    assert torch.equal(inplace.read_back()["k_proj.weight"], tensors["k_proj.weight"])
+    # a staged round (received while the engine serves) reads the engine's values and records its writes; the swap
+    # applies them
+    deferred = Deferred(inplace.placed["v_proj.weight"])  # rows 6-7 of the fused weight
+    deferred.set(torch.tensor([0]), torch.tensor([30.0]))
+    deferred.put(4, torch.tensor([1.0, 2.0, 3.0, 4.0]))
+    assert torch.equal(model.qkv.weight[6:], before["qkv.weight"][6:])  # nothing written yet
+    assert deferred.get(torch.tensor([0])) == tensors["v_proj.weight"][0, 0]
+    assert deferred.apply() == 2 and deferred.writes == []
+    assert model.qkv.weight[6, 0] == 30.0 and torch.equal(model.qkv.weight[7], torch.tensor([1.0, 2.0, 3.0, 4.0]))
     assert inplace.summary().startswith("7 tensor(s) (0.0 MB) patched in place, 3 reloaded in 2 layer(s)")

@@ -39,8 +39,10 @@ LOGPROB_TOLERANCE = 0.1
 @pytest.fixture(scope="module")
 def results(servers: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model_dir, urls = servers
-    return run_torchrun("remote_transfer.py", tmp_path_factory.mktemp("remote") / "results.json",
-                        "--server", ",".join(urls), "--model-dir", str(model_dir))
+    got = run_torchrun("remote_transfer.py", tmp_path_factory.mktemp("remote") / "results.json",
+                       "--server", ",".join(urls), "--model-dir", str(model_dir))
+    got["logs"] = [(model_dir / f"server{url.rsplit(':', 1)[1]}.log").read_text() for url in urls]
+    return got
 
 
 @pytest.mark.parametrize("model", ["qwen2_tied", "llama_untied", "lora_merged"])
@@ -139,6 +141,13 @@ def test_background_syncs_serve_the_old_version_until_the_swap_and_a_failed_tran
     if mode:  # sparse: patches against the copy the workers keep; the failed snapshot sent nothing, so the copies
         # (of 301, still served) stay valid and 304 patches them too
         assert [pushes[v]["sparse"] for v in (300, 301, 304, 305)] == [False, True, True, True]
+        # Issue 58: each worker traced vLLM's loader after 300's swap, recorded 301, 304 and 305's writes into the
+        # placed tensors while serving and wrote them at the swap, reloading only the layers the changes reached
+        # (the checksums and logprobs above: exact).
+        for log in results["logs"]:
+            swaps = re.findall(r"swapped in the staged round \S+ \((\d+) tensor\(s\) written in place, (\d+)"
+                               r" tensor\(s\) changed; reloaded (\d+) tensor\(s\)", log)
+            assert len(swaps) >= 3 and all(int(placed) >= 5 for placed, _, _ in swaps), swaps
         return
     assert min(got["stale_gaps"]) > 10 * LOGPROB_TOLERANCE
     # A tensor the engine refuses is found at the swap (the load, which each server runs on its own): both servers

@@ -31,7 +31,9 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["InPlace", "Placed", "Placement"]
+from lightning_fsdp_export._compat import load_naming_refusals
+
+__all__ = ["Deferred", "InPlace", "Placed", "Placement"]
 
 
 @dataclass(frozen=True)
@@ -154,14 +156,33 @@ class Placed:
             placement.flat()[dst] = values.to(device)[inside]
         self.written += positions.numel()
 
-    def full(self) -> torch.Tensor | None:
-        """The whole tensor read back from the engine, or ``None`` where its placements do not cover it."""
-        out = torch.empty(self.shape, dtype=self.dtype)
-        covered = 0
-        for placement in self.placements:
-            placement.source(out).copy_(placement.held())
-            covered += math.prod(placement.size)
-        return out if covered == out.numel() else None
+
+class Deferred:
+    """A :class:`Placed` tensor's writes kept for later: a staged round (received while the engine serves) reads the
+    engine's values and records what it writes; the swap, under the servers' pause, :meth:`apply`-s them."""
+
+    def __init__(self, placed: Placed) -> None:
+        self.placed, self.shape, self.dtype = placed, placed.shape, placed.dtype
+        self.writes: list[tuple[int | torch.Tensor, torch.Tensor]] = []  # (a start or flat positions, values)
+
+    def put(self, start: int, values: torch.Tensor) -> None:
+        self.writes.append((start, values.clone()))
+
+    def get(self, positions: torch.Tensor) -> torch.Tensor:
+        return self.placed.get(positions)  # (each position is written once a round: nothing recorded is read)
+
+    def set(self, positions: torch.Tensor, values: torch.Tensor) -> None:
+        self.writes.append((positions.clone(), values.clone()))
+
+    def apply(self) -> int:
+        """Write what was recorded into the engine; the number of writes."""
+        for where, values in self.writes:
+            if isinstance(where, int):
+                self.placed.put(where, values)
+            else:
+                self.placed.set(where, values)
+        count, self.writes = len(self.writes), []
+        return count
 
 
 class _Writes(TorchDispatchMode):
@@ -297,13 +318,13 @@ class InPlace:
         nothing changed in is not touched: it keeps what it holds. Empty: nothing opened."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
+        self.opened = set()  # (set before vLLM opens anything: what ``finalize`` must close, even after a failure)
         names = set(self.reloaded if changed is None else (n for n in changed if n in self.reloaded))
         if not names:
-            self.opened = set()
             return []
         if self.reload_modules is None:  # a tensor that reached no loader: nothing says which layers it fills
-            initialize_layerwise_reload(model)
             self.opened = None
+            initialize_layerwise_reload(model)
             return list(self.reloaded)
         layers: set[int] = set()
         while True:  # (the trace closed over layers; a round's changes close the same way, within them)
@@ -312,8 +333,8 @@ class InPlace:
             if not more:
                 break
             names |= more
-        initialize_layerwise_reload(_Layers([m for m in self.reload_modules if id(m) in layers]))
         self.opened = layers
+        initialize_layerwise_reload(_Layers([m for m in self.reload_modules if id(m) in layers]))
         return [n for n in self.reloaded if n in names]
 
     def reload_pairs(self, names: list[str], copy: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
@@ -327,16 +348,15 @@ class InPlace:
             for tied in later.get(name, ()):
                 yield tied, tensor
 
-    def read_back(self) -> dict[str, torch.Tensor]:
-        """Every placed tensor read back from the engine (a staged round patches a whole host copy)."""
-        tensors = {}
-        for name, placed in self.placed.items():
-            full = placed.full()
-            if full is None:
-                raise RuntimeError(f"sparse round: this worker holds only part of {name!r} (a tensor-parallel shard)"
-                                   " and kept no copy of it; the next sync pushes every tensor whole.")
-            tensors[name] = full
-        return tensors
+    def reload(self, model: torch.nn.Module, changed: Iterable[str], copy: dict[str, torch.Tensor]) -> str:
+        """Reload the layers ``changed`` reaches (:meth:`open_reload`) from the host ``copy``; what was reloaded, said
+        for the worker's log."""
+        changed = list(changed)
+        names = self.open_reload(model, changed)
+        load_naming_refusals(model.load_weights, model, self.reload_pairs(names, copy))
+        where = ("the whole model" if self.opened is None else f"{len(self.opened)} of"
+                 f" {'the' if self.reload_modules is None else len(self.reload_modules)} reloadable layer(s)")
+        return f"{len(changed)} tensor(s) changed; reloaded {len(names)} tensor(s) in {where}"
 
     def after_round(self, model: torch.nn.Module, dtype: torch.dtype) -> None:
         """After a round that wrote in place: each layer written runs its quantization method's

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from lightning_fsdp_export._compat import load_naming_refusals
+from lightning_fsdp_export.backend.inplace import Deferred
 
 if TYPE_CHECKING:
     from lightning_fsdp_export.backend.infos import GlooWeightTransferUpdateInfo
@@ -34,7 +35,9 @@ class Staging:
     """A staged round (``stage_as``): received by a thread while the engine generates; loaded by a swap round.
 
     ``tensors`` maps each name to its tensor, or to ``None`` where it is read from ``base`` (the host copy a
-    ``keep_as`` round keeps: the staging is that copy, never a second one)."""
+    ``keep_as`` round keeps: the staging is that copy, never a second one). A sparse round in place (``inplace``)
+    keeps no tensors: what it writes into each placed tensor (``deferred``), the copy it patched, and which tensors
+    changed (``changed``: the swap reloads only their layers)."""
 
     id: str
     base: dict[str, torch.Tensor]
@@ -42,6 +45,10 @@ class Staging:
     thread: threading.Thread | None = None
     error: BaseException | None = None
     complete: bool = False  # every member checked the digests and nobody failed
+    inplace: InPlace | None = None  # a sparse round in place: where the engine holds each placed tensor
+    deferred: dict[str, Deferred] = field(default_factory=dict)
+    changed: set[str] = field(default_factory=set)
+    trace_ties: dict[str, str] | None = None  # a dense round that keeps a copy: traced once swapped in (its ties)
 
     @property
     def nbytes(self) -> int:
@@ -84,6 +91,8 @@ class StagedRounds:
     model: Any
     _base: dict[str, torch.Tensor]  # the host copy a sparse round patches
     _inplace: InPlace | None  # where sparse rounds write in place
+    _trace_ties: dict[str, str] | None  # a kept dense round's ties: traced once it loaded
+    _reloading: bool  # vLLM's layerwise reload is open
     _staging: Staging | None  # the last staged round, until a swap loads it
 
     def receive_weights(self, update_info: GlooWeightTransferUpdateInfo, staging: Staging | None = None) -> None:
@@ -98,12 +107,13 @@ class StagedRounds:
                                " when it ended (the trainer waits for its round before the next one).")
         if self.group is None:
             raise RuntimeError("gloo weight transfer is not initialized: call init_weight_transfer_engine first.")
+        staging = Staging(info.stage_as, self._base)
         if info.keep_as is not None and info.patch_of is None:
             self._base, self._inplace = {}, None  # a dense round that keeps a copy: the staging is that copy
-        elif info.patch_of is not None and self._inplace is not None:  # the staging patches a whole copy
-            self._base.update(self._inplace.read_back())
-            self._inplace = None
-        staging = Staging(info.stage_as, self._base)
+            staging.base, staging.trace_ties = self._base, dict(info.same_as or {})
+        elif info.patch_of is not None and self._inplace is not None:  # in place, at the swap
+            staging.inplace = self._inplace
+            staging.deferred = {name: Deferred(placed) for name, placed in self._inplace.placed.items()}
         staging.thread = threading.Thread(target=self._receive_staged, args=(info, staging), daemon=True,
                                           name=f"gloo-staged-{info.stage_as[:8]}")
         self._staging = staging
@@ -135,6 +145,25 @@ class StagedRounds:
         from vllm.model_executor.model_loader.mtp_validation import disable_mtp_completeness_check
 
         with disable_mtp_completeness_check():
-            load_naming_refusals(self.model.load_weights, self.model, staging.pairs())
-        logger().info("gloo weight update: swapped in the staged round %s (%d tensors, %.1f MB) in %.3f s", staging.id,
-                       len(staging.tensors), staging.nbytes / 1e6, time.perf_counter() - start)
+            if staging.inplace is not None:
+                said = self._swap_in_place(staging, staging.inplace)
+            else:
+                load_naming_refusals(self.model.load_weights, self.model, staging.pairs())
+                said = f"{len(staging.tensors)} tensors, {staging.nbytes / 1e6:.1f} MB"
+        if staging.trace_ties is not None:  # (the trace runs once the reload finished)
+            self._trace_ties = staging.trace_ties
+        logger().info("gloo weight update: swapped in the staged round %s (%s) in %.3f s", staging.id, said,
+                       time.perf_counter() - start)
+
+    def _swap_in_place(self, staging: Staging, inplace: InPlace) -> str:
+        """A staged sparse round in place: its writes into the placed tensors, then a reload of only the layers its
+        changes reach, from the copy it patched (the layerwise reload opens here, not before)."""
+        if inplace is not self._inplace:
+            raise RuntimeError(f"swap to the staged round {staging.id!r}, staged in place before another round"
+                               " changed where the engine holds its tensors; the next sync pushes every tensor whole.")
+        written = sum(deferred.apply() > 0 for deferred in staging.deferred.values())
+        try:
+            return f"{written} tensor(s) written in place, " + inplace.reload(self.model, staging.changed,
+                                                                                staging.base)
+        finally:
+            self._reloading = inplace.opened != set()

@@ -143,13 +143,15 @@ class GlooWeightTransferEngine(StagedRounds,
         """Nothing yet: the round's update info says whether it reloads the model (the layerwise reload starts at
         its first ``update_weights``), stages a round, or writes an adapter."""
 
-    def _start_reload(self, info: GlooWeightTransferUpdateInfo) -> None:
+    def _start_reload(self, info: GlooWeightTransferUpdateInfo, staging: Staging | None) -> None:
         """Open vLLM's layerwise reload for the whole model; a sparse round in place (:mod:`.inplace`) opens it once
-        its chunks are in, only for the layers that changed and cannot be patched in place (:meth:`_reload_changed`)."""
+        its chunks are in (a staged one: at its swap), only for the layers that changed and cannot be patched in
+        place (:meth:`_reload_changed`)."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self._placing = (self._inplace is not None and info.patch_of is not None and info.stage_as is None
-                         and info.swap_to is None and not info.draft)
+                         and info.swap_to is None and not info.draft) or (staging is not None
+                                                                          and staging.inplace is not None)
         if not self._placing:
             initialize_layerwise_reload(self.model)
             self._reloading = True
@@ -160,17 +162,13 @@ class GlooWeightTransferEngine(StagedRounds,
         assert self._inplace is not None and r.changed is not None
         start = time.perf_counter()
         try:
-            names = self._inplace.open_reload(self.model, r.changed)
-            self._reloading = bool(names)
-            load_naming_refusals(self.model.load_weights, self.model, self._inplace.reload_pairs(names, r.base))
+            said = self._inplace.reload(self.model, r.changed, r.base)
         except Exception as err:  # noqa: BLE001 - the whole group learns of it in the status
             return err
         finally:
+            self._reloading = self._inplace.opened != set()
             r.times["loading"] += time.perf_counter() - start
-        opened, reloadable = self._inplace.opened, self._inplace.reload_modules
-        _logger().info("gloo weight update: %d tensor(s) changed; reloaded %d tensor(s) in %s", len(r.changed),
-                       len(names), "the whole model" if opened is None else f"{len(opened)} of"
-                       f" {'the' if reloadable is None else len(reloadable)} reloadable layer(s)")
+        _logger().info("gloo weight update: %s", said)
         return None
 
     def finish_weight_update(self) -> None:
@@ -200,7 +198,7 @@ class GlooWeightTransferEngine(StagedRounds,
             if info.check_only:
                 return  # the staged round is complete: the swap that follows loads it
             if info.adapter_dir is None and not self._reloading:
-                self._start_reload(info)
+                self._start_reload(info, staging)
             if staging is not None:
                 self._swap(staging)
                 return
@@ -229,6 +227,8 @@ class GlooWeightTransferEngine(StagedRounds,
                    tied=dict.fromkeys(t.same_as for t in plan.tensors if t.same_as))
         if self._placing and self._inplace is not None and staging is None:
             r.targets, r.changed = {**base, **self._inplace.placed}, set()
+        elif staging is not None and staging.inplace is not None:  # in place at its swap: the writes recorded
+            r.targets, r.changed = {**base, **staging.deferred}, staging.changed
         if policy:
             if update_info.patch_of is not None and update_info.patch_of != self._kept:
                 error = RuntimeError(f"sparse round against the copy {update_info.patch_of!r}, but this worker keeps"
@@ -239,7 +239,7 @@ class GlooWeightTransferEngine(StagedRounds,
             r.digests = [[0, 0] for _ in range(plan.trainers)]
         with disable_mtp_completeness_check() if staging is None else contextlib.nullcontext():
             error = self._receive_chunks(r, plan, error)
-            if error is None and r.changed is not None:
+            if error is None and r.changed is not None and staging is None:
                 error = self._reload_changed(r)
         for work in r.forwards:
             work.wait(self.timeout)
@@ -436,10 +436,11 @@ def _log_round(plan: Plan, info: GlooWeightTransferUpdateInfo, r: _Round, *, sta
     times = r.times
     kept = sum(t.nbytes for t in r.base.values()) if not failed and info.keep_as else 0
     placed = len(r.targets) - len(r.base) if r.targets else 0
+    where = "to write in place at the swap" if staged else "written in place"
     _logger().info("gloo weight update: %d tensors, %.1f MB from %d trainer rank(s) in %.3f s (waiting for the"
                    " trainers and data %.3f s, %s %.3f s)%s", len(plan.tensors), plan.nbytes / 1e6, plan.trainers,
                    time.perf_counter() - times["round"], times["waiting"], "staging" if staged else "loading",
                    times["loading"], (", failed" if failed else "") + (
                        f", {'patched' if info.patch_of else 'kept'} a host copy of {kept / 1e6:.1f} MB"
-                       if kept else "") + (f", {placed} tensor(s) written in place" if placed else "") + (
+                       if kept else "") + (f", {placed} tensor(s) {where}" if placed else "") + (
                        f", into the draft model {draft_model}" if draft_model else ""))
