@@ -82,9 +82,8 @@ def main() -> None:
             where = torch.nonzero(after[name].view(-1) != before[name].view(-1)).view(-1)
             placed.set(where, after[name].view(-1)[where])
         changed = [k for k in inplace.reloaded if not torch.equal(after[k], before[k])]
-        names = inplace.open_reload(model, changed)
-        model.load_weights(list(inplace.reload_pairs(names, after)))
-        if names:
+        inplace.reload(model, changed, after)  # (what a worker runs: opens only the layers reached, loads them)
+        if inplace.open:
             finalize_layerwise_reload(model, worker.model_config)
         inplace.after_round(model, torch.bfloat16)
         layers = "all" if inplace.opened is None else len(inplace.opened)

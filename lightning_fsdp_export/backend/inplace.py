@@ -311,15 +311,20 @@ class InPlace:
                  time.perf_counter() - start)
         return inplace
 
-    def open_reload(self, model: torch.nn.Module, changed: Iterable[str] | None = None) -> list[str]:
-        """Start vLLM's layerwise reload for the layers that a reloaded tensor in ``changed`` (``None``: every
-        reloaded tensor) fills, and every layer that shares one with them; the reloaded tensors to load into them, in
-        order (a layerwise reload needs all of a layer's tensors: the unchanged ones from the copy). A layer that
-        nothing changed in is not touched: it keeps what it holds. Empty: nothing opened."""
+    @property
+    def open(self) -> bool:
+        """Whether the last :meth:`open_reload` opened any layer (vLLM's finalize must then close them)."""
+        return self.opened != set()
+
+    def open_reload(self, model: torch.nn.Module, changed: Iterable[str]) -> list[str]:
+        """Start vLLM's layerwise reload for the layers that a reloaded tensor in ``changed`` fills, and every layer
+        that shares one with them; the reloaded tensors to load into them, in order (a layerwise reload needs all of
+        a layer's tensors: the unchanged ones from the copy). A layer that nothing changed in is not touched: it keeps
+        what it holds. Empty: nothing opened."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         self.opened = set()  # (set before vLLM opens anything: what ``finalize`` must close, even after a failure)
-        names = set(self.reloaded if changed is None else (n for n in changed if n in self.reloaded))
+        names = {n for n in changed if n in self.reloaded}
         if not names:
             return []
         if self.reload_modules is None:  # a tensor that reached no loader: nothing says which layers it fills

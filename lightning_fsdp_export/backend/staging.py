@@ -166,4 +166,4 @@ class StagedRounds:
             return f"{written} tensor(s) written in place, " + inplace.reload(self.model, staging.changed,
                                                                                 staging.base)
         finally:
-            self._reloading = inplace.opened != set()
+            self._reloading = inplace.open

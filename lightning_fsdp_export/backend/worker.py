@@ -166,7 +166,7 @@ class GlooWeightTransferEngine(StagedRounds,
         except Exception as err:  # noqa: BLE001 - the whole group learns of it in the status
             return err
         finally:
-            self._reloading = self._inplace.opened != set()
+            self._reloading = self._inplace.open
             r.times["loading"] += time.perf_counter() - start
         _logger().info("gloo weight update: %s", said)
         return None
