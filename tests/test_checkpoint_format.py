@@ -6,6 +6,7 @@ The 2-rank checks against ``save_pretrained`` for every family are in ``tests/te
 from __future__ import annotations
 
 import copy
+from datetime import timedelta
 from pathlib import Path
 
 import pytest
@@ -309,6 +310,94 @@ def test_a_whole_vlm_renamed_by_pretrained_holds_every_checkpoint_tensor_so_an_e
     check, message = exact_verdict(engine, before, zeroed, fmt.parts_not_held)  # type: ignore[arg-type]
     assert check is not None and check.kept == 0 and engine.reloads == 0
     assert message is not None and "multi_modal_projector.linear_1.bias" in message and "whole model" in message
+
+
+def tiny_idefics3() -> torch.nn.Module:
+    """SmolVLM's layout: tower, connector and text model all under one top-level ``model.``."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration
+
+    torch.manual_seed(0)
+    return Idefics3ForConditionalGeneration(Idefics3Config(
+        text_config=dict(model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=512,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2),
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=32, patch_size=8), scale_factor=2, image_token_id=508))
+
+
+def test_the_exact_check_keeps_a_tower_nested_under_the_text_models_top_level_module(tmp_path: Path) -> None:
+    # Issue 66: a text model trained out of an Idefics3 checkpoint (model.vision_model.*, model.connector.*,
+    # model.text_model.*): the tower shares its top-level module with the text model the push reaches, so deciding by
+    # the top-level module compared the tower (21 mismatches, and the engine left zeroed). What is kept is now decided
+    # at the depth of the part the trainer does not hold.
+    from transformers import LlamaForCausalLM
+
+    from lightning_fsdp_export.prepare.pretrained import load_hf_checkpoint
+
+    vlm = tiny_idefics3().to(torch.bfloat16)
+    vlm.save_pretrained(tmp_path)
+    text = LlamaForCausalLM(vlm.config.text_config).to(torch.bfloat16)
+    load_hf_checkpoint(text, tmp_path)
+    fmt = CheckpointFormat.of(text)
+    assert fmt.relocation is not None and ("model.", "model.text_model.") in fmt.relocation
+    not_held = fmt.parts_not_held
+    assert {"vision_model", "connector"} <= not_held and not {"model", "text_model", "layers"} & not_held
+    tower, proj = "model.vision_model.encoder.layers.0.mlp.fc1.bias", "model.connector.modality_projection.proj.weight"
+    norm, head = "model.text_model.norm.weight", "lm_head.weight"
+    before = {"e": {tower: "t", proj: "c", norm: "n", head: "h"}}
+    zeroed = {"e": {tower: "z", proj: "z", norm: "z", head: "z"}}
+    after = {"e": {tower: "z", proj: "z", norm: "n", head: "h"}}  # the push restored the text model only
+    check = compare_checksums(before, after, zeroed, not_held)
+    assert (check.compared, check.kept, check.mismatched) == (2, 2, [])
+    # a part the trainer does not hold but the push changed is compared (so a wrong value there is named)
+    touched = {"e": {**after["e"], proj: "x"}}
+    assert compare_checksums(before, touched, zeroed, not_held).mismatched == [f"e: {proj}"]
+    # a part of the text model the push missed is a mismatch whatever its depth
+    missed = {"e": {**after["e"], norm: "z"}}
+    assert compare_checksums(before, missed, zeroed, not_held).mismatched == [f"e: {norm}"]
+
+
+class FakeEngine:
+    """An engine's checksums as vLLM's checker gives them, zeroed and reloaded as the exact check does (a fake: the
+    real engines run in tests/test_families.py's ``@fault`` and ``@drop`` scenarios)."""
+
+    def __init__(self, reload_fails: bool = False, reload_differs: bool = False) -> None:
+        self.sums = {"a": "1", "b": "2"}
+        self.reload_fails, self.reload_differs = reload_fails, reload_differs
+
+    def weight_checksums(self) -> dict[str, dict[str, str]]:
+        return {"e": dict(self.sums)}
+
+    def reset_weights(self) -> None:
+        self.sums = {"a": "0", "b": "0"}
+
+    def reload_checkpoint(self) -> None:
+        if self.reload_fails:
+            raise OSError("disk gone")
+        self.sums = {"a": "1", "b": "3" if self.reload_differs else "2"}
+
+
+def test_a_failed_exact_check_reloads_the_engine_or_fails_whatever_on_error_says() -> None:
+    # Issue 66 item 2: no exit leaves an engine zeroed. After a failure the engine reloads its checkpoint and must hold
+    # what it held before the check; if it cannot, the error is EngineNotRestored (raised even with on_error="warn").
+    from lightning_fsdp_export._common import SyncGroup, WeightSyncError
+    from lightning_fsdp_export.sync.exact import EngineNotRestored, restore_after_failure
+
+    group = SyncGroup(timedelta(seconds=5))  # (no process group: one rank)
+    failure = WeightSyncError("Exact check of version 1 failed (rank 0: ...).")
+    engine = FakeEngine()
+    baseline = engine.weight_checksums()
+    engine.reset_weights()
+    err = restore_after_failure(group, engine, baseline, failure)  # type: ignore[arg-type]
+    assert type(err) is WeightSyncError and engine.weight_checksums() == baseline
+    assert "Exact check of version 1 failed" in str(err) and "reloaded from its checkpoint" in str(err)
+    for engine, said in ((FakeEngine(reload_fails=True), "reloading its checkpoint failed (OSError: disk gone)"),
+                         (FakeEngine(reload_differs=True), "after reloading its checkpoint 1 parameter(s) differ from"
+                                                           " what the engine held before the check: e: b")):
+        baseline = engine.weight_checksums()
+        engine.reset_weights()
+        err = restore_after_failure(group, engine, baseline, failure)  # type: ignore[arg-type]
+        assert isinstance(err, EngineNotRestored) and f"rank 0: {said}" in str(err), err
+        assert "may serve zeroed parameters" in str(err)
 
 
 def test_a_checkpoint_with_an_mtp_layer_is_no_refusal_and_its_layer_is_the_drafters(tmp_path: Path) -> None:

@@ -80,7 +80,8 @@ SYNCED = [a for arch in SERVED for a in ([arch, f"deepseek_v3@{OTHER_MLA}"] if a
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    only = [f"export:{arch}" for arch in FAMILIES] + ["lora:qwen3_moe"] + [f"sync:{a}" for a in SYNCED]
+    only = [f"export:{arch}" for arch in FAMILIES] + ["lora:qwen3_moe"] + [f"sync:{a}" for a in SYNCED] + [
+        "sync:qwen3@fault"]
     return run_torchrun("families.py", tmp_path_factory.mktemp("families") / "results.json",
                         "--only", ",".join(only), env=ENGINE_ENV, timeout=900)
 
@@ -384,13 +385,31 @@ def test_a_whole_vlm_sync_that_misses_a_module_fails_the_exact_check_naming_it(v
         "multi_modal_projector.linear_1.bias", "multi_modal_projector.linear_2.bias"]
     assert len(got["warnings"]) == 2 and "Exact check of version 1 failed" in got["warnings"][0], got["warnings"]
     assert "trainer holds the whole model" in got["warnings"][0]
-    assert first["image_diff"] > IMAGE_TOLERANCE  # what the engine served meanwhile: the projector zeroed
+    # issue 66: the failed check zeroed the engine; it then reloaded its checkpoint (the trainer's weights at this first
+    # sync), so it serves the projector it loaded, never zeroes (it did, image logprobs 0.13-0.66 off, before)
+    assert "Every engine was then reloaded from its checkpoint" in got["warnings"][0], got["warnings"]
+    assert first["off_checkpoint"] == [] and first["image_diff"] < IMAGE_TOLERANCE, first
     # the next sync leaves it out again (stale since): verify="logprobs" scores an image probe, which a text probe
     # (0.006 here) could not see
     second = got["checks"][1]
     assert second["stale"] is True and second["image_diff"] > IMAGE_TOLERANCE, second
     assert "Weight sync of version 2 did not verify" in got["warnings"][1], got["warnings"]
     assert "the engine's image probe logprobs differ" in got["warnings"][1]
+
+
+@pytest.mark.vllm
+def test_an_exact_check_whose_push_fails_half_way_leaves_the_engine_on_its_checkpoint(results: dict[str, Any]) -> None:
+    # Issue 66 item 2: the exact check zeroes the engine, then its push fails half-way (FailingVLLM: a real engine, the
+    # failure injected after half of the tensors). with on_error="warn" training goes on; the engine must not serve
+    # the zeroed half: it reloads its checkpoint (the trainer's weights at the first sync), every parameter the
+    # checker sees back as it loaded it, and the next sync (full) is right.
+    got = scenario(results, "sync:qwen3@fault")
+    first, second = got["checks"]
+    assert first["stale"] is True and first["off_checkpoint"] == [], first
+    assert first["max_diff"] < LOGPROB_TOLERANCE, first  # serving the checkpoint, which the trainer holds at step 0
+    assert "injected: the push broke half-way" in got["warnings"][0], got["warnings"]
+    assert "Every engine was then reloaded from its checkpoint" in got["warnings"][0], got["warnings"]
+    assert second["stale"] is False and second["max_diff"] < LOGPROB_TOLERANCE and second["moved"] >= MOVED_AT_LEAST
 
 
 @pytest.mark.vllm

@@ -23,9 +23,16 @@ from lightning_fsdp_export._common import SyncGroup, WeightSyncError
 from lightning_fsdp_export.export.source import ExportSource
 from lightning_fsdp_export.strategy_core import LazyExportCore
 from lightning_fsdp_export.sync.agreement import FAILED, agree_after, agree_arrived, agree_before
-from lightning_fsdp_export.sync.exact import EXACT_FAILED, ExactCheck, check_precondition, exact_verdict
+from lightning_fsdp_export.sync.exact import (
+    EXACT_FAILED,
+    EngineNotRestored,
+    ExactCheck,
+    check_precondition,
+    exact_verdict,
+    restore_after_failure,
+)
 from lightning_fsdp_export.sync.options import OnError, SyncLora, SyncOptions, WhenBusy
-from lightning_fsdp_export.sync.pushes import consume, plan_pushes, refusals, temporary_adapter_dir
+from lightning_fsdp_export.sync.pushes import Push, consume, plan_pushes, refusals, temporary_adapter_dir
 from lightning_fsdp_export.sync.verify import check_logprobs
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,
@@ -237,7 +244,7 @@ class SyncEngine:
         self.stale = True
         self.served_version = None
         self._base_pushed = False
-        if self.options.on_error is OnError.RAISE:
+        if self.options.on_error is OnError.RAISE or isinstance(err, EngineNotRestored):
             raise err
         rank_zero_warn(f"{err} Training goes on (on_error='warn'); the next sync pushes every tensor again.")
 
@@ -250,26 +257,41 @@ class SyncEngine:
         agree_before(self._ranks, self.version, [p.source for p in pushes], partial(refusals, self.target),
                      check_finite=self.options.check_finite)
         exact, self._exact_pending = self._exact_pending, False
-        not_held = strategy.checkpoint_format.parts_not_held  # (a text model of the engine's VLM checkpoint)
-        baseline, zeroed, mine = consume(pushes, self.target if exact else None,  # type: ignore[arg-type]
-                                         part=bool(not_held))
-        agree_after(self._ranks, self.version, mine, FAILED)
-        if (exact or self.options.verify) and self.target.pushes_in_background:  # the checks read what arrived
-            agree_arrived(self._ranks, self.version, self.target)
         if exact:
-            assert isinstance(self.target, ExactCheckable)
-            self.last_exact_check, mine = exact_verdict(self.target, baseline, zeroed, not_held)
-            agree_after(self._ranks, self.version, mine, EXACT_FAILED)
-            check = self.last_exact_check
-            kept = f", {check.kept} not the trainer's (reloaded from the checkpoint)" if check.kept else ""
-            rank_zero_info(f"{self._owner} exact check passed: {check.compared} engine parameter(s) restored"
-                           f" bit for bit, {check.not_comparable} not comparable (repacked by the engine){kept}.")
+            self._exact_sync(strategy, pushes)
+        else:
+            _, _, mine = consume(pushes, None)
+            agree_after(self._ranks, self.version, mine, FAILED)
+            if self.options.verify and self.target.pushes_in_background:  # verify reads what arrived
+                agree_arrived(self._ranks, self.version, self.target)
         if self.options.verify:
             assert isinstance(self.target, ScoresLogprobs)
             diff, mine = check_logprobs(strategy, self.target, self.options.verify_tolerance)
             self.last_verify_diff = diff if diff is not None else self.last_verify_diff
             agree_after(self._ranks, self.version, mine, "Weight sync of version {version} did not verify ({lines}).")
         return [p.source for p in pushes]
+
+    def _exact_sync(self, strategy: LazyExportCore, pushes: list[Push]) -> None:
+        """Every rank, the first sync with ``exact_first_sync=True``: checksums, zero, push, compare (sync/exact.py).
+        A check that fails leaves no engine zeroed: each reloads its checkpoint (or the error says it could not)."""
+        target = self.target
+        assert isinstance(target, ExactCheckable)
+        not_held = strategy.checkpoint_format.parts_not_held  # (a text model of the engine's VLM checkpoint)
+        baseline: dict[str, dict[str, str]] = {}
+        try:
+            baseline, zeroed, mine = consume(pushes, target, part=bool(not_held))
+            agree_after(self._ranks, self.version, mine, FAILED)
+            if target.pushes_in_background:  # the check reads what arrived
+                agree_arrived(self._ranks, self.version, target)
+            self.last_exact_check, mine = exact_verdict(target, baseline, zeroed, not_held)
+            agree_after(self._ranks, self.version, mine, EXACT_FAILED)
+        except WeightSyncError as failure:
+            raise restore_after_failure(self._ranks, target, baseline, failure) from failure
+        check = self.last_exact_check
+        assert check is not None
+        kept = f", {check.kept} not the trainer's (reloaded from the checkpoint)" if check.kept else ""
+        rank_zero_info(f"{self._owner} exact check passed: {check.compared} engine parameter(s) restored"
+                       f" bit for bit, {check.not_comparable} not comparable (repacked by the engine){kept}.")
 
     def _ensure_target(self, run: SyncRun, strategy: LazyExportCore) -> None:
         if self._target_ready:

@@ -17,11 +17,18 @@ A trainer holding only part of what the engine serves (the text model of a visio
 by ``pretrained=``: ``CheckpointFormat.relocation``) leaves the rest zeroed by step 2. Which part is decided from the
 trainer's model, never from the push: ``pretrained=`` records the module names of the checkpoint tensors the
 trainer's model does not hold (``CheckpointFormat.parts_not_held``). Only then are the checksums also taken right
-after the reset; a top-level module of the engine (``visual``) in which the push changed nothing is counted as *kept*
-(the engine's own) if, and only if, its name is one of those; every other parameter must be back bit for bit as
+after the reset. An engine parameter belongs to a part the trainer does not hold when a module on its path is named
+by one of those, at whatever depth (``visual.`` at the top of Qwen3.5's engine, ``model.vision_model.`` under the
+text model's own top-level module in Idefics3's): the part is the path up to the first such name. A part in which
+the push changed nothing is counted as *kept* (the engine's own); every other parameter must be back bit for bit as
 above, and the engine then reloads its own checkpoint (``reload_weights``), after which every parameter must equal
 step 1 again (the vision tower restored). A model the trainer holds whole keeps nothing: a module no push reached
 (a projector the export dropped) fails the check, named.
+
+A check that fails after step 2 never leaves the engine zeroed: every rank reloads the engine's checkpoint
+(:func:`restore_after_failure`), which the trainer's weights equal at this first sync, and the error says so; where
+that reload fails too (or leaves parameters off what the engine held before the check), the error is an
+:class:`EngineNotRestored`, which the sync raises whatever its ``on_error``.
 """
 
 from __future__ import annotations
@@ -31,13 +38,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lightning_fsdp_export._common import SyncGroup
+from lightning_fsdp_export._common import SyncGroup, WeightSyncError
 from lightning_fsdp_export.targets.base import ExactCheckable
 
 if TYPE_CHECKING:
     from lightning_fsdp_export.strategy import LazyExportFSDP2
 
-__all__ = ["EMPTY_SHA256", "EXACT_FAILED", "ExactCheck", "check_precondition", "compare_checksums", "exact_verdict"]
+__all__ = ["EMPTY_SHA256", "EXACT_FAILED", "EngineNotRestored", "ExactCheck", "check_precondition", "compare_checksums",
+           "exact_verdict", "restore_after_failure"]
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
@@ -66,6 +74,17 @@ def _module(name: str) -> str:
     return name.rsplit(":", 1)[-1].split(".", 1)[0]
 
 
+def _part_not_held(name: str, not_held: frozenset[str]) -> str | None:
+    """The part of the engine a checksum's parameter ``name`` sits in that the trainer does not hold: its path up to
+    the first module named in ``not_held`` (``model.vision_model`` of ``model.vision_model.encoder.layers.0.fc1.weight``
+    when ``vision_model`` is not held), or ``None`` (a part the trainer holds)."""
+    parts = name.rsplit(":", 1)[-1].split(".")[:-1]
+    for depth, part in enumerate(parts):
+        if part in not_held:
+            return ".".join(parts[:depth + 1])
+    return None
+
+
 def compare_checksums(before: dict[str, dict[str, str]], after: dict[str, dict[str, str]],
                       zeroed: dict[str, dict[str, str]] | None = None,
                       not_held: frozenset[str] = frozenset()) -> ExactCheck:
@@ -74,23 +93,25 @@ def compare_checksums(before: dict[str, dict[str, str]], after: dict[str, dict[s
     Args:
         before: ``{engine: {parameter: sha256}}`` before the reset.
         after: the same after the push.
-        zeroed: the same right after the reset; with it, the parameters of a top-level module the push did not reach
-            at all are counted as kept if the module's name is in ``not_held``, and compared (so mismatched) if not.
+        zeroed: the same right after the reset; with it, the parameters of a part of the engine the trainer does not
+            hold (:func:`_part_not_held`: a module on their path is named in ``not_held``, at any depth) are counted as
+            kept if the push changed nothing in that part, and compared (so mismatched) if it changed anything there.
         not_held: module names the trainer's model does not hold (``CheckpointFormat.parts_not_held``).
     """
     compared = not_comparable = kept = 0
     mismatched: list[str] = []
     for engine, baseline in before.items():
         now = after.get(engine, {})
-        reached = None
-        if zeroed is not None:
-            zero = zeroed.get(engine, {})
-            reached = {_module(name) for name, digest in now.items() if digest != zero.get(name)}
+        partial = zeroed is not None and bool(not_held)  # (a whole model keeps nothing)
+        zero = zeroed.get(engine, {}) if zeroed is not None else {}
+        reached = {_part_not_held(name, not_held) for name, digest in now.items()
+                   if digest != zero.get(name)} if partial else set()
         for name, digest in sorted(baseline.items()):
             if digest == EMPTY_SHA256:
                 not_comparable += 1
                 continue
-            if reached is not None and _module(name) not in reached and _module(name) in not_held:
+            part = _part_not_held(name, not_held) if partial else None
+            if part is not None and part not in reached:
                 kept += 1
                 continue
             compared += 1
@@ -154,6 +175,43 @@ def exact_verdict(target: ExactCheckable, baseline: dict[str, dict[str, str]],
 
 def _unreached_hint(mismatched: list[str], not_held: frozenset[str]) -> str:
     """Which engine modules the mismatches are in, and what the trainer holds (nothing there may be kept)."""
-    modules = sorted({_module(line.split(": ", 1)[-1]) for line in mismatched})
+    names = [line.split(": ", 1)[-1] for line in mismatched]
+    modules = sorted({_part_not_held(name, not_held) or _module(name) for name in names})
     held = "the whole model" if not not_held else "the checkpoint but modules " + ", ".join(sorted(not_held)[:6])
     return f" (engine module(s) {', '.join(modules)}; the trainer holds {held}, so none of these is the engine's own)"
+
+
+class EngineNotRestored(WeightSyncError):
+    """An exact check failed once the engine was zeroed, and reloading the engine's checkpoint did not bring it back:
+    it may serve zeroed parameters. The sync raises it whatever its ``on_error`` says."""
+
+
+def restore_after_failure(group: SyncGroup, target: ExactCheckable, baseline: dict[str, dict[str, str]],
+                          failure: WeightSyncError) -> WeightSyncError:
+    """Every rank, an exact check that failed once its engine may have been zeroed (the push failed, a parameter did
+    not load, a kept part could not be reloaded): the engine reloads its own checkpoint, which the trainer's weights
+    equal at this first sync (:func:`check_precondition`), and must then hold again what it held before the check
+    (``baseline``, where it was read). Returns the error to raise: ``failure`` saying so, or an
+    :class:`EngineNotRestored` naming the ranks whose engine is not back."""
+    mine = None
+    try:
+        target.reload_checkpoint()
+        if baseline:
+            off = compare_checksums(baseline, target.weight_checksums()).mismatched
+            if off:
+                mine = (f"after reloading its checkpoint {len(off)} parameter(s) differ from what the engine held"
+                        f" before the check: {', '.join(off[:8])}")
+    except Exception as err:  # noqa: BLE001 - reported through the agreement
+        mine = f"reloading its checkpoint failed ({type(err).__name__}: {err})"
+    try:
+        failures = [(rank, msg) for rank, msg in enumerate(group.gather(mine)) if msg]
+    except WeightSyncError as gone:  # a rank is gone: this rank's own word only
+        failures = [(group.rank, mine or f"the other ranks could not say whether theirs is back ({gone})")]
+    if failures:
+        lines = "; ".join(f"rank {rank}: {msg}" for rank, msg in failures)
+        return EngineNotRestored(f"{failure} The engine could not be restored from its checkpoint either ({lines}): it"
+                                 " may serve zeroed parameters, so the sync raises whatever on_error says. Restart the"
+                                 " engine (or server) before training goes on.")
+    return WeightSyncError(f"{failure} Every engine was then reloaded from its checkpoint, which equals the trainer's"
+                           " weights at this first sync (checked by checksum where the engine reports one): it serves"
+                           " them, not zeroed parameters.")

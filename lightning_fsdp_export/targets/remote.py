@@ -37,7 +37,7 @@ from lightning_fsdp_export.targets.remote_directory import DirectoryReload
 from lightning_fsdp_export.transfer.adapters import AdapterFiles, adapter_problems, adapter_rank
 from lightning_fsdp_export.transfer.base import Transfer
 from lightning_fsdp_export.transfer.frame import NativeTransfer
-from lightning_fsdp_export.transfer.http import Server, on_all
+from lightning_fsdp_export.transfer.http import Server, ServerError, on_all, on_each
 from lightning_fsdp_export.transfer.pool import ServerPool, Urls
 from lightning_fsdp_export.transfer.transports import Directory, Transport, parse_transport
 
@@ -279,9 +279,18 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
 
     @override
     def reload_checkpoint(self) -> None:
-        """Every server reloads its own checkpoint (``/collective_rpc`` ``reload_weights``); rank 0 only."""
-        if self._is_rank_zero:
-            on_all(self.servers, _reload_checkpoint)
+        """Every server reloads its own checkpoint (``/collective_rpc`` ``reload_weights``), paused meanwhile; rank 0
+        only. The servers that reloaded are resumed; one that could not be paused or reloaded stays paused (it never
+        serves what a failed reload left), named in the error."""
+        if not self._is_rank_zero:
+            return
+        failed = on_each(self.servers, lambda s: s.pause(self.pause_mode))
+        failed |= on_each([s for s in self.servers if s not in failed], _reload_checkpoint)
+        failed |= on_each([s for s in self.servers if s not in failed], lambda s: s.resume())
+        if failed:
+            lines = "; ".join(f"{s.url}: {err}" for s, err in failed.items())
+            raise ServerError(f"{len(failed)} of {len(self.servers)} server(s) could not reload their checkpoint and"
+                              f" stay paused ({lines})", next(iter(failed)).url)
 
     @override
     def weight_checksums(self) -> dict[str, dict[str, str]]:

@@ -250,6 +250,7 @@ class Compare(pl.Callback):
         self.checks.append({"version": self.sync.version, "step": trainer.global_step, "max_diff": diff, "moved": moved,
                             "verify_diff": self.sync.last_verify_diff, "stale": self.sync.stale,
                             "exact": exact_record(self.sync, first=not self.checks), "tower": tower(self.sync),
+                            "off_checkpoint": off_checkpoint(self.sync.target),
                             "drafter": drafter(llm, trainer, self.drafter),
                             "image_diff": image_gap(llm, pl_module, trainer, self.path) if self.path else None})
 
@@ -293,11 +294,52 @@ def fit_from(path: Path, callbacks: list[pl.Callback], steps: int, text: bool = 
     return trainer
 
 
-class DroppingVLLM(ColocatedVLLM):
+class FirstSums(ColocatedVLLM):
+    """Keeps ``first_sums``: the engine's checksums the first time they are read (by the exact check, before it zeroes
+    the engine: what the engine loaded from its checkpoint)."""
+
+    first_sums: dict[str, dict[str, str]] | None = None
+
+    def weight_checksums(self) -> dict[str, dict[str, str]]:
+        sums = super().weight_checksums()
+        self.first_sums = self.first_sums or sums
+        return sums
+
+
+def off_checkpoint(target: Any) -> list[str] | None:
+    """The engine parameters whose checksum is no longer what the engine loaded from its checkpoint (``FirstSums``
+    targets only; ``None`` otherwise)."""
+    first = getattr(target, "first_sums", None)
+    if first is None:
+        return None
+    now = target.weight_checksums()
+    return sorted(n for e, sums in first.items() for n, d in sums.items() if now.get(e, {}).get(n) != d)
+
+
+class DroppingVLLM(FirstSums):
     """A fault injected for the test: every push leaves out the projector's tensors (``multi_modal_projector.*``)."""
 
     def push(self, weights: Any, *, version: int) -> None:
         super().push(((n, t) for n, t in weights if not n.startswith("multi_modal_projector.")), version=version)
+
+
+class FailingVLLM(FirstSums):
+    """A fault injected for the test: the first push fails half-way (its first half of the tensors loaded, after the
+    exact check zeroed the engine)."""
+
+    pushes = 0
+
+    def push(self, weights: Any, *, version: int) -> None:
+        self.pushes += 1
+        if self.pushes > 1:
+            return super().push(weights, version=version)
+
+        def half() -> Any:
+            items = list(weights)
+            yield from items[:len(items) // 2]
+            raise RuntimeError("injected: the push broke half-way")
+
+        super().push(half(), version=version)
 
 
 def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict[str, Any]:
@@ -306,7 +348,8 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
     ``backend``: vLLM's ``attention_backend`` (``"CPU_MLA"``, ``"AMX_MLA"``: on a CPU without AMX tiles too, through
     ``tests/scripts/amx_mla.py``), else the one vLLM picks on this CPU; ``"vlm"``: the engine serves the
     vision-language checkpoint (``tiny_vlm``), the trainer its text model; ``"drop"``: every push leaves out the
-    projector (``DroppingVLLM``), one step; ``"text"``: the engine serves a whole-VLM checkpoint
+    projector (``DroppingVLLM``), one step; ``"fault"``: the first push fails half-way (``FailingVLLM``), one step;
+    ``"text"``: the engine serves a whole-VLM checkpoint
     (:data:`WHOLE_VLMS`), the trainer its text model (LLaVA's untied head moves with it: two relocations).
     :data:`WHOLE_VLMS` otherwise: the whole VLM trained on image batches (``ImageLM``), an image prompt compared after
     every sync too."""
@@ -317,7 +360,7 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
     vlm, mtp, text = backend == "vlm", backend == "mtp", backend == "text"
     path = checkpoint(arch, vlm, mtp)
     seed_everything(0)
-    extra = {} if backend in (None, "vlm", "drop", "text") else {"attention_backend": backend}
+    extra = {} if backend in (None, "vlm", "drop", "text", "fault") else {"attention_backend": backend}
     if mtp:  # speculative decoding, drafted by the checkpoint's MTP layer
         extra = {"speculative_config": {"method": "mtp", "num_speculative_tokens": 1}, "disable_log_stats": False}
     if backend == "AMX_MLA":
@@ -326,7 +369,7 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
         amx_mla.install()
     if arch in WHOLE_VLMS:  # the images the engine takes (each costs 16 of the 128 tokens at most)
         extra = {"limit_mm_per_prompt": {"image": 1}}
-    target = (DroppingVLLM if backend == "drop" else ColocatedVLLM)(
+    target = {"drop": DroppingVLLM, "fault": FailingVLLM}.get(backend or "", ColocatedVLLM)(
         model=str(path), dtype="bfloat16", max_model_len=128, enforce_eager=True, **extra)
     drafter = mtp_drafter(path) if mtp else None  # the MTP layer, under its names in the checkpoint
     tolerance = 0.1 if arch in WHOLE_VLMS and not text else 0.3  # (whole VLMs: text and image probes <= 0.021 seen)
@@ -335,7 +378,7 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
     compare = Compare(sync, drafter, images=path if arch in WHOLE_VLMS and not text else None)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit_from(path, [sync, compare], 1 if backend == "drop" else steps, text=vlm or text, mtp=mtp)
+        fit_from(path, [sync, compare], 1 if backend in ("drop", "fault") else steps, text=vlm or text, mtp=mtp)
     served = target.llm.llm_engine.model_config.architectures
     return {"checks": compare.checks, "backends": attention_backends(target.llm), "served": served,
             "warnings": [str(w.message)[:600] for w in caught if "Weight sync" in str(w.message)
