@@ -202,10 +202,10 @@ def tiny_vlm(arch: str, seed: int = 0) -> torch.nn.Module:
 
 
 
-WHOLE_VLMS = ("llava", "gemma3_vlm", "mistral3")
+WHOLE_VLMS = ("llava", "gemma3_vlm", "mistral3", "idefics3")
 """Vision-language models RL trains whole (tower, projector and text model), tiny (:func:`tiny_whole_vlm`): LLaVA
-(CLIP + Llama), Gemma 3 (SigLIP + Gemma 3) and Mistral 3 (Pixtral + Mistral); saved in vLLM's layout by
-:func:`save_whole_vlm`."""
+(CLIP + Llama), Gemma 3 (SigLIP + Gemma 3), Mistral 3 (Pixtral + Mistral) and Idefics3 (SmolVLM's layout: SigLIP tower,
+connector and Llama text model all under one top-level ``model.``); saved in vLLM's layout by :func:`save_whole_vlm`."""
 
 
 def tiny_whole_vlm(arch: str, seed: int = 0) -> torch.nn.Module:
@@ -214,7 +214,8 @@ def tiny_whole_vlm(arch: str, seed: int = 0) -> torch.nn.Module:
     them, and a zeroed bias looks restored to an exact check). LLaVA: 16 image tokens (``<image>``, id ``VOCAB - 4``);
     Gemma 3: 4 (``<start_of_image>``, id ``VOCAB - 3``, expands to ``<image_soft_token>`` x 4 between newlines);
     Mistral 3: 2 x 2 merged patches (``[IMG]``, id ``VOCAB - 4``, rows ended by ``[IMG_BREAK]``, then ``[IMG_END]``),
-    its head untied as published."""
+    its head untied as published; Idefics3: 4 (``<image>``, id ``VOCAB - 7``, after ``<fake_token_around_image>
+    <global-img>`` and before ``<fake_token_around_image>``; pixel shuffle 2), no image splitting."""
     text = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
                 num_key_value_heads=2, max_position_embeddings=256)
     vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, image_size=32,
@@ -233,6 +234,10 @@ def tiny_whole_vlm(arch: str, seed: int = 0) -> torch.nn.Module:
             text_config=T.MistralConfig(**text, head_dim=64, tie_word_embeddings=False),
             vision_config=T.PixtralVisionConfig(**vision, head_dim=32), image_token_index=VOCAB - 4,
             spatial_merge_size=2, vision_feature_layer=-1, multimodal_projector_bias=True, tie_word_embeddings=False))
+    elif arch == "idefics3":  # (its image processor runs without torchvision: transformers' PIL one)
+        model = T.Idefics3ForConditionalGeneration(T.Idefics3Config(
+            text_config=dict(text, model_type="llama", pad_token_id=VOCAB - 11), vision_config=vision, scale_factor=2,
+            image_token_id=VOCAB - 7, pad_token_id=VOCAB - 11))
     else:
         raise ValueError(f"tiny_whole_vlm({arch!r}): not one of {WHOLE_VLMS}.")
     with torch.no_grad():
@@ -252,10 +257,13 @@ def save_whole_vlm(model: torch.nn.Module, path: str | os.PathLike[str]) -> None
     model.save_pretrained(path)
     write_vllm_layout(path)
     size = model.config.vision_config.image_size
-    gemma, pixtral = model.config.model_type == "gemma3", model.config.model_type == "mistral3"
+    kind = model.config.model_type
+    gemma, pixtral, idefics = kind == "gemma3", kind == "mistral3", kind == "idefics3"
     words = (["\n", "\n\n\n", "\n\n\n\n", "\n\n", "<image_soft_token>", "<start_of_image>", "<end_of_image>",
               "<pad>"] if gemma else
              ["t504", "t505", "t506", "t507", "[IMG]", "[IMG_BREAK]", "[IMG_END]", "t511"] if pixtral else
+             ["<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>", "<row_1_col_1>", "t509",
+              "t510", "t511"] if idefics else
              ["t504", "t505", "t506", "t507", "<image>", "t509", "t510", "t511"])
     specials = ["<unk>", "<s>", "</s>"]  # (not t-words: an added token matches inside words, "t1" in "t13")
     vocab = ({f"t{i}": i for i in range(VOCAB - 11)} | {w: VOCAB - 11 + i for i, w in enumerate(specials)}
@@ -263,13 +271,24 @@ def save_whole_vlm(model: torch.nn.Module, path: str | os.PathLike[str]) -> None
     tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     special = ({"image_token": "<image_soft_token>", "boi_token": "<start_of_image>", "eoi_token": "<end_of_image>"}
-               if gemma else {"image_token": "[IMG]"} if pixtral else {"image_token": "<image>"})
+               if gemma else {"image_token": "[IMG]"} if pixtral else
+               {"image_token": "<image>", "fake_image_token": "<fake_token_around_image>",
+                "global_image_token": "<global-img>", "end_of_utterance_token": "<end_of_utterance>"} if idefics else
+               {"image_token": "<image>"})
     fast = PreTrainedTokenizerFast(tokenizer_object=tokenizer, unk_token="<unk>", eos_token="</s>", bos_token="<s>",
                                    pad_token="<pad>" if gemma else "<unk>", extra_special_tokens=special)
     if gemma:  # newlines are tokens of their own (vLLM's Gemma 3 processor looks them up)
         fast.add_special_tokens({"additional_special_tokens": words[:4]})
         T.Gemma3Processor(image_processor=T.Gemma3ImageProcessor(size={"height": size, "width": size}),
                           tokenizer=fast, image_seq_length=model.config.mm_tokens_per_image).save_pretrained(path)
+        return
+    if idefics:  # its special tokens are tokens of their own; one 32-pixel image, not split
+        fast.add_special_tokens({"additional_special_tokens": words[:5]})
+        image = T.Idefics3ImageProcessorPil(size={"longest_edge": size}, max_image_size={"longest_edge": size},
+                                            do_image_splitting=False)
+        T.Idefics3Processor(image_processor=image, tokenizer=fast,
+                            image_seq_len=(size // model.config.vision_config.patch_size
+                                           // model.config.scale_factor) ** 2).save_pretrained(path)
         return
     if model.config.model_type == "mistral3":  # 2 x 2 merged patches: [IMG] [IMG] [IMG_BREAK] [IMG] [IMG] [IMG_END]
         T.PixtralProcessor(image_processor=T.PixtralImageProcessor(size={"longest_edge": size}, patch_size=8),

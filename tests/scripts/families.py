@@ -381,7 +381,7 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
         fit_from(path, [sync, compare], 1 if backend in ("drop", "fault") else steps, text=vlm or text, mtp=mtp)
     served = target.llm.llm_engine.model_config.architectures
     return {"checks": compare.checks, "backends": attention_backends(target.llm), "served": served,
-            "warnings": [str(w.message)[:600] for w in caught if "Weight sync" in str(w.message)
+            "warnings": [str(w.message)[:4000] for w in caught if "Weight sync" in str(w.message)
                          or "Exact check" in str(w.message) or "verify=" in str(w.message)]}
 
 
@@ -441,8 +441,15 @@ def drafter(llm: Any, trainer: Trainer, pushed: Drafter | None) -> dict[str, Any
 def tower(sync: VLLMWeightSync) -> dict[str, str]:
     """The engine's checksums of every parameter outside its language model (a vision tower), by name."""
     sums = sync.target.weight_checksums()
-    return {name: digest for engine in sums.values() for name, digest in engine.items()
-            if name.rsplit(":", 1)[-1].split(".", 1)[0] not in ("language_model", "model", "lm_head")}
+    return {name: digest for engine in sums.values() for name, digest in engine.items() if _in_tower(name)}
+
+
+def _in_tower(name: str) -> bool:
+    """Whether an engine parameter is outside the language model: another top-level module (``visual.``,
+    ``vision_tower.``, ``multi_modal_projector.``), or Idefics3's tower and connector under its one ``model.``."""
+    parts = name.rsplit(":", 1)[-1].split(".")
+    return parts[0] not in ("language_model", "model", "lm_head") or parts[:2] in (["model", "vision_model"],
+                                                                                  ["model", "connector"])
 
 
 def exact_record(sync: VLLMWeightSync, *, first: bool) -> dict[str, Any] | None:
