@@ -574,3 +574,23 @@ def test_write_vllm_layout_gives_qwen3_vl_moe_the_published_orientation_and_norm
     fmt = CheckpointFormat.of(model)
     exported = {n: t for names, tensor in plan_export(model) for n, t in fmt.convert(names[0], tensor.detach())}
     assert exported.keys() == on_disk.keys() and all(torch.equal(exported[k], on_disk[k]) for k in on_disk)
+
+
+def test_a_text_config_field_vllm_reads_and_transformers_omits_is_named_and_written(tmp_path: Path) -> None:
+    # Issue 66 item 4: transformers 5.19's Glm4vMoeTextConfig (GLM-4.5V) has no use_qk_norm, which vLLM 0.32's GLM-4.5
+    # attention reads: no engine can be built on save_pretrained's config. The precheck names it; write_vllm_layout
+    # writes the published value (false), as for Qwen3-VL-MoE's norm_topk_prob (true).
+    import json
+
+    from transformers import Glm4vMoeConfig
+
+    from lightning_fsdp_export.targets import vision_layout_problem, write_vllm_layout
+    from lightning_fsdp_export.targets.vision_layout import PUBLISHED_FIELDS
+
+    Glm4vMoeConfig().save_pretrained(tmp_path)
+    assert "use_qk_norm" not in json.loads((tmp_path / "config.json").read_text())["text_config"]
+    problem = vision_layout_problem(tmp_path)
+    assert problem is not None and "without use_qk_norm" in problem and "use_qk_norm=False" in problem, problem
+    assert write_vllm_layout(tmp_path) == 0 and vision_layout_problem(tmp_path) is None
+    assert json.loads((tmp_path / "config.json").read_text())["text_config"]["use_qk_norm"] is False
+    assert PUBLISHED_FIELDS["qwen3_vl_moe"] == {"norm_topk_prob": True}

@@ -7,8 +7,12 @@ build):
 - a CLIP or SigLIP vision tower (LLaVA-style models, Gemma 3) as ``vision_tower.*``, published (and vLLM)
   ``vision_tower.vision_model.*`` ("There is no module or parameter named 'vision_tower.embeddings'");
 - Qwen3-VL-MoE's fused experts in the memory orientation (``gate_up_proj`` ``(E, 2I, H)``), published transposed
-  (``(E, H, 2I)``; vLLM's ``is_fused_checkpoint_transposed``); its config also lacks ``norm_topk_prob``, which vLLM's
-  Qwen3-VL-MoE reads.
+  (``(E, H, 2I)``; vLLM's ``is_fused_checkpoint_transposed``);
+- a text config without a field vLLM's loader of the family reads and transformers' config class of the vision-language
+  family omits (:data:`PUBLISHED_FIELDS`: Qwen3-VL-MoE's ``norm_topk_prob``, GLM-4.5V's ``use_qk_norm``). The values
+  are the published checkpoints', by family: transformers' text-only sibling's default is no rule to copy
+  (``Qwen3MoeConfig.norm_topk_prob`` defaults to ``False``, Qwen3-VL-MoE publishes ``true``, and a wrong value would
+  change the routing silently).
 
 :func:`vision_layout_problem` says so before an engine is built; :func:`write_vllm_layout` rewrites the checkpoint in
 place. A trainer reads the published layout (``pretrained=``; the export writes it too), so the same directory serves
@@ -25,11 +29,18 @@ from safetensors.torch import load_file, save_file
 
 from lightning_fsdp_export.prepare.pretrained import checkpoint_shapes
 
-__all__ = ["vision_layout_problem", "write_vllm_layout"]
+__all__ = ["PUBLISHED_FIELDS", "vision_layout_problem", "write_vllm_layout"]
 
 _TOWERS = ("clip_vision_model", "siglip_vision_model")  # towers whose vLLM module nests them under vision_model
 _BARE, _NESTED = "vision_tower.", "vision_tower.vision_model."
 _FUSED = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+
+PUBLISHED_FIELDS: dict[str, dict[str, object]] = {
+    "qwen3_vl_moe": {"norm_topk_prob": True},  # vLLM's Qwen3MoeSparseMoeBlock reads it
+    "glm4v_moe": {"use_qk_norm": False},  # vLLM's Glm4MoeAttention (GLM-4.5V's text model is GLM-4.5's) reads it
+}
+"""Text-config fields vLLM 0.32 reads that transformers 5.19's config of the family (``model_type``) lacks, with the
+value its published checkpoints hold."""
 
 
 def _config(path: Path) -> dict:
@@ -59,39 +70,49 @@ def _untransposed(path: Path) -> list[str]:
             and shape[1] != shape[2]]
 
 
+def _missing_fields(config: dict) -> dict[str, object]:
+    """The :data:`PUBLISHED_FIELDS` of ``config``'s family its text config lacks, with their published values."""
+    text = config.get("text_config") or {}
+    return {k: v for k, v in PUBLISHED_FIELDS.get(config.get("model_type", ""), {}).items() if k not in text}
+
+
 def vision_layout_problem(path: str | os.PathLike[str]) -> str | None:
     """Why vLLM 0.32 cannot build an engine on the checkpoint in ``path`` (a CLIP/SigLIP tower written as
-    ``vision_tower.*``, Qwen3-VL-MoE's experts untransposed), with the fix; ``None`` when it can, or ``path`` is not a
-    local checkpoint."""
+    ``vision_tower.*``, Qwen3-VL-MoE's experts untransposed, a text config without a :data:`PUBLISHED_FIELDS` field),
+    with the fix; ``None`` when it can, or ``path`` is not a local checkpoint."""
     path = Path(path)
     if not path.is_dir():
         return None
-    bare, flat = list(_renames(path)), _untransposed(path)
-    if not bare and not flat:
+    bare, flat, fields = list(_renames(path)), _untransposed(path), _missing_fields(_config(path))
+    if not bare and not flat and not fields:
         return None
+    published = ", ".join(f"{k}={v!r}" for k, v in fields.items())
     what = (f"its vision tower as vision_tower.* ({len(bare)} tensor(s), e.g. {bare[0]!r}), where vLLM 0.32 loads a"
-            " CLIP/SigLIP tower only as vision_tower.vision_model.*" if bare else
+            " CLIP/SigLIP tower only as vision_tower.vision_model.* (the published layout)" if bare else
             f"Qwen3-VL-MoE's fused experts untransposed ({len(flat)} tensor(s), e.g. {flat[0]!r}), where vLLM 0.32"
-            " reads them transposed")
-    return (f"{str(path)!r} holds {what} (the published layout), as transformers 5's save_pretrained writes it; the"
-            " engine would fail at build. Rewrite it once with `lightning_fsdp_export.targets.write_vllm_layout(dir)`"
-            " (in place; the trainer's pretrained= reads the published layout).")
+            " reads them transposed (the published layout)" if flat else
+            f"a text config without {', '.join(fields)}, which vLLM 0.32's loader of this family reads (published:"
+            f" {published})")
+    return (f"{str(path)!r} holds {what}, as transformers 5's save_pretrained writes it; the engine would fail at"
+            " build. Rewrite it once with `lightning_fsdp_export.targets.write_vllm_layout(dir)` (in place; the"
+            " trainer's pretrained= reads the published layout).")
 
 
 def write_vllm_layout(path: str | os.PathLike[str]) -> int:
     """Rewrite the checkpoint in ``path`` in the published layout vLLM 0.32 loads, in place (every safetensors file,
     and the index's weight map if sharded): a CLIP/SigLIP tower's ``vision_tower.*`` renamed
-    ``vision_tower.vision_model.*``; Qwen3-VL-MoE's fused experts transposed (dims 1 and 2) and ``norm_topk_prob``
-    set in its text config (``true``, as published) where missing. Returns how many tensors changed (0: nothing to do).
+    ``vision_tower.vision_model.*``; Qwen3-VL-MoE's fused experts transposed (dims 1 and 2); the text config's
+    :data:`PUBLISHED_FIELDS` set where missing (Qwen3-VL-MoE's ``norm_topk_prob``, GLM-4.5V's ``use_qk_norm``, as
+    published). Returns how many tensors changed (0: no tensor, though the config may have been completed).
 
     Args:
-        path: a directory written by ``save_pretrained`` of a LLaVA-style, Gemma 3 or Qwen3-VL-MoE model.
+        path: a directory written by ``save_pretrained`` of a LLaVA-style, Gemma 3, Qwen3-VL-MoE or GLM-4.5V model.
     """
     path = Path(path)
     renames, flat = _renames(path), set(_untransposed(path))
     config = _config(path)
-    if config.get("model_type") == "qwen3_vl_moe" and "norm_topk_prob" not in (config.get("text_config") or {}):
-        config["text_config"]["norm_topk_prob"] = True
+    if fields := _missing_fields(config):
+        config.setdefault("text_config", {}).update(fields)
         (path / "config.json").write_text(json.dumps(config, indent=2))
     if not renames and not flat:
         return 0
