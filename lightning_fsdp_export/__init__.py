@@ -7,7 +7,7 @@ its own ``LazyExportFSDP2``). vLLM is imported only when a vLLM target is built.
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
 from lightning.pytorch.strategies import StrategyRegistry
 
-from lightning_fsdp_export._common import WeightSyncError
+from lightning_fsdp_export._common import EngineNotRestored, WeightSyncError
 from lightning_fsdp_export.export import ExportReport, export_name, lazy_export
 from lightning_fsdp_export.fabric import strategy as _fabric_strategy
 from lightning_fsdp_export.rollouts import AsyncRollouts, RolloutBatch, RolloutError
@@ -21,6 +21,7 @@ __all__ = [
     "ColocatedVLLM",
     "DirectoryTarget",
     "Drafter",
+    "EngineNotRestored",
     "ExportReport",
     "InMemoryTarget",
     "LazyExportFSDP2",

@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from lightning_fsdp_export._compat import default_store
 
-__all__ = ["DEFAULT_SHARD_BYTES", "STAGINGS", "SyncGroup", "WeightSyncError", "check_staging", "compare_shapes",
-           "find_relocation", "Relocation", "trainer_part"]
+__all__ = ["DEFAULT_SHARD_BYTES", "STAGINGS", "EngineNotRestored", "SyncGroup", "WeightSyncError", "check_staging",
+           "compare_shapes", "find_relocation", "Relocation", "trainer_part"]
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
 """Largest safetensors file a directory version is split into (``DirectoryTarget`` and the ``Directory`` transport)."""
@@ -35,6 +35,12 @@ def check_staging(staging: object, owner: str) -> None:
 
 class WeightSyncError(RuntimeError):
     """A sync failed on at least one rank; every rank raises it, and the target is marked stale."""
+
+
+class EngineNotRestored(WeightSyncError):
+    """An exact check (``exact_first_sync=True``) failed once the engine was zeroed, and reloading the engine's
+    checkpoint did not bring it back: it may serve zeroed parameters. The sync raises it whatever its ``on_error``
+    says."""
 
 
 class SyncGroup:

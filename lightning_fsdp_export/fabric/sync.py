@@ -91,6 +91,8 @@ class WeightSync(HoldsSyncEngine):
 
         Raises:
             WeightSyncError: on every rank, when the sync failed (``on_error="raise"``), naming the ranks or servers.
+            EngineNotRestored: on every rank, whatever ``on_error`` says, when an exact check failed and the engine
+                could not be reloaded from its checkpoint (it may serve zeroed parameters).
         """
         self.setup(fabric)
         assert self._run is not None

@@ -65,7 +65,8 @@ class VLLMWeightSync(HoldsSyncEngine, SyncTriggers):
         adapter_dir: where ``lora="adapter"`` writes adapter directories (default: a temporary one, removed when
             the fit ends).
         on_error: ``"raise"`` stops the fit with :class:`WeightSyncError`; ``"warn"`` warns and trains
-            on (the target is stale and the next sync pushes every tensor again).
+            on (the target is stale and the next sync pushes every tensor again). A failed exact check reloads the
+            engine's checkpoint; where that fails too, :class:`EngineNotRestored` stops the fit either way.
         check_finite: refuse to push when any exported tensor holds NaN or Inf, naming it (checked
             on each rank's local shards before any gather).
         timeout: how long ranks wait for each other at a sync's control points (seconds or

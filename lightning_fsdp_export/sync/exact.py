@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from lightning_fsdp_export._common import SyncGroup, WeightSyncError
+from lightning_fsdp_export._common import EngineNotRestored, SyncGroup, WeightSyncError
 from lightning_fsdp_export.targets.base import ExactCheckable
 
 if TYPE_CHECKING:
@@ -179,11 +179,6 @@ def _unreached_hint(mismatched: list[str], not_held: frozenset[str]) -> str:
     modules = sorted({_part_not_held(name, not_held) or _module(name) for name in names})
     held = "the whole model" if not not_held else "the checkpoint but modules " + ", ".join(sorted(not_held)[:6])
     return f" (engine module(s) {', '.join(modules)}; the trainer holds {held}, so none of these is the engine's own)"
-
-
-class EngineNotRestored(WeightSyncError):
-    """An exact check failed once the engine was zeroed, and reloading the engine's checkpoint did not bring it back:
-    it may serve zeroed parameters. The sync raises it whatever its ``on_error`` says."""
 
 
 def restore_after_failure(group: SyncGroup, target: ExactCheckable, baseline: dict[str, dict[str, str]],

@@ -279,18 +279,9 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
 
     @override
     def reload_checkpoint(self) -> None:
-        """Every server reloads its own checkpoint (``/collective_rpc`` ``reload_weights``), paused meanwhile; rank 0
-        only. The servers that reloaded are resumed; one that could not be paused or reloaded stays paused (it never
-        serves what a failed reload left), named in the error."""
-        if not self._is_rank_zero:
-            return
-        failed = on_each(self.servers, lambda s: s.pause(self.pause_mode))
-        failed |= on_each([s for s in self.servers if s not in failed], _reload_checkpoint)
-        failed |= on_each([s for s in self.servers if s not in failed], lambda s: s.resume())
-        if failed:
-            lines = "; ".join(f"{s.url}: {err}" for s, err in failed.items())
-            raise ServerError(f"{len(failed)} of {len(self.servers)} server(s) could not reload their checkpoint and"
-                              f" stay paused ({lines})", next(iter(failed)).url)
+        """Every server reloads its own checkpoint, paused meanwhile (:func:`_reload_paused`); rank 0 only."""
+        if self._is_rank_zero:
+            _reload_paused(self.servers, self.pause_mode)
 
     @override
     def weight_checksums(self) -> dict[str, dict[str, str]]:
@@ -415,6 +406,18 @@ def _score(server: Server, adapter: str | None, token_ids: list[int]) -> list[fl
             "cache_salt": uuid.uuid4().hex}  # never a cached prefix of older weights (keep_old_kv)
     rows = server.completions(body)["choices"][0]["prompt_logprobs"][1:]
     return [row[str(token)]["logprob"] for row, token in zip(rows, token_ids[1:])]
+
+
+def _reload_paused(servers: list[Server], mode: PauseMode) -> None:
+    """Every server paused, reloaded from its own checkpoint (:func:`_reload_checkpoint`) and resumed; one that fails a
+    step stays paused, and the error names each."""
+    failed = on_each(servers, lambda s: s.pause(mode))
+    failed |= on_each([s for s in servers if s not in failed], _reload_checkpoint)
+    failed |= on_each([s for s in servers if s not in failed], lambda s: s.resume())
+    if failed:
+        lines = "; ".join(f"{s.url}: {err}" for s, err in failed.items())
+        raise ServerError(f"{len(failed)} of {len(servers)} server(s) could not reload their checkpoint and stay paused"
+                          f" ({lines})", next(iter(failed)).url)
 
 
 def _reload_checkpoint(server: Server) -> None:
