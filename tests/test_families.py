@@ -375,6 +375,10 @@ def test_vision_language_checkpoints_served_whole_exact_first_sync_then_logprobs
     assert got["served"] == [VLM_CLASSES[arch]], got["served"]
     check_colocated(got, arch.split("@")[0], min_compared=5 if arch.endswith("@text") else 10)  # (Mistral's text: 7)
     check_tower(got, arch)
+    # verify's image probe: whole VLMs score it with their own model; text models trained alone through the
+    # checkpoint's tower (issue 66 item 3); Qwen-VL families too (their 3-D positions as the VLM computes them)
+    assert all(c["image_probe"] is not None and c["image_probe"] < IMAGE_TOLERANCE for c in got["checks"]), (
+        [c["image_probe"] for c in got["checks"]])
     if arch in ("llava", "gemma3_vlm", "mistral3"):  # the tower and projector reach the engine at every sync
         assert all(c["image_diff"] < IMAGE_TOLERANCE for c in got["checks"]), got["checks"]
         assert len({tuple(sorted(c["tower"].items())) for c in got["checks"]}) == 3, "the tower did not move"
@@ -436,6 +440,14 @@ def test_a_tower_under_the_text_models_top_level_module_is_kept_by_the_exact_che
     check_colocated(got, "idefics3", min_compared=5)
     check_tower(got, arch)
     assert all(c["off_checkpoint"] is None for c in got["checks"])  # (a plain target)
+    # item 3: the sync's verify scores an image probe in both cases; a text model trained alone scores it through the
+    # checkpoint's tower (image_probe.py's _tower_part), and sees the engine's tower damaged behind the sync's back
+    # (its last norm zeroed: 0.61 here), which a text probe cannot
+    assert all(c["image_probe"] is not None and c["image_probe"] < IMAGE_TOLERANCE for c in got["checks"]), got
+    if arch == "idefics3@text":
+        damaged = got["damaged"]
+        assert damaged["zeroed"] == [1] and damaged["diff"] > 0.3, damaged
+        assert "the engine's image probe logprobs differ" in damaged["message"], damaged
     if arch == "idefics3":
         assert all(c["image_diff"] < IMAGE_TOLERANCE for c in got["checks"]), got["checks"]
         assert len({tuple(sorted(c["tower"].items())) for c in got["checks"]}) == 3, "the tower did not move"

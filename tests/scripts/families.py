@@ -251,6 +251,7 @@ class Compare(pl.Callback):
                             "verify_diff": self.sync.last_verify_diff, "stale": self.sync.stale,
                             "exact": exact_record(self.sync, first=not self.checks), "tower": tower(self.sync),
                             "off_checkpoint": off_checkpoint(self.sync.target),
+                            "image_probe": image_probe(trainer, self.sync.target),
                             "drafter": drafter(llm, trainer, self.drafter),
                             "image_diff": image_gap(llm, pl_module, trainer, self.path) if self.path else None})
 
@@ -259,6 +260,40 @@ class Compare(pl.Callback):
 
     def on_train_batch_end(self, trainer: Trainer, pl_module: CausalLM, *args: Any) -> None:
         self._check(trainer, pl_module)
+
+
+def image_probe(trainer: Trainer, target: Any) -> float | None:
+    """What the sync's verify scores after a picture (engine vs trainer), where the engine reads images; else None."""
+    from lightning_fsdp_export.sync.image_probe import image_probe_gap
+
+    gap, failed = image_probe_gap(trainer.strategy, target, PROMPTS[0][:16])
+    assert failed is None, failed
+    return gap
+
+
+def _zero_tower_norm(worker: Any) -> int:
+    """In a vLLM worker: the vision tower's last norm zeroed (a fault no sync made); how many tensors it zeroed."""
+    zeroed = [p.data.zero_() for n, p in worker.model_runner.model.named_parameters()
+              if n.endswith("vision_model.post_layernorm.weight")]
+    return len(zeroed)
+
+
+class DamageTower(pl.Callback):
+    """After the fit: the engine's tower damaged behind the sync's back (``_zero_tower_norm``), then the sync's own
+    verify: a text model trained alone must see it through the image probe, which a text probe cannot."""
+
+    def __init__(self, sync: VLLMWeightSync) -> None:
+        self.sync = sync
+        self.verdict: dict[str, Any] = {}
+
+    def on_train_end(self, trainer: Trainer, pl_module: pl.LightningModule) -> None:
+        from lightning_fsdp_export._compat import reset_caches
+        from lightning_fsdp_export.sync.verify import check_logprobs
+
+        zeroed = self.sync.target.llm.collective_rpc(_zero_tower_norm)
+        reset_caches(self.sync.target.llm)  # (the picture's encoder output is cached, as after a sync it is not)
+        diff, message = check_logprobs(trainer.strategy, self.sync.target, 0.3)
+        self.verdict = {"zeroed": zeroed, "diff": diff, "message": message}
 
 
 def mtp_drafter(path: Path) -> Drafter:
@@ -376,11 +411,14 @@ def scenario_sync(arch: str, steps: int = 2, backend: str | None = None) -> dict
     sync = VLLMWeightSync(target, verify="logprobs", verify_tolerance=tolerance, exact_first_sync=True,
                           on_error="warn", drafter=drafter)
     compare = Compare(sync, drafter, images=path if arch in WHOLE_VLMS and not text else None)
+    damage = DamageTower(sync)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        fit_from(path, [sync, compare], 1 if backend in ("drop", "fault") else steps, text=vlm or text, mtp=mtp)
+        fit_from(path, [sync, compare] + ([damage] if text and arch == "idefics3" else []),
+                 1 if backend in ("drop", "fault") else steps, text=vlm or text, mtp=mtp)
     served = target.llm.llm_engine.model_config.architectures
     return {"checks": compare.checks, "backends": attention_backends(target.llm), "served": served,
+            "damaged": damage.verdict,
             "warnings": [str(w.message)[:4000] for w in caught if "Weight sync" in str(w.message)
                          or "Exact check" in str(w.message) or "verify=" in str(w.message)]}
 
