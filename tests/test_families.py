@@ -47,8 +47,10 @@ LOGPROB_TOLERANCE = 0.1
 # per-layer inputs in bf16), moved >= 0.9 by a step.
 # Qwen3.5-MoE served as its VLM: 0.055 (prompt and continuation) and 0.096 (the sync's own verify, prompt only) at the
 # first sync, which is exact by the checker: bf16 routing of 4 tiny experts against the fp32 forward; <= 0.03 after.
+# Qwen3.5 dense served as its VLM: the image probe its text model scores through the checkpoint's tower (issue 66) 0.12
+# at the first sync, which is exact by the checker, 0.05 after; text 0.06-0.11 (gated delta attention in bf16).
 TOLERANCE = {"gpt_oss": 0.25, "nemotron_h": 0.3, "granitemoehybrid": 0.3, "gemma4": 0.2, "qwen3_5_moe": 0.2,
-             "qwen3_vl_moe": 0.2}
+             "qwen3_vl_moe": 0.2, "qwen3_5": 0.2}
 MOVED_AT_LEAST = 0.3
 # Qwen3-Next through its server moved 0.279 by the first step (its gaps stay <= 0.011, far inside the tolerance);
 # Qwen3.5-MoE 0.311 (its tolerance 0.2).
@@ -377,7 +379,8 @@ def test_vision_language_checkpoints_served_whole_exact_first_sync_then_logprobs
     check_tower(got, arch)
     # verify's image probe: whole VLMs score it with their own model; text models trained alone through the
     # checkpoint's tower (issue 66 item 3); Qwen-VL families too (their 3-D positions as the VLM computes them)
-    assert all(c["image_probe"] is not None and c["image_probe"] < IMAGE_TOLERANCE for c in got["checks"]), (
+    tolerance = TOLERANCE.get(arch.split("@")[0], IMAGE_TOLERANCE)  # (Qwen3-VL-MoE 0.011-0.045, Qwen3.5 <= 0.12)
+    assert all(c["image_probe"] is not None and c["image_probe"] < tolerance for c in got["checks"]), (
         [c["image_probe"] for c in got["checks"]])
     if arch in ("llava", "gemma3_vlm", "mistral3"):  # the tower and projector reach the engine at every sync
         assert all(c["image_diff"] < IMAGE_TOLERANCE for c in got["checks"]), got["checks"]

@@ -187,7 +187,8 @@ def _tower_part(path: str, ids: tuple[int, ...], dtype: str) -> _TowerPart | str
         kwargs = fed.args[0]
     finally:
         handle.remove()
-    other = sorted(k for k, v in kwargs.items() if v is not None and k not in _PASSED + _IGNORED)
+    other = sorted(k for k, v in kwargs.items()  # (flags such as output_router_logits are no inputs)
+                   if isinstance(v, torch.Tensor | list | tuple | dict) and k not in _PASSED + _IGNORED)
     if other:
         return f"its {cls.__name__} feeds its text model more than embeddings ({', '.join(other)})"
     with torch.no_grad():
