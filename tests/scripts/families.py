@@ -564,6 +564,52 @@ def scenario_remote(arch: str, url: str, steps: int = 2, vlm: bool = False, mtp:
             "after_sparse": getattr(record, "after_sparse", None)}
 
 
+class LosingRemote(RemoteVLLM):
+    """A fault injected for the test: the first push is lost, as if the servers had dropped the round (rank 0 zeroes
+    them right after it through vLLM's weight checker); ``first_sums`` as :class:`FirstSums` (rank 0)."""
+
+    first_sums: dict[str, dict[str, str]] | None = None
+    pushes = 0
+
+    def weight_checksums(self) -> dict[str, dict[str, str]]:
+        sums = super().weight_checksums()
+        self.first_sums = self.first_sums or sums or None
+        return sums
+
+    def push_source(self, source: Any, *, version: int) -> None:
+        super().push_source(source, version=version)
+        self.pushes += 1
+        if self.pushes == 1 and dist.get_rank() == 0:
+            for server in self.servers:
+                server.zero_weights()
+
+
+def scenario_remote_fault(arch: str, url: str) -> dict[str, Any]:
+    """Issue 66 against a real server: the exact first sync fails (its push lost, ``LosingRemote``), with
+    ``on_error="warn"``; the server must then be reloaded from its checkpoint and resumed: right after the failure it
+    answers (a paused one would not), every checksum as it loaded them, logprobs the trainer's (step 0). No later sync,
+    so the next scenario on the same server starts from its checkpoint (its own exact check)."""
+    from lightning_fsdp_export.sync.verify import check_logprobs
+
+    path = checkpoint(arch)
+    seed_everything(0)
+    target = LosingRemote(url, transport=Gloo(shard_direct=True), timeout=120)
+    sync = VLLMWeightSync(target, exact_first_sync=True, on_error="warn", every_n_train_steps=10**6)
+    after: dict[str, Any] = {}
+
+    class After(pl.Callback):
+        def on_train_start(self, trainer: Trainer, pl_module: pl.LightningModule) -> None:
+            after.update(stale=sync.stale, off=off_checkpoint(target),
+                         gap=check_logprobs(trainer.strategy, target, 0.1))
+
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fit_from(path, [sync, After()], 1)
+    return {**after, "warnings": [str(w.message)[:4000] for w in caught if "Exact check" in str(w.message)]}
+
+
 def lora_moe(seed: int = 0) -> torch.nn.Module:
     """peft LoRA (random ``lora_B``, so merging matters) on the attention of a tiny Qwen3-MoE."""
     from peft import LoraConfig, get_peft_model
@@ -619,7 +665,8 @@ def main() -> None:
         runs[name] = {"export": lambda arch=arch: scenario_export(arch),
                       "sync": lambda arch=arch, backend=backend: scenario_sync(arch, backend=backend or None),
                       "lora": lambda arch=arch: scenario_lora(arch),
-                      "remote": lambda arch=arch, backend=backend: scenario_remote(
+                      "remote": lambda arch=arch, backend=backend: scenario_remote_fault(arch, servers[arch])
+                      if backend == "fault" else scenario_remote(
                           arch, servers[arch + (f"@{backend}" if backend else "")], vlm=backend == "vlm",
                           mtp=backend == "mtp")}[kind]
     results = run_scenarios(runs, args.only.split(","))
