@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
+import transformers
 from lightning.pytorch.utilities import rank_zero_warn
 from transformers import AutoProcessor
 
@@ -149,9 +150,7 @@ def _tower_part(path: str, ids: tuple[int, ...], dtype: str) -> _TowerPart | str
     """What the VLM of the checkpoint in ``path`` feeds its text model for ``ids`` and the probe's picture: built with
     a one-layer text model (transient: the tower, the projector and one decoder layer from the checkpoint), run up to
     its text model. A string says why it cannot be done."""
-    import transformers
-
-    picture, _, head, prepared = _probe(path)
+    _, _, head, prepared = _probe(path)
     config = transformers.AutoConfig.from_pretrained(path)
     cls = getattr(transformers, (getattr(config, "architectures", None) or [""])[0], None)
     if cls is None:
