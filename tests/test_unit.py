@@ -585,3 +585,26 @@ def test_the_finite_check_finds_a_nan_or_an_inf_anywhere_in_any_float_dtype() ->
         view[1, 2] = float("nan")
         assert not finite(view)
     assert finite(torch.empty(0))
+
+
+def test_a_failure_of_the_weights_themselves_is_not_named_as_the_loaders_refusal() -> None:
+    # Issue 66's half-way push failure read "vLLM's loader refused 'model.layers.0...' (RuntimeError: injected ...)":
+    # a failure of the pushed weights (the trainer's export, a broken transfer) is theirs, and passes unchanged; what
+    # the loader itself raises is still named with the tensor it was loading.
+    from lightning_fsdp_export._compat import load_naming_refusals
+
+    def weights() -> Any:
+        yield "a.weight", torch.zeros(2)
+        raise RuntimeError("the push broke half-way")
+
+    with pytest.raises(RuntimeError, match=r"^the push broke half-way$"):
+        load_naming_refusals(lambda pairs: [n for n, _ in pairs], torch.nn.Linear(2, 2), weights())
+
+    def refuse(pairs: Any) -> None:
+        for name, _ in pairs:
+            if name == "b.weight":
+                raise ValueError("There is no module or parameter named 'b'")
+
+    with pytest.raises(ValueError, match=r"vLLM's loader refused 'b.weight' float32 \(3,\) \(ValueError: There is no"):
+        load_naming_refusals(refuse, torch.nn.Linear(2, 2), iter([("a.weight", torch.zeros(2)),
+                                                                   ("b.weight", torch.zeros(3))]))
