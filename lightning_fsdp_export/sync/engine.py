@@ -19,13 +19,12 @@ from typing import Any, Protocol
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
-from lightning_fsdp_export._common import SyncGroup, WeightSyncError
+from lightning_fsdp_export._common import EngineNotRestored, SyncGroup, WeightSyncError
 from lightning_fsdp_export.export.source import ExportSource
 from lightning_fsdp_export.strategy_core import LazyExportCore
 from lightning_fsdp_export.sync.agreement import FAILED, agree_after, agree_arrived, agree_before
 from lightning_fsdp_export.sync.exact import (
     EXACT_FAILED,
-    EngineNotRestored,
     ExactCheck,
     check_precondition,
     exact_verdict,

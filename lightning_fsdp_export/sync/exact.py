@@ -44,8 +44,8 @@ from lightning_fsdp_export.targets.base import ExactCheckable
 if TYPE_CHECKING:
     from lightning_fsdp_export.strategy import LazyExportFSDP2
 
-__all__ = ["EMPTY_SHA256", "EXACT_FAILED", "EngineNotRestored", "ExactCheck", "check_precondition", "compare_checksums",
-           "exact_verdict", "restore_after_failure"]
+__all__ = ["EMPTY_SHA256", "EXACT_FAILED", "ExactCheck", "check_precondition", "compare_checksums", "exact_verdict",
+           "restore_after_failure"]
 
 EMPTY_SHA256 = hashlib.sha256(b"").hexdigest()
 
