@@ -82,7 +82,7 @@ demo: setup
 # The linter first (ruff, configured in pyproject.toml): seconds, and a failure names the file and line.
 test: setup
 	$(VPY) -m ruff check .
-	$(VPY) -m pytest -q -rs --durations=25 tests
+	$(VPY) -m pytest -q -rfEs --durations=25 tests
 
 # The docs site into site/ (strict: a broken link, snippet or API reference fails the build).
 docs: setup

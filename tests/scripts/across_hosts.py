@@ -24,14 +24,13 @@ from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
 from lightning.pytorch import Trainer, seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
 from lightning_fsdp_export.targets import Gloo
 from lightning_fsdp_export.transfer.http import Server
-from tests.scripts.common import CausalLM, token_loader
+from tests.scripts.common import CausalLM, end_script, token_loader
 from tests.scripts.remote_lora import LoraLM
 
 TRANSPORTS = {"plain": lambda: Gloo(), "shard_direct": lambda: Gloo(shard_direct=True),
@@ -112,8 +111,7 @@ def main() -> None:
                 raise
     if int(os.environ.get("RANK", "0")) == 0:
         Path(args.out).write_text(json.dumps(results, indent=1))
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
+    end_script()
 
 
 if __name__ == "__main__":

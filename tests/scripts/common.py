@@ -88,7 +88,9 @@ def start_script(default_only: str, work: str) -> tuple[argparse.Namespace, Path
 def end_script() -> None:
     """Leave the gloo group together: a barrier, then ``destroy_process_group``. A rank that tears its group
     down while the other is still in its last collective can abort at exit ("terminate called without an
-    active exception", SIGABRT: seen once in CI on gather_distributed.py, which destroyed without a barrier)."""
+    active exception", SIGABRT: seen in CI on gather_distributed.py, which destroyed without a barrier, and on
+    strategy_distributed.py, which left its group to the interpreter's exit). Every script that makes or joins a
+    group ends with this."""
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()

@@ -38,7 +38,7 @@ from lightning_fsdp_export.testing import (
     tiny_vlm,
     tiny_whole_vlm,
 )
-from tests.scripts.common import CausalLM, name_diff, run_scenarios, start_script, token_loader
+from tests.scripts.common import CausalLM, end_script, name_diff, run_scenarios, start_script, token_loader
 
 ROOT: Path
 SERVED_WHOLE = ("qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe")  # VLMs trained whole on token batches, served whole
@@ -674,6 +674,7 @@ def main() -> None:
     results = run_scenarios(runs, args.only.split(","))
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    end_script()
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import ColocatedVLLM, InMemoryTarget, LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
 from lightning_fsdp_export.targets import Directory
 from lightning_fsdp_export.testing import VOCAB, tiny_qwen2
-from tests.scripts.common import run_scenarios, start_script
+from tests.scripts.common import end_script, run_scenarios, start_script
 from tests.scripts.sync import LM, loader
 
 
@@ -219,6 +219,7 @@ def main() -> None:
     results = run_scenarios(runs, args.only.split(","))
     out = args.out if dist.get_rank() == 0 else f"{args.out}.rank{dist.get_rank()}"
     Path(out).write_text(json.dumps(results, indent=1, default=str))
+    end_script()
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from torch import nn
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import LazyExportFSDP2
 from lightning_fsdp_export.testing import tiny_llama, tiny_qwen2
-from tests.scripts.common import CausalLM, name_diff, run_scenarios, start_script, token_loader
+from tests.scripts.common import CausalLM, end_script, name_diff, run_scenarios, start_script, token_loader
 
 STEPS = 3
 
@@ -310,6 +310,7 @@ def main() -> None:
 
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1, default=str)
+    end_script()
 
 
 if __name__ == "__main__":

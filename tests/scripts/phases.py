@@ -23,7 +23,7 @@ from lightning.pytorch import Trainer, seed_everything
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import ColocatedVLLM, LazyExportFSDP2, VLLMWeightSync
 from lightning_fsdp_export.testing import VOCAB, tiny_qwen2
-from tests.scripts.common import run_scenarios, start_script
+from tests.scripts.common import end_script, run_scenarios, start_script
 from tests.scripts.sync import build_checkpoint, compare
 
 
@@ -215,6 +215,7 @@ def main() -> None:
     if dist.get_rank() == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1, default=str)
+    end_script()
 
 
 if __name__ == "__main__":

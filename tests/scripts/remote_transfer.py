@@ -53,6 +53,7 @@ from tests.scripts.common import (
     LORA_ARGS,
     LORA_ENV,
     CausalLM,
+    end_script,
     name_diff,
     run_scenarios,
     start_server,
@@ -515,6 +516,7 @@ def main() -> None:
     results = run_scenarios(runs, args.only.split(","))
     suffix = "" if dist.get_rank() == 0 else ".rank1"
     Path(args.out + suffix).write_text(json.dumps(results, indent=1, default=str))
+    end_script()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ from lightning.pytorch import Trainer, seed_everything
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
 from lightning_fsdp_export.targets import Directory, Gloo
-from tests.scripts.common import CausalLM, run_scenarios, start_script, token_loader
+from tests.scripts.common import CausalLM, end_script, run_scenarios, start_script, token_loader
 
 
 def scenario(url: str, directory: Path | None = None, plain: bool = False) -> dict[str, Any]:
@@ -54,6 +54,7 @@ def main() -> None:
     results = run_scenarios(runs, list(servers))
     out = args.out if dist.get_rank() == 0 else f"{args.out}.rank{dist.get_rank()}"
     Path(out).write_text(json.dumps(results, indent=1, default=str))
+    end_script()
 
 
 if __name__ == "__main__":

@@ -22,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import LazyExportFSDP2
 from lightning_fsdp_export.testing import tiny_llama, tiny_qwen2
-from tests.scripts.common import CausalLM, OddNet, name_diff, run_scenarios, token_loader
+from tests.scripts.common import CausalLM, OddNet, end_script, name_diff, run_scenarios, token_loader
 
 
 def batches() -> torch.utils.data.DataLoader:
@@ -229,6 +229,7 @@ def main() -> None:
     if int(os.environ.get("RANK", "0")) == 0:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1, default=str)
+    end_script()
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from lightning_fsdp_export import (
 )
 from lightning_fsdp_export.targets import Directory
 from lightning_fsdp_export.testing import VOCAB, tiny_qwen2
-from tests.scripts.common import CausalLM, run_scenarios, start_script, token_loader
+from tests.scripts.common import CausalLM, end_script, run_scenarios, start_script, token_loader
 
 PROMPTS = [[(7 * i + 3 * j) % VOCAB for j in range(100)] for i in range(1, 4)]  # long: prefix cache matters
 GEN = 8
@@ -264,6 +264,7 @@ def main() -> None:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
     else:
         Path(args.out + ".rank1").write_text(json.dumps(results, indent=1, default=str))
+    end_script()
 
 
 if __name__ == "__main__":

@@ -25,7 +25,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
 from lightning_fsdp_export.rollouts import AsyncRollouts, RolloutBatch, Sample
 from lightning_fsdp_export.targets import Gloo
-from tests.scripts.common import run_scenarios, start_script
+from tests.scripts.common import end_script, run_scenarios, start_script
 from tests.scripts.families import image
 
 TEXT = [(5 * j + 3) % 500 for j in range(8)]  # the text after each prompt's picture
@@ -112,6 +112,7 @@ def main() -> None:
     results = run_scenarios({"vlm_rollouts": lambda: scenario(args.server, path)}, ["vlm_rollouts"])
     if dist.get_rank() == 0:
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
+    end_script()
 
 
 if __name__ == "__main__":
