@@ -168,3 +168,68 @@ def test_a_resumed_run_pushes_past_the_highest_version_a_server_holds(recording_
     engine.load_state_dict({"version": 5, "last_synced_step": 10, "stale": False})
     engine._continue_past_held()
     assert engine.version == 5
+
+
+class DiesAfterHealth(Stub):
+    """A server that answers the round's ``/health``, then dies at ``at`` (every later request fails)."""
+
+    def __init__(self, at: str) -> None:
+        super().__init__()
+        self.at = at
+
+    def answer(self, route: str) -> Any:
+        if route == self.at:
+            self.fail.update({r: (503, {"error": "gone"}) for r in ("/health", self.at)})
+        return super().answer(route)
+
+
+def test_a_server_that_fails_as_the_round_begins_is_set_aside_and_the_round_starts_again_without_it(
+        recording_engine: Any) -> None:
+    # Issue 67: a server answered /health, then its /pause failed (a host killed as the round began): the round failed
+    # for every server although min_servers=1 was met. Now it is set aside and the round starts again at once, in a
+    # new group of the others, before any data leaves.
+    stubs = [Stub(), Stub(), DiesAfterHealth("/pause")]
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl", min_servers=2)
+    target.setup(Rank(0))
+    assert len(recording_engine.built) == 1
+    with pytest.warns(UserWarning, match=rf"set aside 1 server\(s\): {stubs[2].url} \(failed as the round began: 1 of"
+                                         r" 3 server\(s\) failed to be paused"):
+        target.push_source(source(), version=1)  # (its /pause: it dies there)
+    assert [s.paths().count("/update_weights") for s in stubs] == [1, 1, 0]
+    assert list(target.servers_out) == [stubs[2].url]
+    assert len(recording_engine.built) == 2  # a new group of the two that took version 1
+    for stub in stubs[:2]:  # paused and resumed (the failed pause), a new group, then the whole round
+        paths = stub.paths()[2:]  # (after setup's group)
+        assert paths[:3] == ["/pause?mode=wait", "/resume", "/shutdown_weight_transfer_engine"], paths
+        assert paths[-len(ROUND) - 2:] == ["/get_world_size", "/init_weight_transfer_engine", *ROUND], paths
+        assert stub.body("/finish_weight_update")[-1] == {"weight_version": "1"}
+    assert "/update_weights" not in stubs[2].paths()
+
+
+def test_a_server_that_dies_while_the_group_is_rebuilt_is_set_aside_and_one_that_fails_alive_is_not(
+        recording_engine: Any) -> None:
+    stubs = [Stub(), DiesAfterHealth("/get_world_size")]
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl", min_servers=1)
+    target.setup(Rank(0))  # (its world size asked at setup: it dies there; the first sync sets it aside)
+    with pytest.warns(UserWarning, match=rf"set aside 1 server\(s\): {stubs[1].url}"):
+        target.push_source(source(), version=1)
+    assert rounds(stubs[0]) == 1 and stubs[0].body("/finish_weight_update")[-1] == {"weight_version": "1"}
+    # a failure of a server that still answers /health is the round's own: it fails, named, as before
+    alive = [Stub(), Stub()]
+    alive[1].fail["/get_world_size"] = (500, {"error": "refused"})
+    target = RemoteVLLM([s.url for s in alive], transport="nccl", min_servers=1)
+    with pytest.warns(UserWarning, match="could not reach every server at setup"):
+        target.setup(Rank(0))
+    with pytest.raises(ServerError, match=alive[1].url):
+        target.push_source(source(), version=1)
+    assert target.servers_out == {}
+
+
+def test_without_min_servers_a_failed_pause_fails_the_round_and_resumes_the_others(recording_engine: Any) -> None:
+    stubs = [Stub(), Stub()]
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl")
+    target.setup(Rank(0))
+    stubs[1].fail["/pause"] = (500, {"error": "stuck"})
+    with pytest.raises(ServerError, match=r"1 of 2 server\(s\) failed to be paused; 1 other\(s\) resumed"):
+        target.push_source(source(), version=1)
+    assert stubs[0].paths()[-2:] == ["/pause?mode=wait", "/resume"] and "/update_weights" not in stubs[0].paths()

@@ -108,17 +108,13 @@ class RoundRun:
             try:
                 if failure is not None:
                     raise failure
-                transfer.pool.check_quorum()
-                if rebuild:
-                    plan = transfer.plan_group()
-                    if not transfer.every_rank:  # rank 0 alone in the group: rendezvous while the servers still serve
-                        transfer.connect(plan, self.source)
-                    decision["plan"] = plan if transfer.every_rank else None
-                self.paused_at = pauses.pause() if pause else 0.0
+                decision["plan"], decision["rebuilt"] = self._start(rebuild, pause)
             except Exception as err:  # noqa: BLE001 - every rank of the group learns of it just below
                 decision, failure = {"error": f"{type(err).__name__}: {err}", "plan": None}, err
         if transfer.control is not None:
             decision = transfer.control.broadcast(decision)
+        if decision.get("rebuilt"):  # (rank 0 built a group the ranks did not agree on: nobody holds its copies)
+            self.sparse = False
         if decision["error"] is not None:  # nothing was paused by this round (pausing is the last step above)
             transfer.broken = True
             if failure is not None:
@@ -127,6 +123,28 @@ class RoundRun:
                               transfer.servers[0].url)
         self.paused = transfer.rank == 0 and pause
         self.group_plan = decision["plan"]
+
+    def _start(self, rebuild: bool, pause: bool) -> tuple[dict[str, Any] | None, bool]:
+        """Rank 0: build the group if needed (alone in it: rendezvous while the servers still serve) and pause the
+        servers; the plan every rank joins (``None``: none new) and whether a group was built. With ``min_servers``,
+        a server that fails here after answering ``/health`` is set aside and both steps are redone at once without
+        it (a new group), while the quorum holds: nothing was sent yet."""
+        transfer, pauses, pool = self.transfer, self.transfer.pauses, self.transfer.pool
+        built = False
+        while True:
+            pool.check_quorum()
+            try:
+                plan = None
+                if rebuild:
+                    plan, built = transfer.plan_group(), True
+                    if not transfer.every_rank:
+                        transfer.connect(plan, self.source)
+                self.paused_at = pauses.pause() if pause else 0.0
+                return (plan if transfer.every_rank else None), built
+            except ServerError as err:
+                if not pool.drop_failed(err, pauses.servers):
+                    raise
+                pauses.servers, rebuild = pool.active, True
 
     def send(self) -> None:
         """Every rank of the group: join the new group rank 0 planned (if any), then this round's data, through this

@@ -6,7 +6,9 @@ running fit), asks every server in the round for ``/health`` and every server se
 answer is set aside (named once in a warning, counted in ``weight_sync/servers_out``); one set aside that answers
 again (restarted, from any checkpoint) rejoins, and the round that takes it rebuilds the transfer group, so it gets
 every tensor whole before anything is patched against it. A round that fails on some servers only (their pause,
-swap, adapter load or cache reset) succeeds when at least ``k`` took the version: the others are set aside.
+swap, adapter load or cache reset) succeeds when at least ``k`` took the version: the others are set aside. One that
+answered ``/health`` and then fails as the round begins (its pause, the group's rebuild) is set aside at once and the
+round starts again without it, in a new group, before any data leaves.
 
 ``min_servers=None`` (the default) is today's rule: every server takes every version, and one that fails fails the
 sync; the pool then only re-reads the URLs.
@@ -222,6 +224,28 @@ class ServerPool:
         if not self.heals or not isinstance(err, PartlyFailed) or len(resumed) < self.quorum():
             return False
         self.set_aside({s: err for s in servers if s not in resumed}, why="failed the round")
+        return True
+
+    def drop_failed(self, err: ServerError, servers: Sequence[Server]) -> bool:
+        """Rank 0, a round that failed before its data left (a server answered ``/health``, then could not be paused
+        or asked for its world size: it died, froze or was cut off in between): with ``min_servers``, set aside the
+        servers that failed (those a ``PartlyFailed`` pause did not resume; else those that do not answer ``/health``
+        now) and say the round may start again without them. ``False``: nobody to set aside (the failure is the
+        round's own, or every server is required)."""
+        if not self.heals:
+            return False
+        if isinstance(err, PartlyFailed):
+            failed: dict[Server, BaseException] = {s: err for s in servers if s not in err.resumed}
+        else:
+            failed = {}
+            for server in servers:
+                try:
+                    server.health(timeout=HEALTH_TIMEOUT_S)
+                except ServerError as silent:
+                    failed[server] = silent
+        if not failed:
+            return False
+        self.set_aside(failed, why="failed as the round began")
         return True
 
     def check_quorum(self) -> None:
