@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fsdp_export._network import gloo_group, is_loopback, route_address
+from lightning_fsdp_export.backend.abandon import Abandon
 from lightning_fsdp_export.export.patch_codes import apply_steps, decode_positions
 from lightning_fsdp_export.export.patches import unpack_bits
 
@@ -367,42 +368,46 @@ def _environment(**values: str) -> Iterator[None]:
 
 
 def exchange_header(pg: dist.ProcessGroup, code: int = DATA, origin: int = NOBODY, *, device: torch.device = CPU,
-                    timeout: timedelta | None = None) -> tuple[int, int]:
+                    timeout: timedelta | None = None, abandon: Abandon | None = None) -> tuple[int, int]:
     """Every member's ``(code, origin)``, reduced to the smallest: an abort by any trainer rank (and the first
     rank that aborted) wins over an end, an end over more data. ``device``: where the group's tensors live;
     ``timeout``: how long to wait for the others (default: the group's; NCCL's needs it to wait on the host, where a
-    dead peer is seen; the exchanges below take both too)."""
+    dead peer is seen); ``abandon``: the group's (gloo), which ends the wait within a second of trainer rank 0 leaving
+    the round. The exchanges below take all three too."""
     message = torch.tensor([code, origin], dtype=torch.int64, device=device)
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MIN
-    _wait(pg.allreduce([message], opts), timeout)
+    _wait(pg.allreduce([message], opts), timeout, abandon)
     return int(message[0]), int(message[1])
 
 
 def exchange_status(pg: dist.ProcessGroup, failed: bool, *, device: torch.device = CPU,
-                    timeout: timedelta | None = None) -> bool:
+                    timeout: timedelta | None = None, abandon: Abandon | None = None) -> bool:
     """Whether any member of the group failed this round (an all-reduce of everyone's flag)."""
     flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=device)
     opts = dist.AllreduceOptions()
     opts.reduceOp = dist.ReduceOp.MAX
-    _wait(pg.allreduce([flag], opts), timeout)
+    _wait(pg.allreduce([flag], opts), timeout, abandon)
     return bool(flag.item())
 
 
 def exchange_digests(pg: dist.ProcessGroup, trainers: int, mine: tuple[int, int, int] | None, *,
-                     device: torch.device = CPU, timeout: timedelta | None = None) -> list[tuple[int, int]]:
+                     device: torch.device = CPU, timeout: timedelta | None = None,
+                     abandon: Abandon | None = None) -> list[tuple[int, int]]:
     """A staged round's check: every trainer rank's ``(bytes, digest)`` of what it sent, on every member (a trainer
     rank gives ``mine`` as ``(its rank, bytes, digest)``; a worker ``None``): an all-reduce (sum) of one row each."""
     table = torch.zeros(trainers, 2, dtype=torch.int64, device=device)
     if mine is not None:
         rank, nbytes, crc = mine
         table[rank] = torch.tensor([nbytes, crc], dtype=torch.int64, device=device)
-    _wait(pg.allreduce([table]), timeout)
+    _wait(pg.allreduce([table]), timeout, abandon)
     return [(int(n), int(c)) for n, c in table.tolist()]
 
 
-def _wait(work: Any, timeout: timedelta | None) -> None:
-    if timeout is None:
+def _wait(work: Any, timeout: timedelta | None, abandon: Abandon | None) -> None:
+    if abandon is not None and timeout is not None:
+        abandon.wait(work, timeout, collective=True)
+    elif timeout is None:
         work.wait()
     else:
         work.wait(timeout)

@@ -18,6 +18,7 @@ from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, V
 
 from lightning_fsdp_export._compat import iter_full, source_metadata
 from lightning_fsdp_export._network import rendezvous
+from lightning_fsdp_export.backend.abandon import Abandon
 from lightning_fsdp_export.backend.infos import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -100,6 +101,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         self.timeout = timedelta(seconds=timeout_s)
         self.group: dist.ProcessGroup | None = None
         self._store: dist.TCPStore | None = None  # rank 0 hosts it for the group's lifetime
+        self.abandon: Abandon | None = None
+        """Gloo: the group's way out of a round stuck on a silent member (``backend/abandon.py``)."""
         self.workers: list[int] = []
         self.sent_bytes = 0
 
@@ -130,6 +133,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             # either side is raised at once (not when the other side gives up, the group's timeout later)
             rendezvous(connect, lambda: client.init_weight_transfer_engine(payload), init_info)
         assert engine._store is not None  # (every member asks: over gloo one worker per other host relays the parts)
+        if engine.wire_device.type == "cpu":
+            engine.abandon = Abandon(engine._store, group)
         relays = find_relays(engine._store, group, engine.rank, init_info.world_size, trainers,
                              init_info.master_address, engine.wire_device)
         engine.workers = relays.receivers(range(trainers, init_info.world_size))
@@ -220,13 +225,14 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 if answer is None or not answer.done():
                     self._abort()
                 raise
-            code, origin = exchange_header(self.group, device=self.wire_device, timeout=self.timeout)
+            code, origin = exchange_header(self.group, device=self.wire_device, timeout=self.timeout,
+                                           abandon=self.abandon)
             if code == ABORT:
                 raise RuntimeError(abort_message(origin))
             if code == END:
                 raise RuntimeError("another trainer rank ended the round early: the ranks' sources disagree")
             for work in inflight[1:]:
-                work.wait(self.timeout)
+                self._wait(work)
             counts, part = part
             inflight = [(counts, part)]
             if staged:
@@ -241,20 +247,21 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             inflight += [] if part is None else [self.group.send([part], w, tag) for w in self.workers]
             self.sent_bytes += 0 if part is None else part.numel() * len(self.workers)
         for work in inflight[1:]:
-            work.wait(self.timeout)
+            self._wait(work)
         try:
             if next(pairs, None) is not None:
                 raise ValueError("WeightSource yielded more tensors than metadata() declared.")
         except BaseException:
             self._abort()
             raise
-        code, origin = exchange_header(self.group, END, device=self.wire_device, timeout=self.timeout)
+        code, origin = exchange_header(self.group, END, device=self.wire_device, timeout=self.timeout,
+                                       abandon=self.abandon)
         if code == ABORT:
             raise RuntimeError(abort_message(origin))
         if staged:
             exchange_digests(self.group, self.trainers, (self.rank, digest[0], digest[1]), device=self.wire_device,
-                             timeout=self.timeout)
-        if exchange_status(self.group, False, device=self.wire_device, timeout=self.timeout):
+                             timeout=self.timeout, abandon=self.abandon)
+        if exchange_status(self.group, False, device=self.wire_device, timeout=self.timeout, abandon=self.abandon):
             if answer is not None:
                 answer.result()  # the worker's own error, through its server
             raise RuntimeError("a worker refused this weight update round" + (
@@ -295,6 +302,18 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         has_part = any(want.part(self.rank) for want in chunk)
         return (torch.tensor(counts, dtype=torch.int64, device=self.wire_device) if sparse and has_part else None), part
 
+    def _wait(self, work: Any) -> None:
+        """A send's wait: within a second of an abandon (gloo), else within the group's timeout."""
+        if self.abandon is not None:
+            self.abandon.wait(work, self.timeout, collective=False)
+        else:
+            work.wait(self.timeout)
+
+    def abandon_round(self, reason: str) -> None:
+        """Trainer rank 0: leave the round under way on every member of the group (gloo; a member went silent)."""
+        if self.abandon is not None:
+            self.abandon.post(reason)
+
     def _abort(self) -> None:
         """Tell every member this round is over (they raise), best effort: a dead peer must not hide the error."""
         try:
@@ -321,6 +340,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             raise ValueError(f"WeightSource yielded {sent} tensors but metadata() declared {len(meta)}.")
 
     def shutdown(self) -> None:
+        if self.abandon is not None:
+            self.abandon.close(self.group)
         self.group = self._store = None
 
 

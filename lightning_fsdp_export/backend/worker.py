@@ -18,6 +18,7 @@ import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from lightning_fsdp_export._compat import load_naming_refusals
+from lightning_fsdp_export.backend.abandon import Abandon
 from lightning_fsdp_export.backend.adapter_dirs import write_adapter_dir
 from lightning_fsdp_export.backend.infos import (
     DEFAULT_BUFFER_BYTES,
@@ -83,6 +84,7 @@ class _Round:
     digests: list[list[int]] = field(default_factory=list)  # a staged round: per trainer rank, [bytes, crc]
     forwards: list[Any] = field(default_factory=list)  # a relay's sends to its host's other workers, in flight
     tied: dict[str, torch.Tensor | None] = field(default_factory=dict)  # tensors a later name is the same as (ties)
+    abandon: Abandon | None = None  # the group's way out of a round stuck on a silent member (gloo)
     times: dict[str, float] = field(default_factory=lambda: {"round": time.perf_counter(), "waiting": 0.0,
                                                              "loading": 0.0})
 
@@ -106,6 +108,7 @@ class GlooWeightTransferEngine(StagedRounds,
         super().__init__(config, vllm_config, device, model)
         self.group: dist.ProcessGroup | None = None
         self._store: dist.TCPStore | None = None
+        self.abandon: Abandon | None = None  # gloo: the group's way out of a round stuck on a silent member
         self.buffer_bytes = DEFAULT_BUFFER_BYTES
         self.trainers = 1
         self.timeout = timedelta(seconds=DEFAULT_TIMEOUT_S)
@@ -135,6 +138,7 @@ class GlooWeightTransferEngine(StagedRounds,
                                              init_info.world_size,
                                         init_info.group, init_info.timeout_s, host=False, device=self.wire_device)
         self.rank = rank
+        self.abandon = Abandon(self._store, init_info.group) if self.wire_device.type == "cpu" else None
         self.relays = find_relays(self._store, init_info.group, rank, init_info.world_size, self.trainers,
                                   init_info.master_address, self.wire_device)
         _log_relays(rank, self.relays)
@@ -224,7 +228,7 @@ class GlooWeightTransferEngine(StagedRounds,
             self._base, self._inplace = {}, None  # the weights change: the copy is valid only if this round succeeds
         base = {} if update_info.draft else self._base if staging is None else staging.base  # a drafter's: no copy
         r = _Round(update_info, self.group, base, adapter={} if adapter else None, staging=staging,
-                   tied=dict.fromkeys(t.same_as for t in plan.tensors if t.same_as))
+                   tied=dict.fromkeys(t.same_as for t in plan.tensors if t.same_as), abandon=self.abandon)
         if self._placing and self._inplace is not None and staging is None:
             r.targets, r.changed = {**base, **self._inplace.placed}, set()
         elif staging is not None and staging.inplace is not None:  # in place at its swap: the writes recorded
@@ -242,7 +246,7 @@ class GlooWeightTransferEngine(StagedRounds,
             if error is None and r.changed is not None and staging is None:
                 error = self._reload_changed(r)
         for work in r.forwards:
-            work.wait(self.timeout)
+            _wait(self.timeout, r, work)
         if error is None and r.adapter is not None:
             try:
                 assert update_info.adapter_dir is not None and update_info.adapter_config is not None
@@ -250,9 +254,11 @@ class GlooWeightTransferEngine(StagedRounds,
             except Exception as err:  # noqa: BLE001 - the whole group learns of it in the status
                 error = err
         if staging is not None:
-            sent = exchange_digests(r.group, plan.trainers, None, device=self.wire_device, timeout=self.timeout)
+            sent = exchange_digests(r.group, plan.trainers, None, device=self.wire_device, timeout=self.timeout,
+                                    abandon=r.abandon)
             error = error or digest_mismatch(sent, r.digests)
-        failed = exchange_status(r.group, error is not None, device=self.wire_device, timeout=self.timeout)
+        failed = exchange_status(r.group, error is not None, device=self.wire_device, timeout=self.timeout,
+                                 abandon=r.abandon)
         current = staging is None or staging is self._staging  # a staged round replaced since writes nothing more
         if policy and current:
             self._base = {} if failed or update_info.keep_as is None else r.base
@@ -296,7 +302,7 @@ class GlooWeightTransferEngine(StagedRounds,
     def _header(self, r: _Round) -> tuple[int, int]:
         start = time.perf_counter()
         try:
-            return exchange_header(r.group, device=self.wire_device, timeout=self.timeout)
+            return exchange_header(r.group, device=self.wire_device, timeout=self.timeout, abandon=r.abandon)
         finally:
             r.times["waiting"] += time.perf_counter() - start
 
@@ -314,7 +320,7 @@ class GlooWeightTransferEngine(StagedRounds,
             messages.append(None)
             if size and sparse:  # a sparse round: this rank's counts first, its payload's size from them
                 message = torch.empty(len(chunk), dtype=torch.int64, device=self.wire_device)
-                r.group.recv([message], *_source(relay, rank, 2 * index, plan.trainers)).wait(self.timeout)
+                _wait(self.timeout, r, r.group.recv([message], *_source(relay, rank, 2 * index, plan.trainers)))
                 _forward(r, self.relays.followers.get(self.rank, []), message, 2 * index, rank, plan.trainers)
                 counts[-1], messages[-1] = message.tolist(), message
                 size = sparse_segment(chunk, rank, counts[-1])
@@ -332,9 +338,9 @@ class GlooWeightTransferEngine(StagedRounds,
             return error
         start = time.perf_counter()
         for work in held.works:
-            work.wait(self.timeout)
+            _wait(self.timeout, r, work)
         for work in r.forwards:  # the previous chunk's, done by now (the host's loopback): its buffers may go
-            work.wait(self.timeout)
+            _wait(self.timeout, r, work)
         r.forwards = []
         tag = 2 * held.index + 1 if held.counts is not None else held.index
         for rank, part in enumerate(held.parts):  # a relay passes each part on before loading it
@@ -379,8 +385,18 @@ class GlooWeightTransferEngine(StagedRounds,
         return None
 
     def shutdown(self) -> None:
-        self.group = self._store = None
+        if self.abandon is not None:
+            self.abandon.close(self.group)
+        self.group = self._store = self.abandon = None
         self._base, self._kept, self._staging, self._inplace = {}, None, None, None
+
+
+def _wait(timeout: timedelta, r: _Round, work: Any) -> None:
+    """A receive's (or a relay's send's) wait: within a second of an abandon (gloo), else the group's timeout."""
+    if r.abandon is not None:
+        r.abandon.wait(work, timeout, collective=False)
+    else:
+        work.wait(timeout)
 
 
 def _log_relays(rank: int, relays: Relays) -> None:

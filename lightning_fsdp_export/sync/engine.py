@@ -248,21 +248,30 @@ class SyncEngine:
         rank_zero_warn(f"{err} Training goes on (on_error='warn'); the next sync pushes every tensor again.")
 
     def _sync(self, run: SyncRun, strategy: LazyExportCore) -> list[ExportSource]:
-        self.target.agree(self._ranks)  # (RemoteVLLM's pool: which servers serve, on every rank)
-        pushes = plan_pushes(strategy, self.target, lora=self.lora, base_pushed=self._base_pushed,
-                             dtype=self.options.dtype or self.target.dtype, version=self.version, rank=run.global_rank,
-                             adapter_dir=self._adapter_root, show_progress=run.is_global_zero,
-                             drafter=self.options.drafter)
-        agree_before(self._ranks, self.version, [p.source for p in pushes], partial(refusals, self.target),
-                     check_finite=self.options.check_finite)
-        exact, self._exact_pending = self._exact_pending, False
-        if exact:
-            self._exact_sync(strategy, pushes)
-        else:
+        while True:  # (a push redone without the servers that failed it: each try sets at least one aside)
+            self.target.agree(self._ranks)  # (RemoteVLLM's pool: which servers serve, on every rank)
+            pushes = plan_pushes(strategy, self.target, lora=self.lora, base_pushed=self._base_pushed,
+                                 dtype=self.options.dtype or self.target.dtype, version=self.version,
+                                 rank=run.global_rank, adapter_dir=self._adapter_root,
+                                 show_progress=run.is_global_zero, drafter=self.options.drafter)
+            agree_before(self._ranks, self.version, [p.source for p in pushes], partial(refusals, self.target),
+                         check_finite=self.options.check_finite)
+            exact, self._exact_pending = self._exact_pending, False
+            if exact:
+                self._exact_sync(strategy, pushes)
+                break
             _, _, mine = consume(pushes, None)
-            agree_after(self._ranks, self.version, mine, FAILED)
+            try:
+                agree_after(self._ranks, self.version, mine, FAILED)
+            except WeightSyncError as err:
+                if not self.target.redo_without_failed(self._ranks):
+                    raise
+                rank_zero_warn(f"{err} The servers that went silent are set aside; version {self.version} is pushed"
+                               " again, now, to the others.")
+                continue
             if self.options.verify and self.target.pushes_in_background:  # verify reads what arrived
                 agree_arrived(self._ranks, self.version, self.target)
+            break
         if self.options.verify:
             assert isinstance(self.target, ScoresLogprobs)
             diff, mine = check_logprobs(strategy, self.target, self.options.verify_tolerance)

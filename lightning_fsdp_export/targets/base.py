@@ -101,6 +101,12 @@ class WeightTarget(ABC):
         """Every rank, before each push: learn what only rank 0 knows of the receiver (``RemoteVLLM``'s pool: which
         servers serve, for ``AsyncRollouts`` on every rank); default: nothing."""
 
+    def redo_without_failed(self, ranks: SyncGroup) -> bool:
+        """Every rank, a push that failed on every rank: whether the target set aside what made it fail
+        (``RemoteVLLM``'s pool: servers gone silent, with ``min_servers`` still met) so the same push may be redone at
+        once (rank 0's word, learnt by every rank); default: never."""
+        return False
+
     def sync_metrics(self) -> dict[str, float]:
         """Rank 0, after a sync: what the target adds to its metrics (``RemoteVLLM(min_servers=...)``:
         ``weight_sync/servers_out``); default: nothing."""

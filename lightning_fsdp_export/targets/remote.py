@@ -141,9 +141,15 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
         if active is not None:
             self._round.servers = active  # what this sync's checks and round address
 
+    @override
+    def redo_without_failed(self, ranks: SyncGroup) -> bool:
+        """With ``min_servers``: rank 0 sets aside the round's silent servers; the push is redone without them (those
+        the failed round left paused get every tensor) while the quorum holds."""
+        return bool(ranks.broadcast(self.pool.heals and self._is_rank_zero and self.pool.drop_silent(self.servers)))
+
     @property
     def servers_out(self) -> dict[str, str]:
-        """Rank 0: the servers set aside (``min_servers``), by URL: why. They rejoin once they answer again."""
+        """Rank 0: the servers set aside (``min_servers``), by URL: why (they rejoin once they answer)."""
         return dict(self.pool.out)
 
     @override
@@ -152,8 +158,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
         return {"weight_sync/servers_out": float(len(self.pool.out))} if self.pool.heals else {}
 
     @property
-    def base_url(self) -> str:
-        """The first server's address."""
+    def base_url(self) -> str:  # the first server's address
         return self.servers[0].url
 
     @property
@@ -175,8 +180,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
     @property
     @override
     def pushes_in_background(self) -> bool:
-        """``Gloo(shard_direct=True, background=True)``: each rank's push takes its snapshot and returns; a thread sends
-        it while training goes on."""
+        """``Gloo(shard_direct=True, background=True)``: a push snapshots and returns; a thread sends it."""
         return self._round.in_background
 
     @override
@@ -196,21 +200,18 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
     @property
     @override
     def last_paused_seconds(self) -> float | None:
-        """Rank 0: how long the last completed sync kept the servers paused (``/pause`` to ``/resume``); with
-        ``pause_mode="keep"`` the only time generation stops for a sync. None elsewhere and before one."""
+        """Rank 0: how long the last completed sync paused the servers (``/pause`` to ``/resume``), else None."""
         pause = self._round.last_pause
         return None if pause is None else pause[1] - pause[0]
 
     @property
-    def last_pause(self) -> tuple[float, float] | None:
-        """Rank 0: wall-clock times (``time.time()``) of the last completed sync's ``/pause`` and ``/resume``."""
-        return self._round.last_pause  # (None before one)
+    def last_pause(self) -> tuple[float, float] | None:  # rank 0: the last sync's /pause and /resume, time.time()
+        return self._round.last_pause
 
     @property  # type: ignore[override]
     @override
     def source_layout(self) -> SourceLayout:
-        """What ``VLLMWeightSync`` asks the strategy for: the transport's layout (``SHARDS`` for
-        ``Gloo(shard_direct=True)``, ``M2N`` for ``NCCLM2N``, else ``FULL``)."""
+        """The transport's layout, which ``VLLMWeightSync`` asks the strategy for (shards, m2n or full)."""
         return self.options.layout
 
     @override

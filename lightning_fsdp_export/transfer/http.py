@@ -9,19 +9,24 @@ import json
 import socket
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
+from contextvars import ContextVar
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
 from lightning_fsdp_export.backend.shared import SWAP_PROTOCOL, SWAP_ROUTE, PauseMode
 
-__all__ = ["GENERATE_ROUTE", "Server", "ServerError", "interrupt", "not_answering", "on_all", "on_each"]
+__all__ = ["GENERATE_ROUTE", "SILENT", "Server", "ServerError", "interrupt", "not_answering", "on_all", "on_each"]
 
 GENERATE_ROUTE = "/inference/v1/generate"
 """Token-in, token-out generation (vLLM's ``--enable-scale-out`` route): what rollouts request."""
 
 T = TypeVar("T")
+
+SILENT: ContextVar[Mapping[str, str] | None] = ContextVar("lfe_silent_servers", default=None)
+"""While a round runs on rank 0 (``transfer/watch.py``): the servers its watch found silent, by URL: why. Requests to
+them that are still waited for are given up (:func:`on_each`, :func:`on_all`)."""
 
 
 class ServerError(ConnectionError):
@@ -268,16 +273,26 @@ def on_all(servers: Sequence[Server], call: Callable[[Server], T]) -> list[T]:
 
 
 def _outcomes(servers: Sequence[Server], call: Callable[[Server], T]) -> list[tuple[T | None, BaseException | None]]:
-    """``call`` on every server concurrently (one server: in this thread), each one's ``(result, None)`` or
-    ``(None, error)``."""
-    if len(servers) == 1:
+    """``call`` on every server concurrently (one server, no watch: in this thread), each one's ``(result, None)`` or
+    ``(None, error)``. While a round's watch runs (:data:`SILENT`), a server it finds silent is not waited for: its
+    outcome is a :class:`ServerError` saying so (its request is left to its own timeout, in its thread)."""
+    silent = SILENT.get()
+    if len(servers) == 1 and silent is None:
         try:
             return [(call(servers[0]), None)]
         except Exception as err:  # noqa: BLE001 - the caller decides what a failure means
             return [(None, err)]
-    with ThreadPoolExecutor(max_workers=max(1, len(servers))) as pool:
-        futures = [pool.submit(call, server) for server in servers]
-    return [(None, f.exception()) if f.exception() is not None else (f.result(), None) for f in futures]
+    pool = ThreadPoolExecutor(max_workers=max(1, len(servers)))
+    futures = [pool.submit(call, server) for server in servers]
+    pending = set(futures)
+    while pending:
+        _, pending = wait(pending, timeout=None if silent is None else 0.25, return_when=FIRST_COMPLETED)
+        pending = {f for f, s in zip(futures, servers) if f in pending and s.url not in (silent or {})}
+    pool.shutdown(wait=False)
+    return [((None, f.exception()) if f.exception() is not None else (f.result(), None)) if f.done() else
+            (None, ServerError(f"vLLM server {s.url} went silent during the round ({(silent or {})[s.url]}); its"
+                               " request was given up.", s.url))
+            for f, s in zip(futures, servers)]
 
 
 def not_answering(servers: Sequence[Server], timeout: float = 5.0) -> list[str]:

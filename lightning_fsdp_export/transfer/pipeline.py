@@ -21,6 +21,7 @@ of round sends and tells the servers is :mod:`.rounds`'; the servers' pause and 
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 from lightning_fsdp_export._compat import source_metadata
@@ -30,6 +31,7 @@ from lightning_fsdp_export.transfer.pauses import PartlyFailed, close_rounds
 from lightning_fsdp_export.transfer.pool import ServerPool
 from lightning_fsdp_export.transfer.rounds import Round, RoundInputs, Staged
 from lightning_fsdp_export.transfer.transports import NetworkTransport
+from lightning_fsdp_export.transfer.watch import HealthWatch
 
 __all__ = ["RoundRun", "plan_digest", "weight_source"]
 
@@ -72,14 +74,15 @@ class RoundRun:
             self._engine_source()
             transfer.engine.send_weights()  # iterates the source: this rank's part of the gathers
             return
-        self.plan()
-        try:
-            self.send()
-            self.servers_take_it()
-            self.agree()
-        except BaseException as err:
-            self.fail(err)
-            raise
+        with self._watch():
+            self.plan()
+            try:
+                self.send()
+                self.servers_take_it()
+                self.agree()
+            except BaseException as err:
+                self.fail(err)
+                raise
         self.finish()
 
     # -- the steps ------------------------------------------------------------------------------------
@@ -221,18 +224,37 @@ class RoundRun:
         transfer.broken = True
         transfer.pauses.held_since = None
         transfer.forget()
+        gone = transfer.pool.silent  # (rank 0: found silent by the round's watch: not asked again)
         if transfer.rank == 0 and self.paused:
             if not self.sent and self.own_pause:  # nothing of this round reached them: they serve what they served
                 transfer.pauses.resume_after(err)  # raises, saying so
             else:
-                close_rounds([s for s in transfer.servers if s not in self.resumed], timeout=transfer.timeout,
-                             empty_round=not transfer.options.closes_failed_rounds)
-        silent = not_answering(transfer.servers) if transfer.rank == 0 and not isinstance(err, ServerError) else []
+                close_rounds([s for s in transfer.servers if s not in self.resumed and s.url not in gone],
+                             timeout=transfer.timeout, empty_round=not transfer.options.closes_failed_rounds)
+        silent = [] if transfer.rank != 0 or isinstance(err, ServerError) else [
+            *gone, *not_answering([s for s in transfer.servers if s.url not in gone])]
         if silent:
             raise ServerError(f"{type(err).__name__}: {err}; server(s) not answering now: {', '.join(silent)}",
                               silent[0]) from err
 
     # -- what the steps share ---------------------------------------------------------------------------
+
+    def _watch(self) -> contextlib.AbstractContextManager[Any]:
+        """Rank 0: the round's servers watched while it runs (``transfer/watch.py``): one found silent has its
+        requests given up, the group's data abandoned on every member, and is recorded in the pool (set aside with
+        ``min_servers``)."""
+        transfer = self.transfer
+        if transfer.rank != 0:
+            return contextlib.nullcontext()
+
+        def on_silent(server: Server, why: str) -> None:
+            transfer.pool.silent[server.url] = why
+            transfer.pool.members = []  # this group serves no other round
+            abandon = getattr(transfer.engine, "abandon_round", None)  # (our backends; vLLM's engines: none)
+            if abandon is not None:
+                abandon(f"server {server.url} went silent: {why}")
+
+        return HealthWatch(lambda: transfer.servers, on_silent)
 
     def _engine_source(self) -> None:
         """This rank's engine iterates this round's source (vLLM's trainer engines read their ``source``)."""

@@ -75,6 +75,9 @@ class ServerPool:
         """The URLs the transfer group was last built for (a round whose active servers differ rebuilds it)."""
         self.own_swaps: set[Server] = set()
         """Staged rounds: the servers that swap on their own (``/lfe/swap``), found at each group build."""
+        self.silent: dict[str, str] = {}
+        """The servers the running round's watch found silent, by URL: why (``transfer/watch.py``; cleared as the
+        next round's servers are asked for ``/health``)."""
         self._warned_swaps: set[str] = set()
         self._fresh = False  # refreshed for the coming round already (the sync's agreement): not asked again
         self._reread()
@@ -139,6 +142,7 @@ class ServerPool:
         servers the round updates (where they differ from the group's :attr:`members`, the round rebuilds the group,
         pushing every tensor)."""
         before = [s.url for s in self.active]
+        self.silent = {}
         if self.changes:
             self._reread()
         silent = {}
@@ -234,19 +238,27 @@ class ServerPool:
         round's own, or every server is required)."""
         if not self.heals:
             return False
-        if isinstance(err, PartlyFailed):
-            failed: dict[Server, BaseException] = {s: err for s in servers if s not in err.resumed}
-        else:
-            failed = {}
-            for server in servers:
-                try:
-                    server.health(timeout=HEALTH_TIMEOUT_S)
-                except ServerError as silent:
-                    failed[server] = silent
-        if not failed:
-            return False
-        self.set_aside(failed, why="failed as the round began")
+        if not isinstance(err, PartlyFailed):
+            return self.drop_silent(servers, why="failed as the round began")
+        self.set_aside({s: err for s in servers if s not in err.resumed}, why="failed as the round began")
         return True
+
+    def drop_silent(self, servers: Sequence[Server], *, why: str = "went silent during the round") -> bool:
+        """Rank 0, with ``min_servers``: set aside those of ``servers`` that do not answer ``/health`` now; whether
+        any were and the quorum still holds (the round may be redone at once without them)."""
+        if not self.heals:
+            return False
+        silent: dict[Server, BaseException] = {}
+        for server in servers:
+            if server.url in self.silent:  # (found by the round's watch: not asked again)
+                silent[server] = ServerError(self.silent[server.url], server.url)
+                continue
+            try:
+                server.health(timeout=HEALTH_TIMEOUT_S)
+            except ServerError as err:
+                silent[server] = err
+        self.set_aside(silent, why=why)
+        return bool(silent) and len(self.active) >= self.quorum()
 
     def check_quorum(self) -> None:
         """Raise a :class:`ServerError` when fewer than the quorum can take the next round."""
