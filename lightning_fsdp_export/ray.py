@@ -41,6 +41,7 @@ import ray
 import ray.train
 import ray.train.torch
 import torch
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 from typing_extensions import override
 
 from lightning_fsdp_export._network import free_port
@@ -188,6 +189,9 @@ class _Fleet:
     def urls(self) -> list[str]:
         return [self._urls[i][0] for i in range(len(self._servers)) if i in self._urls]
 
+    def node(self) -> str:
+        return ray.get_runtime_context().get_node_id()
+
 
 class VLLMServers:
     """vLLM servers as Ray actors, on the nodes Ray picks, restarted by Ray, their live URLs for ``RemoteVLLM``.
@@ -204,6 +208,9 @@ class VLLMServers:
         ready_timeout: seconds a server has to answer ``/health`` after it starts.
         log_dir: where each server writes its log on its node (``vllm-<address>-<port>.log``; default: the temp dir).
         name: the Ray name of the actor owning the servers (one per set of servers in a Ray namespace).
+        owner_options: Ray's ``.options()`` for that owner; default: on the node that makes this object (the
+            driver's), as Ray Train pins its controller: by Ray's ownership the servers' actors share their owner's
+            fate, so an owner on a server's node would take every server down with that node.
 
     ``urls`` is what ``RemoteVLLM(servers.urls, min_servers=k)`` re-reads before each round: a server is listed from
     the moment it first answers; while Ray restarts it, the pool finds it silent and sets it aside; restarted on the
@@ -215,7 +222,8 @@ class VLLMServers:
     def __init__(self, model: str | os.PathLike[str], count: int, *, args: Sequence[str] = (),
                  env: Mapping[str, str] | None = None, actor_options: Mapping[str, Any] | None = None,
                  backend: str = "gloo", max_restarts: int = -1, ready_timeout: float = 900.0,
-                 log_dir: str | os.PathLike[str] | None = None, name: str = "lfe-vllm-servers") -> None:
+                 log_dir: str | os.PathLike[str] | None = None, name: str = "lfe-vllm-servers",
+                 owner_options: Mapping[str, Any] | None = None) -> None:
         _check_count(count)
         if isinstance(args, str):
             raise TypeError(f"VLLMServers(args={args!r}) must be a list of arguments, e.g. {args.split()!r}.")
@@ -225,7 +233,9 @@ class VLLMServers:
         spec = _ServerSpec(model=str(model), args=tuple(args), env=dict(env or {}), backend=backend,
                            ready_timeout=ready_timeout, log_dir=None if log_dir is None else str(log_dir))
         self.name = name
-        self._fleet = ray.remote(_Fleet).options(name=name, num_cpus=0, max_concurrency=8).remote(
+        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
+        options = {"scheduling_strategy": here, **(owner_options or {})}
+        self._fleet = ray.remote(_Fleet).options(name=name, num_cpus=0, max_concurrency=8, **options).remote(
             spec, dict(actor_options or {}), max_restarts)
         self.scale(count)
 
@@ -238,6 +248,10 @@ class VLLMServers:
         """Run ``count`` servers: new ones start (and join the pool once up), the last ones stop (and leave it)."""
         _check_count(count)
         ray.get(self._fleet.scale.remote(count))
+
+    def owner_node(self) -> str:
+        """The Ray node id the servers' owner runs on (the driver's, unless ``owner_options`` placed it)."""
+        return ray.get(self._fleet.node.remote())
 
     def actors(self) -> list[Any]:
         """The servers' Ray actor handles, in order (``ray.kill(handle, no_restart=False)`` restarts one)."""

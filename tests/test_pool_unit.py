@@ -7,6 +7,8 @@ with a server SIGKILLed and restarted under ``AsyncRollouts``: ``tests/test_roll
 
 from __future__ import annotations
 
+import threading
+import time
 import warnings
 from datetime import timedelta
 from typing import Any
@@ -233,3 +235,39 @@ def test_without_min_servers_a_failed_pause_fails_the_round_and_resumes_the_othe
     with pytest.raises(ServerError, match=r"1 of 2 server\(s\) failed to be paused; 1 other\(s\) resumed"):
         target.push_source(source(), version=1)
     assert stubs[0].paths()[-2:] == ["/pause?mode=wait", "/resume"] and "/update_weights" not in stubs[0].paths()
+
+
+class FreezesAt(Stub):
+    """A server that freezes at ``at`` (a SIGSTOP, a cut link): from then on no request of it is answered."""
+
+    def __init__(self, at: str) -> None:
+        super().__init__()
+        self.at = at
+        self.frozen = threading.Event()
+
+    def answer(self, route: str) -> Any:
+        if route == self.at:
+            self.frozen.set()
+        if self.frozen.is_set():
+            self.frozen.wait()  # (set already: blocks below until the test ends it)
+            time.sleep(3600)
+        return super().answer(route)
+
+
+def test_a_server_that_freezes_as_the_round_begins_is_found_silent_within_seconds_and_set_aside(
+        recording_engine: Any) -> None:
+    # Issue 67, item 2: a frozen server's /pause used to hold the round (and the other servers, paused) for the whole
+    # timeout (60 s here). The round's watch finds it silent (/health unanswered 2 s, twice in a row): its pause is
+    # given up, it is set aside, and the round starts again without it.
+    stubs = [Stub(), Stub(), FreezesAt("/pause")]
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl", min_servers=2, timeout=60)
+    target.setup(Rank(0))
+    start = time.monotonic()
+    with pytest.warns(UserWarning, match=rf"set aside 1 server\(s\): {stubs[2].url} \(failed as the round began: .*"
+                                         r"went silent during the round \(no answer to /health for 2 s, 2 times"):
+        target.push_source(source(), version=1)
+    seconds = time.monotonic() - start
+    assert 2 < seconds < 12, seconds  # (measured: 6.1 s; the timeout is 60 s)
+    assert [s.paths().count("/update_weights") for s in stubs] == [1, 1, 0]
+    assert all(s.body("/finish_weight_update")[-1] == {"weight_version": "1"} for s in stubs[:2])
+    assert [s.paths()[-1] for s in stubs[:2]] == ["/resume", "/resume"]

@@ -81,6 +81,8 @@ def test_a_fit_in_ray_train_syncs_into_servers_ray_places_grows_and_heals(ray_ru
     got = ray_run
     assert got["error"] is None, got["error"]
     assert got["server_hosts"] == ["192.168.77.2"] or len(got["server_hosts"]) == 1, got  # host b: the "server" node
+    # issue 67: the servers' owner (whose death takes its server actors with it) runs on the driver's node, host a
+    assert got["owner_on_driver_node"] is True, got
     first = {s["step"]: s for s in got["steps"] if s["attempt"] == 1}
     second = [s for s in got["steps"] if s["attempt"] == 2]
     one, two = first[2]["updated"]

@@ -175,11 +175,11 @@ class Stub:
         return {"ok": True}
 
     def paths(self, preflight: bool = False) -> list[str]:
-        """The routes requested, in order; without the pre-check's ``/server_info`` and the ``/health`` asked before
-        each round unless ``preflight``."""
-        return [path for method, path, _ in self.requests
-                if preflight or not (path.startswith("/server_info") or (method, path) in (("GET", "/lfe/swap"),
-                                                                                          ("GET", "/health")))]
+        """The routes requested, in order; without the pre-check's ``/server_info``, the ``/health`` asked before
+        each round unless ``preflight``, and never the round's watch's (``/health?watch``, each second)."""
+        return [path for method, path, _ in self.requests if path != "/health?watch" and (
+                preflight or not (path.startswith("/server_info") or (method, path) in (("GET", "/lfe/swap"),
+                                                                                       ("GET", "/health"))))]
 
     def body(self, route: str) -> Any:
         return [body for _, path, body in self.requests if path.split("?")[0] == route]

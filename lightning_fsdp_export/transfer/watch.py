@@ -64,13 +64,12 @@ class HealthWatch:
             if server not in self._servers():
                 return  # set aside during the round
             try:
-                server.health(timeout=HEALTH_TIMEOUT_S)
+                server.health(timeout=HEALTH_TIMEOUT_S, watch=True)
                 misses = 0
             except ServerError as err:
                 misses += 1
                 if misses >= MISSES and not self._stop.is_set():
-                    why = (f"no answer to /health for {HEALTH_TIMEOUT_S:g} s, {MISSES} times in a row during the round"
-                           f" (last: {err})")
+                    why = f"no answer to /health for {HEALTH_TIMEOUT_S:g} s, {MISSES} times in a row (last: {err})"
                     self.silent[server.url] = why
                     self._on_silent(server, why)
                     return

@@ -126,7 +126,7 @@ def scenario(name: str, root: Path, alive: str, model_dir: Path, port: int) -> d
         start = time.monotonic()
         trainer.fit(CausalLM(lr=3e-2), token_loader(16))
         events["fit_seconds"] = time.monotonic() - start
-    result = {"version": sync.version, "records": after.records, **events,
+    result = {"version": sync.version, "records": after.records, "doomed": doomed, **events,
               "warnings": [str(w.message) for w in caught if "RemoteVLLM" in str(w.message)
                            or "Weight sync" in str(w.message)]}
     if dist.get_rank() == 0:

@@ -160,6 +160,7 @@ def main() -> None:
     Path(args.out).write_text(json.dumps({
         "error": repr(result.error) if result.error else None, "first_server_up_s": first_up, "steps": steps,
         "servers": states, "server_hosts": sorted({u.split("//")[1].split(":")[0] for u in urls}),
+        "owner_on_driver_node": servers.owner_node() == ray.get_runtime_context().get_node_id(),
         "final_version": final["version"],
         "token_truth": final["token_truth"], "dropped": final["dropped"], "checkpoint": str(result.checkpoint)},
         indent=1))

