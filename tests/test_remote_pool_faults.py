@@ -20,7 +20,8 @@ from tests.conftest import free_port, run_torchrun, scenario
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
 
 STARTS_VLLM = ("results",)
-SCENARIOS = ["kill@begins", "kill@data+shards", "stop@data"]
+SCENARIOS = ["stop@data", "kill@begins", "kill@data+shards"]  # (in this order the doomed server starts twice)
+CAMPAIGN = "campaign@6:10"  # seed 6, 10 steps: a server stopped as a round begins, then one stopped as they take it
 LOGPROB_TOLERANCE = 0.1  # as tests/test_remote_transfer.py (bf16 server against the trainer's fp32 forward)
 TIMEOUT = 20.0  # tests/scripts/pool_faults.py's RemoteVLLM(timeout=...)
 
@@ -29,7 +30,8 @@ TIMEOUT = 20.0  # tests/scripts/pool_faults.py's RemoteVLLM(timeout=...)
 def results(servers: Any, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     model_dir, urls = servers
     return run_torchrun("pool_faults.py", tmp_path_factory.mktemp("pool_faults") / "results.json", "--server", urls[0],
-                        "--model-dir", str(model_dir), "--port", str(free_port()), "--only", ",".join(SCENARIOS),
+                        "--model-dir", str(model_dir), "--port", str(free_port()), "--only",
+                        ",".join([SCENARIOS[0], CAMPAIGN, *SCENARIOS[1:]]),
                         timeout=900)
 
 
@@ -61,3 +63,23 @@ def test_a_server_failing_inside_a_round_is_set_aside_and_training_goes_on_exact
         assert any("join the pool" in w for w in got["warnings"]), got["warnings"]
         assert got["end"]["doomed"] == {"version": str(got["version"]), "paused": False}, got["end"]
         assert got["doomed_gap"] < LOGPROB_TOLERANCE and got["servers_out"] == {}, got
+
+
+def test_a_seeded_campaign_of_faults_inside_rounds_never_stops_training(results: dict[str, Any], servers: Any) -> None:
+    # issue 67 item 4, short: faults drawn from seed 6 (tests/scripts/pool_faults.py's campaign; a longer run:
+    # benchmarks/fault_campaign.py), a client sending completions to the alive server throughout
+    got = scenario(results, CAMPAIGN)
+    alive = servers[1][0]
+    assert [(f["version"], f["kind"], f["step"]) for f in got["faults"]] == [(5, "stop", "begins"), (8, "stop", "take")]
+    for fault in got["faults"]:  # each landed, its sync went on within seconds, the server set aside
+        assert fault["landed"] and fault["set_aside"] and fault["sync_seconds"] < TIMEOUT, fault
+        assert fault["paused_s"] is None or fault["paused_s"] < TIMEOUT, fault
+    versions = [r["version"] for r in got["records"]]
+    assert versions == list(range(1, got["version"] + 1)), versions  # every sync succeeded
+    for record in got["records"]:
+        first = record["servers"][0]
+        assert first["url"] == alive and first["version"] == str(record["version"]) and not first["paused"], record
+        assert max(record["gaps"]) < LOGPROB_TOLERANCE, record  # every server the sync updated: the trainer's weights
+    assert got["client"]["failed"] == [] and got["client"]["requests"] > 0, got["client"]
+    assert got["end"] == {"alive": {"version": str(got["version"]), "paused": False},
+                          "doomed": {"version": str(got["version"]), "paused": False}}, got["end"]

@@ -30,11 +30,12 @@ them that are still waited for are given up (:func:`on_each`, :func:`on_all`).""
 
 
 class ServerError(ConnectionError):
-    """A request to one server failed; ``url`` names it."""
+    """A request to one server failed; ``url`` names it; ``refused``: its host answered that nothing listens there."""
 
-    def __init__(self, message: str, url: str) -> None:
+    def __init__(self, message: str, url: str, *, refused: bool = False) -> None:
         super().__init__(message)
         self.url = url
+        self.refused = refused
 
 
 class Server:
@@ -79,7 +80,8 @@ class Server:
                 raise ServerError(
                     f"vLLM server {method} {url} failed: connection refused: no server listens there now. Its process"
                     " ended (a worker that dies, e.g. vLLM's 'Executor failed' under memory pressure, takes the server"
-                    " down: see the server's own log) or it was never started on this port.", self.url) from err
+                    " down: see the server's own log) or it was never started on this port.", self.url,
+                    refused=True) from err
             raise ServerError(
                 f"vLLM server {method} {url} failed: {err}. Is the server up, started with VLLM_SERVER_DEV_MODE=1,"
                 f" and reachable from this trainer?", self.url) from err

@@ -2,9 +2,10 @@
 not at the round's timeout, and no other server waits on it.
 
 **The rule**: a server is *silent* when it leaves ``/health`` unanswered for :data:`HEALTH_TIMEOUT_S` seconds
-:data:`MISSES` times in a row, asked every :data:`PERIOD_S` seconds (so about 3 to 5 s after it died, froze, or its
-link was cut). A slow server (a lossy or loaded link, a ``wait`` pause that lets long requests finish) still answers
-``/health`` and is waited for, up to ``RemoteVLLM(timeout=...)``.
+:data:`MISSES` times in a row, asked every :data:`PERIOD_S` seconds (so about 3 to 5 s after it froze or its link was
+cut), or at once when its host refuses the connection (its process is gone: about 1 s after it died). A slow server
+(a lossy or loaded link, a ``wait`` pause that lets long requests finish) still answers ``/health`` and is waited for,
+up to ``RemoteVLLM(timeout=...)``.
 
 A silent server's requests of the round are given up at once (:func:`~.http.on_each` / ``on_all`` stop waiting for
 them: the failure names it), and the round's data stops: trainer rank 0 posts an abandon in the transfer group's store,
@@ -67,7 +68,7 @@ class HealthWatch:
                 server.health(timeout=HEALTH_TIMEOUT_S, watch=True)
                 misses = 0
             except ServerError as err:
-                misses += 1
+                misses = MISSES if err.refused else misses + 1  # (nothing listens: no need to ask again)
                 if misses >= MISSES and not self._stop.is_set():
                     why = f"no answer to /health for {HEALTH_TIMEOUT_S:g} s, {MISSES} times in a row (last: {err})"
                     self.silent[server.url] = why

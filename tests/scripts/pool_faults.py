@@ -7,6 +7,8 @@ Run by ``tests/test_remote_pool_faults.py``: ``torchrun --nproc-per-node 2 pool_
 after step 3) lands where rank 0's round reaches the step (``begins``: after the round's ``/health``, before its pause;
 ``data``: as the first chunk of data is packed); ``+shards``: ``Gloo(shard_direct=True)`` (every rank sends). Each fit
 runs 4 steps; after each sync, rank 0 records every server's version, pause and logprob gap to the trainer's weights.
+``campaign@SEED:STEPS``: one fit whose faults are drawn from the seed (see :func:`campaign`; it prints a table, which
+``benchmarks/fault_campaign.py`` runs longer). The doomed server is started again only where a scenario killed it.
 
 Rank 0 writes JSON to ``--out``.
 """
@@ -16,8 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -48,12 +52,15 @@ TIMEOUT = 20.0  # RemoteVLLM(timeout=...): a round stuck on a silent server fail
 
 
 class Fault:
-    """Rank 0: the fault, landed once when sync ``version``'s round reaches ``step``."""
+    """Rank 0: the fault, landed once when sync ``version``'s round reaches ``step`` (:meth:`arm` sets another)."""
 
     def __init__(self, kind: str, step: str, model_dir: Path, port: int, sync: VLLMWeightSync, version: int) -> None:
         self.kind, self.step, self.model_dir, self.port = kind, step, model_dir, port
         self.sync, self.version = sync, version
         self.landed: float | None = None
+
+    def arm(self, kind: str, step: str, version: int) -> None:
+        self.kind, self.step, self.version, self.landed = kind, step, version, None
 
     def reached(self, step: str) -> None:
         if step != self.step or self.landed is not None or self.sync.version != self.version:
@@ -74,7 +81,7 @@ class Fault:
 
 def install(fault: Fault) -> None:
     """Rank 0's round reports the steps the faults land at (wrapping two of its methods)."""
-    pause, pack = Pauses.pause, GlooTrainerWeightTransferEngine._pack
+    pause, pack, take = Pauses.pause, GlooTrainerWeightTransferEngine._pack, Pauses.on_each_server
 
     def pause_reached(self: Pauses) -> float:
         fault.reached("begins")
@@ -84,8 +91,13 @@ def install(fault: Fault) -> None:
         fault.reached("data")
         return pack(self, *args)
 
+    def take_reached(self: Pauses, *args: Any, **kwargs: Any) -> None:
+        fault.reached("take")
+        take(self, *args, **kwargs)
+
     Pauses.pause = pause_reached  # type: ignore[method-assign]
     GlooTrainerWeightTransferEngine._pack = pack_reached  # type: ignore[method-assign]
+    Pauses.on_each_server = take_reached  # type: ignore[method-assign]
 
 
 def server_state(url: str) -> dict[str, Any]:
@@ -100,12 +112,7 @@ def server_state(url: str) -> dict[str, Any]:
 def scenario(name: str, root: Path, alive: str, model_dir: Path, port: int) -> dict[str, Any]:
     kind, rest = name.split("@")
     step, _, shards = rest.partition("+")
-    doomed = f"http://127.0.0.1:{port}"
-    if dist.get_rank() == 0:  # a fresh doomed server for each scenario
-        stop_server(model_dir, port)
-        start_server(model_dir, port)
-        wait_for_server(doomed, model_dir / f"server{port}.log")
-    dist.barrier()
+    doomed = up(model_dir, port)
     seed_everything(0)
     sync = VLLMWeightSync(RemoteVLLM([alive, doomed], transport=Gloo(shard_direct=bool(shards)), timeout=TIMEOUT,
                                      min_servers=1), every_n_train_steps=1)
@@ -134,8 +141,156 @@ def scenario(name: str, root: Path, alive: str, model_dir: Path, port: int) -> d
         result["end"] = {"alive": server_state(alive), "doomed": server_state(doomed)}
         if result["end"]["doomed"].get("version") == str(sync.version):  # it rejoined: its weights too
             result["doomed_gap"] = gap(Server(doomed, api_key=None, timeout=30), after.previous)
-        stop_server(model_dir, port)
     return result
+
+
+def up(model_dir: Path, port: int) -> str:
+    """Every rank: the doomed server answers (started again where a scenario killed it); its URL."""
+    doomed = f"http://127.0.0.1:{port}"
+    if dist.get_rank() == 0 and server_state(doomed).get("error"):
+        stop_server(model_dir, port)
+        start_server(model_dir, port)
+        wait_for_server(doomed, model_dir / f"server{port}.log")
+    dist.barrier()
+    return doomed
+
+
+def campaign(name: str, root: Path, alive: str, model_dir: Path, port: int) -> dict[str, Any]:
+    """``campaign@SEED:SYNCS``: one fit of SYNCS steps, shard-direct, a sync each; from the seed, faults at random
+    syncs and steps (kill or stop, as the round begins, as its data starts, as the servers take it). A fault's server
+    comes back at the next sync (SIGCONT, or restarted and waited for) and rejoins at the one after; the next fault
+    comes after that. A client on rank 0 sends completions to the alive server throughout."""
+    seed, syncs = (int(x) for x in name.split("@")[1].split(":"))
+    rng = random.Random(seed)
+    doomed = up(model_dir, port)
+    seed_everything(seed)
+    sync = VLLMWeightSync(RemoteVLLM([alive, doomed], transport=Gloo(shard_direct=True), timeout=TIMEOUT,
+                                     min_servers=1), every_n_train_steps=1)
+    fault = Fault("kill", "none", model_dir, port, sync, version=-1)
+    faults: list[dict[str, Any]] = []
+    client = Client(alive)
+    if dist.get_rank() == 0:
+        install(fault)
+        client.start()
+    free_from = [3]  # the first sync a new fault may land at
+
+    def on_step(trainer: pl.Trainer) -> None:  # after sync v (= sync.version): check it, heal, arm the next
+        v = sync.version
+        if trainer.global_rank != 0:
+            return
+        if faults and faults[-1]["version"] == v:  # its sync just ended: it went on (or the fit would have raised)
+            faults[-1].update(sync_seconds=sync.last_metrics.get("weight_sync/seconds"),
+                              set_aside=doomed in sync.target.servers_out, landed=fault.landed is not None,
+                              paused_s=sync.target.last_paused_seconds)
+        if faults and faults[-1]["version"] == v - 1:  # back now: it rejoins at the next sync
+            if fault.kind == "stop":
+                fault.heal()
+            else:
+                up_again(model_dir, port)
+        if v + 1 >= free_from[0] and v + 1 < syncs and rng.random() < 0.6:
+            kind, step = rng.choice(["kill", "stop"]), rng.choice(["begins", "data", "take"])
+            fault.arm(kind, step, v + 1)
+            faults.append({"version": v + 1, "kind": kind, "step": step})
+            free_from[0] = v + 4
+
+    after = AfterSync(sync, on_step=on_step)
+    ports = {"alive server": int(alive.rsplit(":", 1)[1]), "doomed server": port}
+    rss_start = memory(model_dir, ports)
+    trainer = trainer_for([sync, after], steps=syncs, root=root / f"campaign_{seed}")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        start = time.monotonic()
+        trainer.fit(CausalLM(lr=3e-2), token_loader(16))
+        seconds = time.monotonic() - start
+    result: dict[str, Any] = {"version": sync.version, "records": after.records, "faults": faults,
+                              "fit_seconds": seconds, "doomed": doomed,
+                              "warnings": [str(w.message) for w in caught if "RemoteVLLM" in str(w.message)]}
+    rss_end = memory(model_dir, ports)
+    if dist.get_rank() == 0:
+        client.stop()
+        result.update(client=client.report(), servers_out=sync.target.servers_out, table=table(faults, client.report()),
+                      end={"alive": server_state(alive), "doomed": server_state(doomed)},
+                      rss_mib={k: (rss_start.get(k, 0.0), rss_end.get(k, 0.0)) for k in rss_end})
+    return result
+
+
+def memory(model_dir: Path, ports: dict[str, int]) -> dict[str, float]:
+    """Every rank: each trainer rank's resident memory, and (rank 0) each server's (its process group's), in MiB."""
+    import psutil
+
+    mine = psutil.Process().memory_info().rss / 2**20
+    ranks: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(ranks, mine)
+    got = {f"trainer rank {r}": rss for r, rss in enumerate(ranks)}
+    if dist.get_rank() == 0:
+        for who, port in ports.items():
+            pid_file = model_dir / f"server{port}.pid"
+            group = int(pid_file.read_text()) if pid_file.exists() else None
+            got[who] = sum(p.memory_info().rss for p in psutil.process_iter() if group is not None
+                           and _group(p.pid) == group) / 2**20
+    return got
+
+
+def _group(pid: int) -> int | None:
+    try:
+        return os.getpgid(pid)
+    except OSError:
+        return None
+
+
+def up_again(model_dir: Path, port: int) -> None:
+    """Rank 0: the doomed server, killed, started again and waited for (a harness wait, not the library's)."""
+    doomed = f"http://127.0.0.1:{port}"
+    if server_state(doomed).get("error"):
+        stop_server(model_dir, port)
+        start_server(model_dir, port)
+        wait_for_server(doomed, model_dir / f"server{port}.log")
+
+
+class Client(threading.Thread):
+    """Rank 0: completions to one server, one after the other, for the whole fit: how many, how many failed, the
+    slowest (a request waits while the server is paused)."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(daemon=True)
+        self.server = Server(url, api_key=None, timeout=120)
+        self.done, self.failed, self.slowest = 0, [], 0.0
+        self._stop = threading.Event()
+
+    def run(self) -> None:
+        model = self.server.request("GET", "/v1/models")["data"][0]["id"]
+        while not self._stop.is_set():
+            start = time.monotonic()
+            try:
+                self.server.request("POST", "/v1/completions", {"model": model, "prompt": [1, 2, 3], "max_tokens": 4,
+                                                                "ignore_eos": True})
+                self.done += 1
+            except Exception as err:  # noqa: BLE001 - counted
+                self.failed.append(f"{type(err).__name__}: {err}"[:200])
+            self.slowest = max(self.slowest, time.monotonic() - start)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self.join(timeout=150)
+
+    def report(self) -> dict[str, Any]:
+        return {"requests": self.done, "failed": self.failed, "slowest_s": round(self.slowest, 2)}
+
+
+def table(faults: list[dict[str, Any]], client: dict[str, Any]) -> str:
+    """The campaign's faults by kind and step: how many, how many the fit went on through, the longest sync."""
+    lines = ["fault  step     n  survived  sync s (max)  set aside  alive paused s (max)"]
+    for kind in ("kill", "stop"):
+        for step in ("begins", "data", "take"):
+            these = [f for f in faults if f["kind"] == kind and f["step"] == step and f.get("landed")]
+            if these:
+                lines.append(f"{kind:<6} {step:<7} {len(these):>2}  {sum('sync_seconds' in f for f in these):>8}"
+                             f"  {max(f.get('sync_seconds') or 0 for f in these):>12.2f}"
+                             f"  {sum(bool(f.get('set_aside')) for f in these):>9}"
+                             f"  {max(f.get('paused_s') or 0 for f in these):>20.2f}")
+    lines.append(f"client: {client['requests']} requests to the alive server, {len(client['failed'])} failed,"
+                 f" slowest {client['slowest_s']} s")
+    return "\n".join(lines)
 
 
 def main() -> None:
@@ -149,10 +304,11 @@ def main() -> None:
     dist.init_process_group("gloo")
     root = Path(args.out).parent / "pool_faults"
     model_dir = Path(args.model_dir)
-    runs = {name: (lambda name=name: scenario(name, root, args.server, model_dir, args.port))
-            for name in args.only.split(",")}
+    runs = {name: (lambda name=name: (campaign if name.startswith("campaign") else scenario)(
+        name, root, args.server, model_dir, args.port)) for name in args.only.split(",")}
     results = run_scenarios(runs, list(runs))
     if dist.get_rank() == 0:
+        stop_server(model_dir, args.port)
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
     end_script()
 

