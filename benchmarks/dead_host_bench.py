@@ -135,8 +135,9 @@ def main() -> None:
                str(out), "--timeout", str(args.timeout)]
         job = subprocess.Popen(hosts.command("a", cmd), cwd=Path(__file__).resolve().parent.parent)
         while job.poll() is None:
-            if signal.exists():
-                state = "down" if signal.read_text() == "cut" else "up"
+            what = signal.read_text() if signal.exists() else ""
+            if what in ("cut", "restore"):  # (read whole: a file still being written reads empty)
+                state = "down" if what == "cut" else "up"
                 subprocess.run(["ip", "-n", hosts.ns("d"), "link", "set", hosts.interface("d"), state], check=True)
                 signal.unlink()
             time.sleep(0.1)
