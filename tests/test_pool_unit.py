@@ -267,7 +267,7 @@ def test_a_server_that_freezes_as_the_round_begins_is_found_silent_within_second
                                          r"went silent during the round \(no answer to /health for 2 s, 2 times"):
         target.push_source(source(), version=1)
     seconds = time.monotonic() - start
-    assert 2 < seconds < 12, seconds  # (measured: 6.1 s; the timeout is 60 s)
+    assert 2 < seconds < 20, seconds  # (measured: 6.1 s; the timeout is 60 s)
     assert [s.paths().count("/update_weights") for s in stubs] == [1, 1, 0]
     assert all(s.body("/finish_weight_update")[-1] == {"weight_version": "1"} for s in stubs[:2])
     assert [s.paths()[-1] for s in stubs[:2]] == ["/resume", "/resume"]
