@@ -23,7 +23,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["SLICE_S", "Abandon", "RoundAbandoned", "keep_group"]
+__all__ = ["SLICE_S", "Abandon", "RoundAbandoned", "keep_group", "wait_for"]
 
 SLICE_S = 1.0
 """Seconds a wait lasts before it looks for an abandon in the store (and again every slice after)."""
@@ -91,6 +91,15 @@ class Abandon:
             keep_group(group)
         if self._helper is not None:
             self._helper.shutdown(wait=False)
+
+
+def wait_for(work: Any, timeout: timedelta, abandon: Abandon | None, *, collective: bool) -> None:
+    """``work.wait(timeout)``, through the group's ``abandon`` where it has one (gloo): every wait of the protocol,
+    on either side (``collective``: an all-reduce; else a send or a receive)."""
+    if abandon is None:
+        work.wait(timeout)
+    else:
+        abandon.wait(work, timeout, collective=collective)
 
 
 def keep_group(group: Any) -> None:

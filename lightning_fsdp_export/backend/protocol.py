@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_fsdp_export._network import gloo_group, is_loopback, route_address
-from lightning_fsdp_export.backend.abandon import Abandon
+from lightning_fsdp_export.backend.abandon import Abandon, wait_for
 from lightning_fsdp_export.export.patch_codes import apply_steps, decode_positions
 from lightning_fsdp_export.export.patches import unpack_bits
 
@@ -405,12 +405,10 @@ def exchange_digests(pg: dist.ProcessGroup, trainers: int, mine: tuple[int, int,
 
 
 def _wait(work: Any, timeout: timedelta | None, abandon: Abandon | None) -> None:
-    if abandon is not None and timeout is not None:
-        abandon.wait(work, timeout, collective=True)
-    elif timeout is None:
+    if timeout is None:
         work.wait()
     else:
-        work.wait(timeout)
+        wait_for(work, timeout, abandon, collective=True)
 
 
 def crc32(crc: int, tensor: torch.Tensor | None) -> int:

@@ -18,7 +18,7 @@ from vllm.distributed.weight_transfer.base import TrainerWeightTransferEngine, V
 
 from lightning_fsdp_export._compat import iter_full, source_metadata
 from lightning_fsdp_export._network import rendezvous
-from lightning_fsdp_export.backend.abandon import Abandon
+from lightning_fsdp_export.backend.abandon import Abandon, wait_for
 from lightning_fsdp_export.backend.infos import (
     DEFAULT_BUFFER_BYTES,
     DEFAULT_TIMEOUT_S,
@@ -232,7 +232,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             if code == END:
                 raise RuntimeError("another trainer rank ended the round early: the ranks' sources disagree")
             for work in inflight[1:]:
-                self._wait(work)
+                wait_for(work, self.timeout, self.abandon, collective=False)
             counts, part = part
             inflight = [(counts, part)]
             if staged:
@@ -247,7 +247,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             inflight += [] if part is None else [self.group.send([part], w, tag) for w in self.workers]
             self.sent_bytes += 0 if part is None else part.numel() * len(self.workers)
         for work in inflight[1:]:
-            self._wait(work)
+            wait_for(work, self.timeout, self.abandon, collective=False)
         try:
             if next(pairs, None) is not None:
                 raise ValueError("WeightSource yielded more tensors than metadata() declared.")
@@ -301,13 +301,6 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 offset += aligned(nbytes)
         has_part = any(want.part(self.rank) for want in chunk)
         return (torch.tensor(counts, dtype=torch.int64, device=self.wire_device) if sparse and has_part else None), part
-
-    def _wait(self, work: Any) -> None:
-        """A send's wait: within a second of an abandon (gloo), else within the group's timeout."""
-        if self.abandon is not None:
-            self.abandon.wait(work, self.timeout, collective=False)
-        else:
-            work.wait(self.timeout)
 
     def abandon_round(self, reason: str) -> None:
         """Trainer rank 0: leave the round under way on every member of the group (gloo; a member went silent)."""

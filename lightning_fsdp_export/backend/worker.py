@@ -18,7 +18,7 @@ import torch.distributed as dist
 from vllm.distributed.weight_transfer.base import WeightTransferEngine
 
 from lightning_fsdp_export._compat import load_naming_refusals
-from lightning_fsdp_export.backend.abandon import Abandon
+from lightning_fsdp_export.backend.abandon import Abandon, wait_for
 from lightning_fsdp_export.backend.adapter_dirs import write_adapter_dir
 from lightning_fsdp_export.backend.infos import (
     DEFAULT_BUFFER_BYTES,
@@ -85,6 +85,10 @@ class _Round:
     forwards: list[Any] = field(default_factory=list)  # a relay's sends to its host's other workers, in flight
     tied: dict[str, torch.Tensor | None] = field(default_factory=dict)  # tensors a later name is the same as (ties)
     abandon: Abandon | None = None  # the group's way out of a round stuck on a silent member (gloo)
+
+    def wait(self, work: Any, timeout: timedelta) -> None:
+        """A receive's (or a relay's send's) wait, within a second of an abandon (gloo)."""
+        wait_for(work, timeout, self.abandon, collective=False)
     times: dict[str, float] = field(default_factory=lambda: {"round": time.perf_counter(), "waiting": 0.0,
                                                              "loading": 0.0})
 
@@ -246,7 +250,7 @@ class GlooWeightTransferEngine(StagedRounds,
             if error is None and r.changed is not None and staging is None:
                 error = self._reload_changed(r)
         for work in r.forwards:
-            _wait(self.timeout, r, work)
+            r.wait(work, self.timeout)
         if error is None and r.adapter is not None:
             try:
                 assert update_info.adapter_dir is not None and update_info.adapter_config is not None
@@ -320,7 +324,7 @@ class GlooWeightTransferEngine(StagedRounds,
             messages.append(None)
             if size and sparse:  # a sparse round: this rank's counts first, its payload's size from them
                 message = torch.empty(len(chunk), dtype=torch.int64, device=self.wire_device)
-                _wait(self.timeout, r, r.group.recv([message], *_source(relay, rank, 2 * index, plan.trainers)))
+                r.wait(r.group.recv([message], *_source(relay, rank, 2 * index, plan.trainers)), self.timeout)
                 _forward(r, self.relays.followers.get(self.rank, []), message, 2 * index, rank, plan.trainers)
                 counts[-1], messages[-1] = message.tolist(), message
                 size = sparse_segment(chunk, rank, counts[-1])
@@ -338,9 +342,9 @@ class GlooWeightTransferEngine(StagedRounds,
             return error
         start = time.perf_counter()
         for work in held.works:
-            _wait(self.timeout, r, work)
+            r.wait(work, self.timeout)
         for work in r.forwards:  # the previous chunk's, done by now (the host's loopback): its buffers may go
-            _wait(self.timeout, r, work)
+            r.wait(work, self.timeout)
         r.forwards = []
         tag = 2 * held.index + 1 if held.counts is not None else held.index
         for rank, part in enumerate(held.parts):  # a relay passes each part on before loading it
@@ -389,14 +393,6 @@ class GlooWeightTransferEngine(StagedRounds,
             self.abandon.close(self.group)
         self.group = self._store = self.abandon = None
         self._base, self._kept, self._staging, self._inplace = {}, None, None, None
-
-
-def _wait(timeout: timedelta, r: _Round, work: Any) -> None:
-    """A receive's (or a relay's send's) wait: within a second of an abandon (gloo), else the group's timeout."""
-    if r.abandon is not None:
-        r.abandon.wait(work, timeout, collective=False)
-    else:
-        work.wait(timeout)
 
 
 def _log_relays(rank: int, relays: Relays) -> None:
