@@ -31,6 +31,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--steps", type=int, default=40, help="steps of the fit (a sync after each)")
+    parser.add_argument("--rate", type=float, default=0.6,
+                        help="the chance of a fault at each sync once the last one's server rejoined")
+    parser.add_argument("--score-every", type=int, default=1,
+                        help="score both servers against the trainer every N syncs (and around every fault)")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
     import torch
@@ -46,29 +50,33 @@ def main() -> None:
         save_word_tokenizer(str(model))
     alive, doomed = free_port("127.0.0.1"), free_port("127.0.0.1")
     out = work / f"campaign_{args.seed}.json"
+    name = f"campaign@{args.seed}:{args.steps}:{args.rate}:{args.score_every}"
     try:
         start_server(model, alive)
         wait_for_server(f"http://127.0.0.1:{alive}", model / f"server{alive}.log")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                f"--master-port={free_port('127.0.0.1')}", str(ROOT / "tests" / "scripts" / "pool_faults.py"),
                "--out", str(out), "--server", f"http://127.0.0.1:{alive}", "--model-dir", str(model), "--port",
-               str(doomed), "--only", f"campaign@{args.seed}:{args.steps}"]
+               str(doomed), "--only", name]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
             raise SystemExit(f"the campaign failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-5000:]}")
-        got = json.loads(out.read_text())[f"campaign@{args.seed}:{args.steps}"]
+        got = json.loads(out.read_text())[name]
         if "crash" in got:
             raise SystemExit(got["crash"])
         every = [r["version"] for r in got["records"]] == list(range(1, got["version"] + 1))
         print(f"\nseed {args.seed}, {args.steps} steps: {len(got['faults'])} faults, {got['version']} syncs, fit"
               f" {got['fit_seconds']:.0f} s; every sync succeeded: {every}")
         print(got["table"])
-        print(f"largest logprob gap of a server the sync updated: {max(max(r['gaps']) for r in got['records']):.4f}")
+        scored = [r for r in got["records"] if r["gaps"]]
+        print(f"largest logprob gap of a server the sync updated ({len(scored)} syncs scored):"
+              f" {max(max(r['gaps']) for r in scored):.4f}")
         print(f"at the end: {got['end']}")
         print("resident memory (MiB), start -> end:")
         for who, (start, end) in got["rss_mib"].items():
-            print(f"  {who:<24} {start:>8.0f} -> {end:>8.0f}")
+            samples = " ".join(f"{s[who]:.0f}" for s in got["rss_samples"] if who in s)
+            print(f"  {who:<24} {start:>8.0f} -> {end:>8.0f}   (every 100 steps: {samples})")
     finally:
         stop_server(model, alive)
         stop_server(model, doomed)

@@ -77,7 +77,7 @@ class DirectoryReload(Transfer):
             set_versions([server], version)
 
         pauses.on_each_server(reload_one, version=version, resume=resume)
-        pauses.finish(paused_at, resume)
+        pauses.finish(paused_at, resume, resumed=True)
 
     @override
     def push_adapter(self, files: AdapterFiles, *, version: int, name: str) -> None:

@@ -61,15 +61,26 @@ class Pauses:
 
     def on_each_server(self, step: Callable[[Server], None], *, version: int, resume: bool) -> None:
         """Rank 0, the servers paused after the round's data reached them: ``step`` on every server (what it is told
-        then: swap, load an adapter, reset its prefix cache, set its label). Where ``step`` fails on some servers
-        only, the others hold ``version`` whole, labelled: with ``resume`` they are resumed at once (without it an
-        adapter round follows, so they stay paused with the rest); the failed ones stay paused, named in the error."""
-        failed = on_each(self.servers, step)
+        then: swap, load an adapter, reset its prefix cache, set its label), and with ``resume`` each server is resumed
+        as soon as its own ``step`` is done (its pause never waits on another server's; without ``resume`` an adapter
+        round follows, so they stay paused). Where some fail, the others hold ``version`` whole, labelled, and are
+        resumed; the failed ones stay paused, named in the error (:class:`PartlyFailed`)."""
+
+        done: set[Server] = set()  # resumed already
+
+        def take(server: Server) -> None:
+            step(server)
+            if resume:
+                server.resume()
+                done.add(server)
+
+        failed = on_each(self.servers, take)
         if not failed:
             return
         if not resume:
             raise next(iter(failed.values()))
-        self._resume_all_but(failed, failed_to=f"take version {version} and stay paused", serving=f"version {version}")
+        self._resume_all_but(failed, failed_to=f"take version {version} and stay paused", serving=f"version {version}",
+                             done=done)
 
     def swap_each(self, swap: Callable[[Server], float], *, version: int) -> None:
         """Rank 0, a staged round's data at every server, nothing paused: each server swaps it in on its own
@@ -93,11 +104,12 @@ class Pauses:
                            f" {len(resumed)} other(s) serve it ({lines}). The next sync pushes every tensor whole.",
                            first.url, resumed=resumed) from failed[first]
 
-    def _resume_all_but(self, failed: dict[Server, BaseException], *, failed_to: str, serving: str) -> None:
+    def _resume_all_but(self, failed: dict[Server, BaseException], *, failed_to: str, serving: str,
+                        done: set[Server] | frozenset[Server] = frozenset()) -> None:
         """Rank 0, a round that failed on ``failed`` only: resume every other server (each holds one whole version,
-        ``serving``), then raise a :class:`PartlyFailed` naming them all."""
+        ``serving``; those in ``done`` are resumed already), then raise a :class:`PartlyFailed` naming them all."""
         whole = [s for s in self.servers if s not in failed]
-        stuck = on_each(whole, lambda s: s.resume())
+        stuck = on_each([s for s in whole if s not in done], lambda s: s.resume())
         resumed = [s for s in whole if s not in stuck]
         self.held_since = None
         lines = "; ".join(f"{s.url}: {err}" for s, err in {**failed, **stuck}.items())
@@ -107,16 +119,25 @@ class Pauses:
         raise PartlyFailed(f"{len(failed)} of {len(self.servers)} server(s) failed to {failed_to}; {others} ({lines})."
                            " The next sync pushes every tensor whole.", first.url, resumed=resumed) from failed[first]
 
-    def finish(self, paused_at: float, resume: bool) -> None:
-        """Rank 0 after a round that succeeded: resume the servers (and time the pause), or hold them paused."""
+    def finish(self, paused_at: float, resume: bool, *, resumed: bool = False) -> None:
+        """Rank 0 after a round that succeeded: resume the servers (``resumed``: each was as it took the round) and
+        time the pause, or hold them paused. A server that fails to resume (it died, froze or was cut off after taking
+        the version) stays as it is; the others serve the version and the error names it (:class:`PartlyFailed`)."""
         if self.rank != 0:
             return
         if not resume:
             self.held_since = paused_at
             return
-        on_all(self.servers, lambda s: s.resume())
+        failed = {} if resumed else on_each(self.servers, lambda s: s.resume())
         self.held_since = None
         self.last_pause = (paused_at, time.time())
+        if failed:
+            others = [s for s in self.servers if s not in failed]
+            lines = "; ".join(f"{s.url}: {err}" for s, err in failed.items())
+            first = next(iter(failed))
+            raise PartlyFailed(f"{len(failed)} of {len(self.servers)} server(s) took the version but failed to be"
+                               f" resumed; {len(others)} other(s) serve it ({lines}).", first.url,
+                               resumed=others) from failed[first]
 
     def resume_after(self, err: BaseException) -> None:
         """Rank 0, a round that failed after the pause but before any data was sent (building the group): resume every
@@ -142,7 +163,7 @@ class Pauses:
             self.on_each_server(load, version=version, resume=True)
         finally:
             self.held_since = None
-        self.finish(paused_at, resume=True)
+        self.finish(paused_at, resume=True, resumed=True)
 
 
 def close_rounds(servers: Sequence[Server], *, timeout: float, empty_round: bool) -> None:

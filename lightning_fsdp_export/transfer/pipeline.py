@@ -63,6 +63,7 @@ class RoundRun:
         self.sent = False  # from the send on, a failure may leave a server's model half-loaded
         self.swapped = False  # the servers took it each on its own (a staged swap) or the pool set the others aside
         self.resumed: list[Server] = []  # rank 0, after a failure: servers that hold a whole version, serving again
+        self.resumed_each = False  # rank 0: each server was resumed as it took the round
         self.group_plan: dict[str, Any] | None = None  # every rank in the group: rank 0's plan of a new group
         self.outcome: str | None = None  # rank 0, a round in the background: why the servers did not take it
         self.inputs: RoundInputs | None = None
@@ -83,7 +84,7 @@ class RoundRun:
             except BaseException as err:
                 self.fail(err)
                 raise
-        self.finish()
+            self.finish()  # (watched too: a server that freezes as it is resumed is found within seconds)
 
     # -- the steps ------------------------------------------------------------------------------------
 
@@ -185,6 +186,7 @@ class RoundRun:
                     self.paused_at, self.paused = pauses.pause(), True
                 pauses.on_each_server(lambda s: this.on_server(s, inputs, version=self.version, mode=mode),
                                       version=self.version, resume=self.resume)
+                self.resumed_each = self.resume
         except Exception as err:
             self.resumed = err.resumed if isinstance(err, PartlyFailed) else []
             if transfer.pool.took(self.resumed, err, transfer.servers):
@@ -208,13 +210,20 @@ class RoundRun:
 
     def finish(self) -> None:
         """Every rank, the round succeeded everywhere: keep what it made (a sparse round's copy); resume the servers
-        (unless each did on its own, or the adapter round that follows does)."""
+        (unless each did on its own or as it took the round, or the adapter round that follows does). A server that
+        fails to resume after taking the version is set aside where the pool may (``min_servers``)."""
         transfer = self.transfer
         assert self.inputs is not None
         transfer.kept = self.round.succeeded(self.inputs)
         transfer.broken = False  # also on a rank outside the group (sparse_nccl's others), which never connects again
-        if not self.swapped:
-            transfer.pauses.finish(self.paused_at, self.resume)
+        if self.swapped:
+            return
+        try:
+            transfer.pauses.finish(self.paused_at, self.resume, resumed=self.resumed_each)
+        except PartlyFailed as err:
+            if not transfer.pool.took(err.resumed, err, transfer.servers):
+                raise
+            transfer.pauses.servers = transfer.pool.active
 
     def fail(self, err: BaseException) -> None:
         """Every rank, the round failed: the next one rebuilds the group and is dense. Rank 0: servers this round never

@@ -156,11 +156,16 @@ def up(model_dir: Path, port: int) -> str:
 
 
 def campaign(name: str, root: Path, alive: str, model_dir: Path, port: int) -> dict[str, Any]:
-    """``campaign@SEED:SYNCS``: one fit of SYNCS steps, shard-direct, a sync each; from the seed, faults at random
-    syncs and steps (kill or stop, as the round begins, as its data starts, as the servers take it). A fault's server
-    comes back at the next sync (SIGCONT, or restarted and waited for) and rejoins at the one after; the next fault
-    comes after that. A client on rank 0 sends completions to the alive server throughout."""
-    seed, syncs = (int(x) for x in name.split("@")[1].split(":"))
+    """``campaign@SEED:SYNCS[:RATE:SCORE]``: one fit of SYNCS steps, shard-direct, a sync each; from the seed, faults at
+    random syncs and steps (kill or stop, as the round begins, as its data starts, as the servers take it). A fault's
+    server comes back at the next sync (SIGCONT, or restarted and waited for) and rejoins at the one after; the next
+    fault may come after that, at each sync with probability RATE (default 0.6). A client on rank 0 sends completions
+    to the alive server throughout. Every SCORE-th sync (default 1) and every sync from a fault to its rejoin has both
+    servers scored against the trainer's weights (the others: their version and pause only); every 100 steps each
+    process's resident memory is sampled."""
+    fields = name.split("@")[1].split(":")
+    seed, syncs = int(fields[0]), int(fields[1])
+    rate, every = (float(fields[2]), int(fields[3])) if len(fields) > 2 else (0.6, 1)
     rng = random.Random(seed)
     doomed = up(model_dir, port)
     seed_everything(seed)
@@ -174,27 +179,32 @@ def campaign(name: str, root: Path, alive: str, model_dir: Path, port: int) -> d
         client.start()
     free_from = [3]  # the first sync a new fault may land at
 
+    rss: list[dict[str, Any]] = []
+    scored: set[int] = set()  # the syncs from a fault to its server's rejoin (every rank draws the same faults)
+
     def on_step(trainer: pl.Trainer) -> None:  # after sync v (= sync.version): check it, heal, arm the next
-        v = sync.version
-        if trainer.global_rank != 0:
-            return
-        if faults and faults[-1]["version"] == v:  # its sync just ended: it went on (or the fit would have raised)
+        v, rank0 = sync.version, trainer.global_rank == 0
+        if trainer.global_step % 100 == 0:  # every rank (a collective)
+            rss.append({"step": trainer.global_step, **memory(model_dir, ports)})
+        if rank0 and faults and faults[-1]["version"] == v:  # its sync just ended: it went on (or the fit raised)
             faults[-1].update(sync_seconds=sync.last_metrics.get("weight_sync/seconds"),
                               set_aside=doomed in sync.target.servers_out, landed=fault.landed is not None,
                               paused_s=sync.target.last_paused_seconds)
-        if faults and faults[-1]["version"] == v - 1:  # back now: it rejoins at the next sync
+        if rank0 and faults and faults[-1]["version"] == v - 1:  # back now: it rejoins at the next sync
             if fault.kind == "stop":
                 fault.heal()
             else:
                 up_again(model_dir, port)
-        if v + 1 >= free_from[0] and v + 1 < syncs and rng.random() < 0.6:
+        if v + 1 >= free_from[0] and v + 1 < syncs and rng.random() < rate:
             kind, step = rng.choice(["kill", "stop"]), rng.choice(["begins", "data", "take"])
-            fault.arm(kind, step, v + 1)
-            faults.append({"version": v + 1, "kind": kind, "step": step})
+            scored.update(range(v + 1, v + 4))
+            if rank0:
+                fault.arm(kind, step, v + 1)
+                faults.append({"version": v + 1, "kind": kind, "step": step})
             free_from[0] = v + 4
 
-    after = AfterSync(sync, on_step=on_step)
     ports = {"alive server": int(alive.rsplit(":", 1)[1]), "doomed server": port}
+    after = AfterSync(sync, on_step=on_step, score=None if every == 1 else lambda v: v % every == 0 or v in scored)
     rss_start = memory(model_dir, ports)
     trainer = trainer_for([sync, after], steps=syncs, root=root / f"campaign_{seed}")
     with warnings.catch_warnings(record=True) as caught:
@@ -205,7 +215,7 @@ def campaign(name: str, root: Path, alive: str, model_dir: Path, port: int) -> d
         trainer.fit(CausalLM(lr=3e-3), token_loader(16))
         seconds = time.monotonic() - start
     result: dict[str, Any] = {"version": sync.version, "records": after.records, "faults": faults,
-                              "fit_seconds": seconds, "doomed": doomed,
+                              "fit_seconds": seconds, "doomed": doomed, "rss_samples": rss,
                               "warnings": [str(w.message) for w in caught if "RemoteVLLM" in str(w.message)]}
     rss_end = memory(model_dir, ports)
     if dist.get_rank() == 0:

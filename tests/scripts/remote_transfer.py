@@ -103,9 +103,10 @@ def state(target: RemoteVLLM, first: int | None = None) -> list[dict[str, Any]]:
 class AfterSync(pl.Callback):
     """After each train batch (the sync callback runs first): score both servers when a sync happened."""
 
-    def __init__(self, sync: VLLMWeightSync, *, on_step: Any = None) -> None:
+    def __init__(self, sync: VLLMWeightSync, *, on_step: Any = None, score: Any = None) -> None:
         self.sync = sync
         self.on_step = on_step
+        self.score = score  # version -> whether to score it (None: every one); else only its state is recorded
         self.seen = 0
         self.previous: dict[str, torch.Tensor] | None = None
         self.records: list[dict[str, Any]] = []
@@ -114,6 +115,12 @@ class AfterSync(pl.Callback):
         if self.sync.version == self.seen or self.sync.stale:
             return
         self.seen = self.sync.version
+        if self.score is not None and not self.score(self.sync.version):  # the same answer on every rank
+            if trainer.global_rank == 0:
+                self.records.append({"version": self.sync.version, "step": trainer.global_step,
+                                     "servers": state(self.sync.target), "gaps": [],
+                                     "seconds": self.sync.last_metrics.get("weight_sync/seconds")})
+            return
         weights = dict(trainer.strategy.export_weights(dtype=torch.bfloat16))  # collective: every rank
         if trainer.global_rank == 0:
             target = self.sync.target
