@@ -159,3 +159,86 @@ def test_a_trainer_killed_at_each_step_of_the_swap_leaves_the_server_serving_one
         assert server.request("GET", "/weight_info")["weight_version"] == "399"
         assert gap(server, weights(399)) < LOGPROB_TOLERANCE
         transfer.disconnect()
+
+
+_FOREGROUND = textwrap.dedent("""
+    import os, signal, sys, torch
+    sys.path.insert(0, {root!r})
+    from types import SimpleNamespace
+    from lightning_fsdp_export.backend.trainer import GlooTrainerWeightTransferEngine
+    from lightning_fsdp_export.export.source import ExportSource
+    from lightning_fsdp_export.transfer.frame import NativeTransfer
+    from lightning_fsdp_export.transfer.http import Server
+    from lightning_fsdp_export.transfer.transports import Gloo
+    from lightning_fsdp_export.testing import tiny_qwen2
+
+    def die_after(owner, name, before=False):  # SIGKILL (no handler, no finally) at that point of the round
+        real = getattr(owner, name)
+        def dying(*args, **kwargs):
+            if not before:
+                real(*args, **kwargs)
+            os.kill(os.getpid(), signal.SIGKILL)
+        setattr(owner, name, dying)
+
+    transfer = NativeTransfer([Server({url!r}, api_key=None, timeout=60)], Gloo(), timeout=20, pause_mode="keep")
+    transfer.setup(SimpleNamespace(global_rank=0, world_size=1))
+    for version, seed in {pushes!r}:
+        if (version, seed) == {pushes!r}[-1]:
+            point = {point!r}
+            if point == "paused":  # the server paused, nothing sent
+                die_after(Server, "pause")
+            elif point == "labelled":  # the version whole and labelled, before the cache reset and the resume
+                die_after(Server, "reset_prefix_cache", before=True)
+            elif point == "data":  # the data started: the model may be half-loaded
+                die_after(GlooTrainerWeightTransferEngine, "_pack", before=True)
+        items = [(k, v.to(torch.bfloat16)) for k, v in tiny_qwen2(seed=seed).state_dict().items()]
+        transfer.push(ExportSource(lambda items=items: [([n], t) for n, t in items], lambda items=items: iter(items),
+                                   dtype=torch.bfloat16), version=version)
+        print("pushed", version, flush=True)
+""")
+
+
+@pytest.mark.parametrize(("point", "serves"), [("paused", "before"), ("labelled", "new"), ("data", None)])
+def test_a_trainer_killed_in_a_foreground_round_leaves_no_server_paused_holding_a_whole_version(
+        servers: Any, point: str, serves: str | None) -> None:
+    # Issue 67: a foreground round's pause is on a lease (backend/server_lease.py). A trainer killed with the server
+    # paused: nothing loaded (paused) -> the server resumes on its own after PAUSE_LEASE_S, serving the version it
+    # served; the new version whole and labelled (before the cache reset and /resume) -> it resets its caches and
+    # resumes, serving the new one; mid-data (maybe half-loaded) -> it stays paused, and the next trainer's push (a new
+    # group: nothing of the dead one's left in the way) makes it whole and resumes it.
+    from lightning_fsdp_export.backend.shared import PAUSE_LEASE_S
+
+    _, urls = servers
+    server = Server(urls[0], api_key=None, timeout=60)
+    base = 500 + 10 * ["paused", "labelled", "data"].index(point)
+    pushes = [(base, base), (base + 1, base + 1)]
+    code = _FOREGROUND.format(root=str(ROOT), url=urls[0], pushes=pushes, point=point)
+    client = Client(server)  # (not where the server stays paused until the next trainer: its requests time out)
+    if serves is not None:
+        client.start()
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    died = time.monotonic()
+    assert proc.returncode == -9, (proc.returncode, proc.stdout[-2000:], proc.stderr[-4000:])  # killed at the point
+    assert f"pushed {base}" in proc.stdout
+    while server.request("GET", "/is_paused")["is_paused"] and time.monotonic() - died < PAUSE_LEASE_S + 10:
+        time.sleep(0.1)
+    unpaused = time.monotonic() - died
+    paused = server.request("GET", "/is_paused")["is_paused"]
+    label = server.request("GET", "/weight_info")["weight_version"]
+    print(f"{point}: paused {paused}, {unpaused:.2f} s after the trainer's death (lease {PAUSE_LEASE_S:g} s); label"
+          f" {label}")
+    if serves is None:  # the model may be half-loaded: never served
+        assert paused and label == str(base), (paused, label)
+        code = _FOREGROUND.format(root=str(ROOT), url=urls[0], pushes=[(base + 2, base + 2)], point=None)
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0 and f"pushed {base + 2}" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-4000:])
+        served = base + 2
+        assert not server.request("GET", "/is_paused")["is_paused"]
+    else:
+        assert not paused and unpaused < PAUSE_LEASE_S + 5, unpaused
+        served = base if serves == "before" else base + 1
+        assert label == str(served)
+        client.stop.set()
+        client.join(60)
+        assert client.failures == [] and client.seconds, client.failures  # (requests wait out the pause: none fails)
+    assert gap(server, weights(served)) < LOGPROB_TOLERANCE

@@ -176,8 +176,9 @@ class Stub:
 
     def paths(self, preflight: bool = False) -> list[str]:
         """The routes requested, in order; without the pre-check's ``/server_info``, the ``/health`` asked before
-        each round unless ``preflight``, and never the round's watch's (``/health?watch``, each second)."""
-        return [path for method, path, _ in self.requests if path != "/health?watch" and (
+        each round unless ``preflight``, and never the round's watch's (``/health?watch``, each second); a pause
+        without its lease (``&lease=...&round_mode=...``: ``test_a_pause_carries_its_lease``)."""
+        return [path.split("&lease=")[0] for method, path, _ in self.requests if path != "/health?watch" and (
                 preflight or not (path.startswith("/server_info") or (method, path) in (("GET", "/lfe/swap"),
                                                                                        ("GET", "/health"))))]
 

@@ -291,7 +291,10 @@ def test_each_server_route_is_spelled_in_one_module_of_each_side() -> None:
                                                         root / "lightning_fsdp_export_plugin" / "__init__.py"]
                if route.search(path.read_text())}
     assert spelled == {"lightning_fsdp_export/transfer/http.py", "lightning_fsdp_export/backend/shared.py",
-                       "lightning_fsdp_export/backend/server_swap.py"}, spelled  # (server_swap: vLLM's guarded ones)
+                       "lightning_fsdp_export/backend/server_swap.py",
+                       "lightning_fsdp_export/backend/server_lease.py"}, spelled
+    # (the server's middleware: server_swap, vLLM's guarded prefixes; server_lease, the trainer's routes that renew a
+    # pause's lease, as the API server sees them)
 
 
 # What a function-local import may guard: an optional dependency (vLLM; our modules that import vLLM at their top; the

@@ -6,14 +6,16 @@ transfer room; the servers' swap middleware and backend registration, inside vLL
   a trainer engine);
 - the server-owned swap: its route (:data:`SWAP_ROUTE`), the body's protocol version (:data:`SWAP_PROTOCOL`) and its
   steps (:data:`SWAP_STEPS`);
-- how a round pauses a server (:data:`PauseMode`, :data:`PAUSE_MODES`).
+- how a round pauses a server (:data:`PauseMode`, :data:`PAUSE_MODES`) and for how long a silent trainer's pause
+  holds (:data:`PAUSE_LEASE_S`).
 """
 
 from __future__ import annotations
 
 from typing import Literal, get_args
 
-__all__ = ["BACKENDS", "PAUSE_MODES", "SWAP_PROTOCOL", "SWAP_ROUTE", "SWAP_STEPS", "PauseMode", "register_backends"]
+__all__ = ["BACKENDS", "PAUSE_LEASE_S", "PAUSE_MODES", "SWAP_PROTOCOL", "SWAP_ROUTE", "SWAP_STEPS", "PauseMode",
+           "register_backends"]
 
 _BACKEND = "lightning_fsdp_export.backend"
 BACKENDS = {
@@ -31,6 +33,10 @@ SWAP_PROTOCOL = 1
 """What ``GET /lfe/swap`` answers as ``protocol``: a trainer sends only the body this version reads."""
 SWAP_STEPS = ("checked", "paused", "swapped", "labelled", "cache_reset", "resumed")
 """The steps of one swap, in order; a ``hold_at`` names one of them (tests only)."""
+
+PAUSE_LEASE_S = 10.0
+"""Seconds a server paused by a round waits for its trainer's next request (the round's watch asks every second) before
+it ends the pause on its own, where its model is whole (``backend.server_lease``)."""
 
 PauseMode = Literal["wait", "keep", "keep_old_kv"]
 """How a round pauses a server: ``wait`` drains running requests; ``keep`` freezes them (recomputed with the new

@@ -15,7 +15,7 @@ from contextvars import ContextVar
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from lightning_fsdp_export.backend.shared import SWAP_PROTOCOL, SWAP_ROUTE, PauseMode
+from lightning_fsdp_export.backend.shared import PAUSE_LEASE_S, SWAP_PROTOCOL, SWAP_ROUTE, PauseMode
 
 __all__ = ["GENERATE_ROUTE", "SILENT", "Server", "ServerError", "interrupt", "not_answering", "on_all", "on_each"]
 
@@ -163,8 +163,11 @@ class Server:
     def pause(self, mode: PauseMode) -> None:
         """``POST /pause``: ``wait`` drains running requests; ``keep`` and ``keep_old_kv`` freeze them and keep their KV
         (``clear_cache=false``): with ``keep`` it is recomputed after the prefix-cache reset, with ``keep_old_kv`` it
-        stays (see :meth:`reset_prefix_cache`)."""
-        self.request("POST", "/pause?mode=wait" if mode == "wait" else "/pause?mode=keep&clear_cache=false")
+        stays (see :meth:`reset_prefix_cache`). The pause is on a lease (``backend.server_lease``): a server with our
+        middleware resumes on its own, its model whole, when this trainer has sent nothing for
+        :data:`~lightning_fsdp_export.backend.shared.PAUSE_LEASE_S` seconds."""
+        how = "mode=wait" if mode == "wait" else "mode=keep&clear_cache=false"
+        self.request("POST", f"/pause?{how}&lease={PAUSE_LEASE_S:g}&round_mode={mode}")
 
     def resume(self, *, timeout: float | None = None) -> None:
         """``POST /resume``."""

@@ -10,6 +10,7 @@ paused until the next full push.
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Sequence
 
@@ -45,8 +46,25 @@ class Pauses:
         """This trainer rank (its transfer's ``setup`` sets it): only rank 0 talks to the servers."""
         self.last_pause: tuple[float, float] | None = None
         """Rank 0: wall-clock times (``time.time()``) of the last completed sync's ``/pause`` and ``/resume``."""
-        self.held_since: float | None = None
-        """Rank 0: a base round left the servers paused for its adapter round, since then."""
+        self._held_since: float | None = None
+        self._renewing: threading.Event | None = None
+
+    @property
+    def held_since(self) -> float | None:
+        """Rank 0: a base round left the servers paused for its adapter round, since then. Meanwhile a thread renews
+        their pause's lease (``/health?watch`` each second: the round's watch is not running)."""
+        return self._held_since
+
+    @held_since.setter
+    def held_since(self, since: float | None) -> None:
+        self._held_since = since
+        if since is None and self._renewing is not None:
+            self._renewing.set()
+            self._renewing = None
+        elif since is not None and self._renewing is None:
+            self._renewing = threading.Event()
+            threading.Thread(target=_renew, args=(list(self.servers), self._renewing), daemon=True,
+                             name="lfe-held-pause").start()
 
     def pause(self) -> float:
         """Rank 0: pause every server unless a base round holds them paused; when the pause began. Servers that cannot
@@ -164,6 +182,16 @@ class Pauses:
         finally:
             self.held_since = None
         self.finish(paused_at, resume=True, resumed=True)
+
+
+def _renew(servers: list[Server], done: threading.Event) -> None:
+    """Ask ``servers`` for ``/health?watch`` each second until ``done`` (a held pause's lease renewed)."""
+    while not done.wait(1.0):
+        for server in servers:
+            try:
+                server.health(timeout=1.0, watch=True)
+            except ServerError:
+                pass  # (the next round finds it)
 
 
 def close_rounds(servers: Sequence[Server], *, timeout: float, empty_round: bool) -> None:
