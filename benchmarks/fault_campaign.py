@@ -73,6 +73,12 @@ def main() -> None:
         print(f"largest logprob gap of a server the sync updated ({len(scored)} syncs scored):"
               f" {max(max(r['gaps']) for r in scored):.4f}")
         print(f"at the end: {got['end']}")
+        landed = {round(f["landed_at"], 2): f"{f['kind']}@{f['step']} v{f['version']}" for f in got["faults"]
+                  if f.get("landed_at")}
+        for began, seconds in got["client"]["over_2s"]:  # which fault each slow request met
+            near = min(landed, key=lambda t: abs(t - began), default=None)
+            print(f"  a client request of {seconds:.2f} s, {began - near:+.1f} s from {landed[near]}" if near else
+                  f"  a client request of {seconds:.2f} s, no fault landed")
         print("resident memory (MiB), start -> end:")
         for who, (start, end) in got["rss_mib"].items():
             samples = " ".join(f"{s[who]:.0f}" for s in got["rss_samples"] if who in s)

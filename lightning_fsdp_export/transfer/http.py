@@ -197,8 +197,18 @@ class Server:
         self.request("POST", "/shutdown_weight_transfer_engine", timeout=timeout)
 
     def start_update(self, *, draft: bool = False, timeout: float | None = None) -> None:
-        """``POST /start_weight_update`` (``draft``: the session goes to its speculative-decoding draft model)."""
-        self.request("POST", "/start_draft_weight_update" if draft else "/start_weight_update", timeout=timeout)
+        """``POST /start_weight_update`` (``draft``: the session goes to its speculative-decoding draft model). A
+        session left open (a trainer that died between its start and its data: vLLM answers "already active") is
+        closed first: its model may be half-loaded, and the round starting now, a new trainer's first or the one after
+        a failure, pushes every tensor."""
+        route = "/start_draft_weight_update" if draft else "/start_weight_update"
+        try:
+            self.request("POST", route, timeout=timeout)
+        except ServerError as err:
+            if "already active" not in str(err):
+                raise
+            self.request("POST", "/finish_weight_update", timeout=timeout)
+            self.request("POST", route, timeout=timeout)
 
     def update(self, update_info: Any) -> None:
         """``POST /update_weights``: one round of the session."""

@@ -189,6 +189,7 @@ def campaign(name: str, root: Path, alive: str, model_dir: Path, port: int) -> d
         if rank0 and faults and faults[-1]["version"] == v:  # its sync just ended: it went on (or the fit raised)
             faults[-1].update(sync_seconds=sync.last_metrics.get("weight_sync/seconds"),
                               set_aside=doomed in sync.target.servers_out, landed=fault.landed is not None,
+                              landed_at=fault.landed,
                               paused_s=sync.target.last_paused_seconds)
         if rank0 and faults and faults[-1]["version"] == v - 1:  # back now: it rejoins at the next sync
             if fault.kind == "stop":
@@ -267,6 +268,7 @@ class Client(threading.Thread):
         super().__init__(daemon=True)
         self.server = Server(url, api_key=None, timeout=120)
         self.done, self.failed, self.slowest = 0, [], 0.0
+        self.slow: list[tuple[float, float]] = []  # (when it began, monotonic; seconds) of each request over 2 s
         self._halt = threading.Event()
 
     def run(self) -> None:
@@ -279,14 +281,18 @@ class Client(threading.Thread):
                 self.done += 1
             except Exception as err:  # noqa: BLE001 - counted
                 self.failed.append(f"{type(err).__name__}: {err}"[:200])
-            self.slowest = max(self.slowest, time.monotonic() - start)
+            seconds = time.monotonic() - start
+            self.slowest = max(self.slowest, seconds)
+            if seconds > 2.0:
+                self.slow.append((start, seconds))
 
     def stop(self) -> None:
         self._halt.set()
         self.join(timeout=150)
 
     def report(self) -> dict[str, Any]:
-        return {"requests": self.done, "failed": self.failed, "slowest_s": round(self.slowest, 2)}
+        return {"requests": self.done, "failed": self.failed, "slowest_s": round(self.slowest, 2),
+                "over_2s": [(round(t, 2), round(s, 2)) for t, s in self.slow]}
 
 
 def table(faults: list[dict[str, Any]], client: dict[str, Any]) -> str:
