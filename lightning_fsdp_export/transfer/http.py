@@ -17,7 +17,8 @@ from urllib.parse import urlsplit
 
 from lightning_fsdp_export.backend.shared import PAUSE_LEASE_S, SWAP_PROTOCOL, SWAP_ROUTE, PauseMode
 
-__all__ = ["GENERATE_ROUTE", "SILENT", "Server", "ServerError", "interrupt", "not_answering", "on_all", "on_each"]
+__all__ = ["GENERATE_ROUTE", "SILENT", "HealthProbe", "Server", "ServerError", "interrupt", "not_answering", "on_all",
+           "on_each"]
 
 GENERATE_ROUTE = "/inference/v1/generate"
 """Token-in, token-out generation (vLLM's ``--enable-scale-out`` route): what rollouts request."""
@@ -254,6 +255,45 @@ class Server:
 
     def __repr__(self) -> str:
         return f"Server({self.url!r})"
+
+
+class HealthProbe:
+    """``GET /health?watch`` to one server over one connection kept open between probes (a round's watch asks every
+    second): a lossy link then costs no connection set-up per probe, whose lost SYN alone waits 1 s (then 3 s) for
+    its retransmission. Raises :class:`ServerError` unless the server answers within ``timeout`` (``refused``: its
+    host answered that nothing listens); a connection the server closed while idle is opened again at once."""
+
+    def __init__(self, server: Server, timeout: float) -> None:
+        self.server, self.timeout = server, timeout
+        self._conn: http.client.HTTPConnection | None = None
+
+    def __call__(self) -> None:
+        for again in (False, True):
+            fresh = self._conn is None
+            if self._conn is None:
+                parts = urlsplit(self.server.url)
+                cls = http.client.HTTPSConnection if parts.scheme == "https" else http.client.HTTPConnection
+                self._conn = cls(parts.hostname or "", parts.port, timeout=self.timeout)
+            try:
+                self._conn.request("GET", "/health?watch", headers=self.server._headers())
+                resp = self._conn.getresponse()
+                resp.read()
+            except (OSError, http.client.HTTPException) as err:
+                self.close()
+                closed = isinstance(err, (http.client.RemoteDisconnected, BrokenPipeError, ConnectionResetError))
+                if closed and not fresh and not again:
+                    continue  # the server closed the kept connection (idle, or its process ended): a new one
+                raise ServerError(f"vLLM server GET {self.server.url}/health?watch failed: {err}", self.server.url,
+                                  refused=isinstance(err, ConnectionRefusedError)) from err
+            if resp.status != 200:
+                raise ServerError(f"vLLM server GET {self.server.url}/health?watch answered {resp.status}",
+                                  self.server.url)
+            return
+
+    def close(self) -> None:
+        if self._conn is not None:
+            self._conn.close()
+            self._conn = None
 
 
 def interrupt(conn: http.client.HTTPConnection) -> None:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 
 from lightning_fsdp_export.backend.shared import PauseMode
 from lightning_fsdp_export.transfer.adapters import load_adapter
-from lightning_fsdp_export.transfer.http import Server, ServerError, on_all, on_each
+from lightning_fsdp_export.transfer.http import HealthProbe, Server, ServerError, on_all, on_each
 
 __all__ = ["PartlyFailed", "Pauses", "close_rounds", "reset_prefix_caches", "set_versions"]
 
@@ -186,12 +186,15 @@ class Pauses:
 
 def _renew(servers: list[Server], done: threading.Event) -> None:
     """Ask ``servers`` for ``/health?watch`` each second until ``done`` (a held pause's lease renewed)."""
+    probes = [HealthProbe(server, timeout=1.0) for server in servers]
     while not done.wait(1.0):
-        for server in servers:
+        for probe in probes:
             try:
-                server.health(timeout=1.0, watch=True)
+                probe()
             except ServerError:
                 pass  # (the next round finds it)
+    for probe in probes:
+        probe.close()
 
 
 def close_rounds(servers: Sequence[Server], *, timeout: float, empty_round: bool) -> None:

@@ -2,8 +2,9 @@
 not at the round's timeout, and no other server waits on it.
 
 **The rule**: a server is *silent* when it leaves ``/health`` unanswered for :data:`HEALTH_TIMEOUT_S` seconds
-:data:`MISSES` times in a row, asked every :data:`PERIOD_S` seconds (so about 3 to 5 s after it froze or its link was
-cut), or at once when its host refuses the connection (its process is gone: about 1 s after it died). A slow server
+:data:`MISSES` times in a row, asked every :data:`PERIOD_S` seconds over one kept-open connection (so about 3 to 5 s
+after it froze or its link was cut), or at once when its host refuses the connection (its process is gone: about 1 s
+after it died). A slow server
 (a lossy or loaded link, a ``wait`` pause that lets long requests finish) still answers ``/health`` and is waited for,
 up to ``RemoteVLLM(timeout=...)``.
 
@@ -19,7 +20,7 @@ import threading
 from collections.abc import Callable, Sequence
 from types import TracebackType
 
-from lightning_fsdp_export.transfer.http import SILENT, Server, ServerError
+from lightning_fsdp_export.transfer.http import SILENT, HealthProbe, Server, ServerError
 from lightning_fsdp_export.transfer.pool import HEALTH_TIMEOUT_S
 
 __all__ = ["MISSES", "PERIOD_S", "HealthWatch"]
@@ -60,12 +61,19 @@ class HealthWatch:
             SILENT.reset(self._token)  # type: ignore[arg-type]
 
     def _watch(self, server: Server) -> None:
+        probe = HealthProbe(server, HEALTH_TIMEOUT_S)
+        try:
+            self._probe(server, probe)
+        finally:
+            probe.close()
+
+    def _probe(self, server: Server, probe: HealthProbe) -> None:
         misses = 0
         while not self._stop.wait(PERIOD_S):
             if server not in self._servers():
                 return  # set aside during the round
             try:
-                server.health(timeout=HEALTH_TIMEOUT_S, watch=True)
+                probe()
                 misses = 0
             except ServerError as err:
                 misses = MISSES if err.refused else misses + 1  # (nothing listens: no need to ask again)
