@@ -14,6 +14,7 @@ import secrets
 import shutil
 import signal
 import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -46,6 +47,7 @@ class Hosts:
         self.names = list(names)
         self.subnet = subnet
         self.made: list[str] = []
+        self.wires: dict[str, subprocess.Popen[bytes]] = {}  # host: the userspace wire its link goes through
         try:
             _ip("link", "add", self.bridge, "type", "bridge")
             _ip("addr", "add", f"{subnet}.254/24", "dev", self.bridge)  # this (the test's) namespace reaches them
@@ -71,6 +73,29 @@ class Hosts:
         _ip("netns", "exec", self.ns(name), "tc", "qdisc", "replace", "dev", self.interface(name), "root", "tbf",
             "rate", rate, "burst", "1mb", "latency", "50ms")
 
+    def lossy(self, name: str, delay: float, loss: float, seed: int = 0) -> None:
+        """Host ``name``'s link through a userspace wire (``tests/scripts/wire.py``; no ``netem`` here): each frame held
+        ``delay`` seconds and dropped with probability ``loss``, each way. Called again, the wire restarts with the
+        new values (``0, 0``: a clean link through it)."""
+        i = self.names.index(name) + 1
+        outside, near, far = f"lfep{self.tag}{i}", f"lfew{self.tag}{i}", f"lfex{self.tag}{i}"
+        wire = str(Path(__file__).resolve().parent / "scripts" / "wire.py")
+        if name in self.wires:
+            self.wires[name].kill()
+            self.wires[name].wait()
+        else:  # host -> outside | wire | near -> far -> bridge; every sender's checksums whole (a copied frame's)
+            _ip("link", "set", outside, "nomaster")
+            _ip("link", "add", near, "type", "veth", "peer", "name", far)
+            _ip("link", "set", far, "master", self.bridge)
+            for device in (outside, near, far):
+                _ip("link", "set", device, "up", "promisc", "on")
+            for host in self.names:
+                subprocess.run(["ip", "netns", "exec", self.ns(host), sys.executable, wire, "--offload-off",
+                                self.interface(host)], check=True)
+            subprocess.run([sys.executable, wire, "--offload-off", self.bridge], check=True)
+        self.wires[name] = subprocess.Popen([sys.executable, wire, "--a", outside, "--b", near, "--delay", str(delay),
+                                             "--loss", str(loss), "--seed", str(seed)])
+
     def _add(self, name: str, i: int) -> None:
         ns, inside, outside = self.ns(name), self.interface(name), f"lfep{self.tag}{i}"
         _ip("netns", "add", ns)
@@ -92,6 +117,11 @@ class Hosts:
                 f'hostname host-{name} && exec "$@"', "_", *argv]
 
     def down(self) -> None:
+        for name, wire in self.wires.items():
+            wire.kill()
+            wire.wait()
+            _ip("link", "del", f"lfew{self.tag}{self.names.index(name) + 1}", check=False)
+        self.wires = {}
         for ns in self.made:
             for pid in _ip("netns", "pids", ns, check=False).stdout.split():
                 try:
@@ -101,6 +131,8 @@ class Hosts:
             _ip("netns", "del", ns, check=False)
             shutil.rmtree(Path("/etc/netns") / ns, ignore_errors=True)
         self.made = []
+        for i in range(1, len(self.names) + 1):  # (gone with its namespace, but not always at once)
+            _ip("link", "del", f"lfep{self.tag}{i}", check=False)
         _ip("link", "del", self.bridge, check=False)
 
 

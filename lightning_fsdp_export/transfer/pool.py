@@ -24,13 +24,17 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_fsdp_export._common import SyncGroup
-from lightning_fsdp_export.transfer.http import Server, ServerError
+from lightning_fsdp_export.transfer.http import Server, ServerError, on_each
 from lightning_fsdp_export.transfer.pauses import PartlyFailed
 
-__all__ = ["HEALTH_TIMEOUT_S", "ServerPool", "Urls", "read_urls"]
+__all__ = ["HEALTH_TIMEOUT_S", "MISSES", "ServerPool", "Urls", "answers", "read_urls"]
 
 HEALTH_TIMEOUT_S = 2.0
-"""Seconds a server has to answer ``/health`` before a round: one that does not is set aside for it."""
+"""Seconds a server has to answer one ``/health``."""
+
+MISSES = 2
+"""``/health`` requests in a row a server must leave unanswered to be set aside (before a round, and by the round's
+watch): one lost to a lossy link is not a silent server. A refused connection (nothing listens) is enough at once."""
 
 Urls = str | Sequence[str] | Callable[[], Sequence[str]] | os.PathLike[str]
 """What ``RemoteVLLM(base_url=...)`` takes: one URL, a list, a callable returning the list now, or a file of them."""
@@ -145,12 +149,7 @@ class ServerPool:
         self.silent = {}
         if self.changes:
             self._reread()
-        silent = {}
-        for server in [self.known[u] for u in self.listed]:
-            try:
-                server.health(timeout=HEALTH_TIMEOUT_S)
-            except ServerError as err:
-                silent[server] = err
+        silent = on_each([self.known[u] for u in self.listed], lambda s: answers(s, confirm=s.url not in self.out))
         if self.heals:
             back = [u for u in self.out if self.known[u] not in silent]
             for url in back:
@@ -160,8 +159,9 @@ class ServerPool:
         elif silent:  # every server takes every round: one that vanished fails it now, not at /pause a timeout later
             self.members = []  # its workers may be gone or new (a restart): the next round builds a new group
             server, err = next(iter(silent.items()))
-            raise ServerError(f"{err} (asked before the round, {HEALTH_TIMEOUT_S:g} s to answer; nothing was paused."
-                              " With RemoteVLLM(min_servers=k) the others would take it.)", server.url) from err
+            raise ServerError(f"{err} (asked before the round, {HEALTH_TIMEOUT_S:g} s to answer, {MISSES} times;"
+                              " nothing was paused. With RemoteVLLM(min_servers=k) the others would take it.)",
+                              server.url) from err
         after = self.active
         self._fresh = True
         self.joined = [s.url for s in after if s.url not in before]
@@ -254,7 +254,7 @@ class ServerPool:
                 silent[server] = ServerError(self.silent[server.url], server.url)
                 continue
             try:
-                server.health(timeout=HEALTH_TIMEOUT_S)
+                answers(server, confirm=True)
             except ServerError as err:
                 silent[server] = err
         self.set_aside(silent, why=why)
@@ -269,3 +269,15 @@ class ServerPool:
         raise ServerError(f"only {len(active)} of {len(self.listed)} server(s) can take this version, fewer than"
                           f" min_servers={self.quorum()} (set aside: {out}). They are asked again at the next sync.",
                           next(iter(self.out), self.listed[0]))
+
+
+def answers(server: Server, *, confirm: bool) -> None:
+    """Raise the :class:`ServerError` of ``server``'s ``/health`` unless it answers within :data:`HEALTH_TIMEOUT_S`;
+    ``confirm``: a server that serves now is asked up to :data:`MISSES` times (a refused connection ends it at once)."""
+    for attempt in range(MISSES if confirm else 1):
+        try:
+            server.health(timeout=HEALTH_TIMEOUT_S)
+            return
+        except ServerError as err:
+            if err.refused or attempt == (MISSES if confirm else 1) - 1:
+                raise

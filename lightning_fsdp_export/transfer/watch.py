@@ -21,15 +21,13 @@ from collections.abc import Callable, Sequence
 from types import TracebackType
 
 from lightning_fsdp_export.transfer.http import SILENT, HealthProbe, Server, ServerError
-from lightning_fsdp_export.transfer.pool import HEALTH_TIMEOUT_S
+from lightning_fsdp_export.transfer.pool import HEALTH_TIMEOUT_S, MISSES
 
 __all__ = ["MISSES", "PERIOD_S", "HealthWatch"]
 
 PERIOD_S = 1.0
 """Seconds between two ``/health`` requests to a server, while a round runs."""
 
-MISSES = 2
-"""Unanswered ``/health`` requests in a row that make a server silent."""
 
 
 class HealthWatch:
