@@ -20,7 +20,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -104,29 +103,18 @@ def main() -> None:
     if args.trainer:
         trainer(args)
         return
-    import torch
-
-    from lightning_fsdp_export.testing import save_word_tokenizer, tiny_qwen2
-    from tests.hosts import Hosts, can_make_hosts
-    from tests.scripts.common import start_server, stop_server, wait_for_server
+    from tests.hosts import Hosts, bench_model, can_make_hosts
 
     why = can_make_hosts()
     if why is not None:
         print(f"dead_host_bench: {why}; skipped.")
         return
-    work = Path(args.workdir or tempfile.gettempdir()) / "dead_host_bench"
-    model = work / "model"
-    if not (model / "config.json").exists():
-        tiny_qwen2(seed=99).to(torch.bfloat16).save_pretrained(model)
-        save_word_tokenizer(str(model))
+    model = bench_model("dead_host_bench", args.workdir)
+    work = model.parent
     hosts = Hosts(["a", "c", "d"])
     ports = {"c": 8401, "d": 8402}
     try:
-        urls = [f"http://{hosts.address(h)}:{p}" for h, p in ports.items()]
-        for host, port in ports.items():
-            start_server(model, port, host=hosts.address(host), on_host=lambda cmd, h=host: hosts.command(h, cmd))
-        for url, port in zip(urls, ports.values()):
-            wait_for_server(url, model / f"server{port}.log")
+        urls = hosts.start_servers(model, ports)
         out = work / "dead_host.json"
         out.unlink(missing_ok=True)
         signal = out.with_suffix(".signal")
@@ -147,8 +135,7 @@ def main() -> None:
             what = row.get("error") or (f"set aside: {sorted(row['out'])}" if row["out"] else "every server took it")
             print(f"  {label:<28} {row['seconds']:>7.2f} s  {what}")
     finally:
-        for port in ports.values():
-            stop_server(model, port)
+        hosts.stop_servers(model, ports)
         hosts.down()
 
 

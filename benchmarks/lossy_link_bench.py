@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -124,30 +123,19 @@ def main() -> None:
     if args.trainer:
         trainer(args)
         return
-    import torch
-
-    from lightning_fsdp_export.testing import save_word_tokenizer, tiny_qwen2
-    from tests.hosts import Hosts, can_make_hosts
-    from tests.scripts.common import start_server, stop_server, wait_for_server
+    from tests.hosts import Hosts, bench_model, can_make_hosts
 
     why = can_make_hosts()
     if why is not None:
         print(f"lossy_link_bench: {why}; skipped.")
         return
-    work = Path(args.workdir or tempfile.gettempdir()) / "lossy_link_bench"
-    model = work / "model"
-    if not (model / "config.json").exists():
-        tiny_qwen2(seed=99).to(torch.bfloat16).save_pretrained(model)
-        save_word_tokenizer(str(model))
+    model = bench_model("lossy_link_bench", args.workdir)
+    work = model.parent
     hosts = Hosts(["a", "c", "d"], subnet="192.168.78")
     ports = {"c": 8411, "d": 8412}
     try:
         hosts.lossy("d", 0.0, 0.0)  # the wire in place, clean
-        urls = [f"http://{hosts.address(h)}:{p}" for h, p in ports.items()]
-        for host, port in ports.items():
-            start_server(model, port, host=hosts.address(host), on_host=lambda cmd, h=host: hosts.command(h, cmd))
-        for url, port in zip(urls, ports.values()):
-            wait_for_server(url, model / f"server{port}.log")
+        urls = hosts.start_servers(model, ports)
         out = work / "lossy_link.json"
         out.unlink(missing_ok=True)
         signal = out.with_suffix(".signal")
@@ -182,8 +170,7 @@ def main() -> None:
                   f" {row['longest_run_of_misses']}; median {row['median_s']:.2f} s, p95 {row['p95_s']:.2f} s,"
                   f" max {row['max_s']:.2f} s")
     finally:
-        for port in ports.values():
-            stop_server(model, port)
+        hosts.stop_servers(model, ports)
         hosts.down()
 
 

