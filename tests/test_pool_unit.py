@@ -318,3 +318,46 @@ def test_a_server_that_freezes_as_it_is_resumed_is_set_aside_and_the_others_serv
     assert list(target.servers_out) == [stubs[2].url]
     target.push_source(source(), version=2)  # the next round: the two, in a new group
     assert [rounds(s) for s in stubs[:2]] == [2, 2] and stubs[2].paths().count("/update_weights") == 1
+
+
+def test_a_held_pause_renews_its_lease_until_the_adapter_round_resumes(recording_engine: Any, tmp_path: Any) -> None:
+    # Issue 67: between a base round (resume=False) and its adapter round no round's watch runs; the pause's lease
+    # (backend/server_lease.py) is renewed each second meanwhile, and no longer once the adapter round resumed them.
+    stubs = [Stub(), Stub()]
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl", adapter_name="pi")
+    target.setup(Rank(0))
+    target.push_base(source(), version=5)
+    pauses = [path for _, path, _ in stubs[0].requests if path.startswith("/pause")]
+    assert pauses == ["/pause?mode=wait&lease=10&round_mode=wait"]  # the lease the server's middleware holds
+    for stub in stubs:
+        stub.requests.clear()
+    time.sleep(2.5)  # held: the renewal asks each server for /health?watch each second
+    assert all(s.requests.count(("GET", "/health?watch", None)) >= 2 for s in stubs), [s.requests for s in stubs]
+    adapter = tmp_path / "v000005"
+    adapter.mkdir()
+    target.push_adapter(adapter, version=5)
+    assert stubs[0].paths()[-1] == "/resume"
+    time.sleep(0.5)
+    for stub in stubs:
+        stub.requests.clear()
+    time.sleep(2.0)
+    assert [s.requests for s in stubs] == [[], []]  # resumed: no lease to renew
+
+
+def test_the_watchs_probe_tells_a_refused_host_from_a_silent_one() -> None:
+    from lightning_fsdp_export._network import free_port
+    from lightning_fsdp_export.transfer.http import HealthProbe, Server
+
+    stub = Stub()  # (HTTP/1.0: it closes each connection; the probe opens a new one at once)
+    probe = HealthProbe(Server(stub.url, api_key=None, timeout=5), timeout=1.0)
+    for _ in range(3):
+        probe()
+    assert stub.requests.count(("GET", "/health?watch", None)) == 3
+    with pytest.raises(ServerError) as refused:
+        HealthProbe(Server(f"http://127.0.0.1:{free_port('127.0.0.1')}", api_key=None, timeout=5), timeout=1.0)()
+    assert refused.value.refused
+    frozen = FreezesAt("/health")
+    start = time.monotonic()
+    with pytest.raises(ServerError) as silent:
+        HealthProbe(Server(frozen.url, api_key=None, timeout=5), timeout=1.0)()
+    assert not silent.value.refused and 0.9 < time.monotonic() - start < 3
