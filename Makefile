@@ -86,7 +86,7 @@ test: setup
 	$(VPY) -m pytest -q -rfEs --durations=25 tests
 
 # The in-process tests (no vLLM engine, no second process, no host made of a namespace): the main venv only, about
-# 35 s on a 2-core machine (docs/development.md: the loop per room).
+# a minute on a 2-core machine (docs/development.md: the loop per room).
 test-fast: $(STAMP)
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(VPY) -m ruff check .

@@ -7,10 +7,10 @@ from __future__ import annotations
 import http.client
 import json
 import socket
+import threading
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
-from concurrent.futures import FIRST_COMPLETED, ThreadPoolExecutor, wait
 from contextvars import ContextVar
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
@@ -338,17 +338,28 @@ def _outcomes(servers: Sequence[Server], call: Callable[[Server], T]) -> list[tu
             return [(call(servers[0]), None)]
         except Exception as err:  # noqa: BLE001 - the caller decides what a failure means
             return [(None, err)]
-    pool = ThreadPoolExecutor(max_workers=max(1, len(servers)))
-    futures = [pool.submit(call, server) for server in servers]
-    pending = set(futures)
-    while pending:
-        _, pending = wait(pending, timeout=None if silent is None else 0.25, return_when=FIRST_COMPLETED)
-        pending = {f for f, s in zip(futures, servers) if f in pending and s.url not in (silent or {})}
-    pool.shutdown(wait=False)
-    return [((None, f.exception()) if f.exception() is not None else (f.result(), None)) if f.done() else
+    outcomes: dict[int, tuple[Any, BaseException | None]] = {}
+    done = threading.Condition()
+
+    def one(i: int, server: Server) -> None:
+        try:
+            outcome: tuple[Any, BaseException | None] = (call(server), None)
+        except BaseException as err:  # noqa: BLE001 - the caller decides what a failure means
+            outcome = (None, err)
+        with done:
+            outcomes[i] = outcome
+            done.notify_all()
+
+    for i, server in enumerate(servers):  # (daemon threads: a request given up never holds the process's exit)
+        threading.Thread(target=one, args=(i, server), name=f"lfe-request {server.url}", daemon=True).start()
+    with done:
+        while not all(i in outcomes or s.url in (silent or {}) for i, s in enumerate(servers)):
+            done.wait(timeout=None if silent is None else 0.25)
+        got = dict(outcomes)
+    return [got[i] if i in got else
             (None, ServerError(f"vLLM server {s.url} went silent during the round ({(silent or {})[s.url]}); its"
                                " request was given up.", s.url))
-            for f, s in zip(futures, servers)]
+            for i, s in enumerate(servers)]
 
 
 def not_answering(servers: Sequence[Server], timeout: float = 5.0) -> list[str]:
