@@ -121,10 +121,9 @@ class Server:
 
     # -- what it serves -----------------------------------------------------------------------------------
 
-    def health(self, *, timeout: float | None = None, watch: bool = False) -> None:
-        """``GET /health``: raises unless the server answers (``watch``: a round's watch asks, as ``/health?watch``,
-        which the server's access log shows apart)."""
-        self.request("GET", "/health?watch" if watch else "/health", timeout=timeout)
+    def health(self, *, timeout: float | None = None) -> None:
+        """``GET /health``: raises unless the server answers (a round's watch asks through :class:`HealthProbe`)."""
+        self.request("GET", "/health", timeout=timeout)
 
     def model(self) -> dict[str, Any]:
         """The served model's entry of ``GET /v1/models`` (``id``; ``root``: its checkpoint directory)."""

@@ -116,11 +116,8 @@ class Pauses:
         if not failed:
             return
         resumed = [s for s in self.servers if s not in failed]
-        lines = "; ".join(f"{s.url}: {err}" for s, err in failed.items())
-        first = next(iter(failed))
-        raise PartlyFailed(f"{len(failed)} of {len(self.servers)} server(s) failed to swap in version {version};"
-                           f" {len(resumed)} other(s) serve it ({lines}). The next sync pushes every tensor whole.",
-                           first.url, resumed=resumed) from failed[first]
+        raise self._partly_failed(failed, f"failed to swap in version {version}", resumed,
+                                  others=f"{len(resumed)} other(s) serve it")
 
     def _resume_all_but(self, failed: dict[Server, BaseException], *, failed_to: str, serving: str,
                         done: set[Server] | frozenset[Server] = frozenset()) -> None:
@@ -130,12 +127,9 @@ class Pauses:
         stuck = on_each([s for s in whole if s not in done], lambda s: s.resume())
         resumed = [s for s in whole if s not in stuck]
         self.held_since = None
-        lines = "; ".join(f"{s.url}: {err}" for s, err in {**failed, **stuck}.items())
-        first = next(iter(failed))
         others = (f"{len(resumed)} other(s) resumed, serving {serving}" + (f", {len(stuck)} not" if stuck else "")
                   if whole else "no other server")
-        raise PartlyFailed(f"{len(failed)} of {len(self.servers)} server(s) failed to {failed_to}; {others} ({lines})."
-                           " The next sync pushes every tensor whole.", first.url, resumed=resumed) from failed[first]
+        raise self._partly_failed(failed, f"failed to {failed_to}", resumed, others=others, also=stuck)
 
     def finish(self, paused_at: float, resume: bool, *, resumed: bool = False) -> None:
         """Rank 0 after a round that succeeded: resume the servers (``resumed``: each was as it took the round) and
@@ -151,11 +145,20 @@ class Pauses:
         self.last_pause = (paused_at, time.time())
         if failed:
             others = [s for s in self.servers if s not in failed]
-            lines = "; ".join(f"{s.url}: {err}" for s, err in failed.items())
-            first = next(iter(failed))
-            raise PartlyFailed(f"{len(failed)} of {len(self.servers)} server(s) took the version but failed to be"
-                               f" resumed; {len(others)} other(s) serve it ({lines}).", first.url,
-                               resumed=others) from failed[first]
+            raise self._partly_failed(failed, "took the version but failed to be resumed", others,
+                                      others=f"{len(others)} other(s) serve it", then="")
+
+    def _partly_failed(self, failed: dict[Server, BaseException], what: str, resumed: list[Server], *, others: str,
+                       also: dict[Server, BaseException] | None = None,
+                       then: str = " The next sync pushes every tensor whole.") -> PartlyFailed:
+        """The :class:`PartlyFailed` of a step that ``failed`` on some servers (``also``: more failures it names),
+        ``resumed`` the others, caused by the first failure."""
+        lines = "; ".join(f"{s.url}: {err}" for s, err in {**failed, **(also or {})}.items())
+        first = next(iter(failed))
+        error = PartlyFailed(f"{len(failed)} of {len(self.servers)} server(s) {what}; {others} ({lines}).{then}",
+                             first.url, resumed=resumed)
+        error.__cause__ = failed[first]
+        return error
 
     def resume_after(self, err: BaseException) -> None:
         """Rank 0, a round that failed after the pause but before any data was sent (building the group): resume every

@@ -274,10 +274,11 @@ class ServerPool:
 def answers(server: Server, *, confirm: bool) -> None:
     """Raise the :class:`ServerError` of ``server``'s ``/health`` unless it answers within :data:`HEALTH_TIMEOUT_S`;
     ``confirm``: a server that serves now is asked up to :data:`MISSES` times (a refused connection ends it at once)."""
-    for attempt in range(MISSES if confirm else 1):
+    asks = MISSES if confirm else 1
+    for ask in range(1, asks + 1):
         try:
             server.health(timeout=HEALTH_TIMEOUT_S)
             return
         except ServerError as err:
-            if err.refused or attempt == (MISSES if confirm else 1) - 1:
+            if err.refused or ask == asks:
                 raise
