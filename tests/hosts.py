@@ -132,8 +132,12 @@ class Hosts:
 
     def command(self, name: str, argv: Sequence[str]) -> list[str]:
         """``argv`` as run on host ``name``: in its namespace, hostname ``host-<name>`` (resolving to 127.0.1.1)."""
-        return ["ip", "netns", "exec", self.ns(name), "unshare", "--uts", "sh", "-c",
-                f'hostname host-{name} && exec "$@"', "_", *argv]
+        return on_host(self.ns(name), name, argv)
+
+    def link(self, name: str) -> str:
+        """Host ``name``'s link as the bridge sees it (its veth's other end, in this namespace): ``ip link set <it>
+        down`` cuts the host off, ``up`` heals it (:func:`set_link`)."""
+        return f"lfep{self.tag}{self.names.index(name) + 1}"
 
     def down(self) -> None:
         for name, wire in self.wires.items():
@@ -153,6 +157,17 @@ class Hosts:
         for i in range(1, len(self.names) + 1):  # (gone with its namespace, but not always at once)
             _ip("link", "del", f"lfep{self.tag}{i}", check=False)
         _ip("link", "del", self.bridge, check=False)
+
+
+def on_host(ns: str, name: str, argv: Sequence[str]) -> list[str]:
+    """``argv`` as run on the host made of namespace ``ns`` (:meth:`Hosts.command`; usable without the object, by a
+    process the harness told the namespace's name)."""
+    return ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", f'hostname host-{name} && exec "$@"', "_", *argv]
+
+
+def set_link(link: str, up: bool) -> None:
+    """Cut (``up=False``) or heal the link :meth:`Hosts.link` named."""
+    _ip("link", "set", link, "up" if up else "down")
 
 
 def bench_model(name: str, workdir: str | None) -> Path:

@@ -120,3 +120,41 @@ def test_the_trainers_requests_hold_the_lease_and_its_resume_or_another_clients_
     client.post("/pause?mode=wait")  # another client's pause (no lease): never ended here
     time.sleep(LEASE + 0.5)
     assert state.engine_client.calls == []
+
+
+def test_health_is_503_while_a_process_of_the_server_is_stopped() -> None:
+    # Issue 67: vLLM's /health is the API process's alone; an engine process stopped (SIGSTOP) behind it left a server
+    # that answered 200 while its workers held a round until the group's timeout. The plugin's middleware (the one
+    # vLLM installs with --middleware) answers 503, naming the stopped process; here a child of this process (the test
+    # stands for the API server) is a stand-in engine, stopped with a real SIGSTOP.
+    import signal
+    import subprocess
+    import sys
+
+    from lightning_fsdp_export.backend.server_health import stopped_processes
+    from lightning_fsdp_export.backend.server_swap import middleware
+
+    app = fastapi.FastAPI()
+    app.middleware("http")(middleware)
+    app.add_api_route("/health", lambda: JSONResponse({}), methods=["GET"])
+    engine = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        with TestClient(app) as client:
+            assert client.get("/health").status_code == 200 and stopped_processes() == []
+            engine.send_signal(signal.SIGSTOP)
+            deadline = time.monotonic() + 5
+            while not stopped_processes() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert [pid for pid, _ in stopped_processes()] == [engine.pid]
+            for path in ("/health", "/health?watch"):  # the pool's check before a round, and the round's watch
+                answer = client.get(path)
+                assert answer.status_code == 503 and f"{engine.pid} (python" in answer.json()["error"], answer.text
+                assert "SIGCONT" in answer.json()["error"]
+            engine.send_signal(signal.SIGCONT)
+            deadline = time.monotonic() + 5
+            while stopped_processes() and time.monotonic() < deadline:
+                time.sleep(0.05)
+            assert client.get("/health").status_code == 200
+    finally:
+        engine.kill()
+        engine.wait()

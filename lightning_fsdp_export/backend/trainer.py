@@ -134,7 +134,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             rendezvous(connect, lambda: client.init_weight_transfer_engine(payload), init_info)
         assert engine._store is not None  # (every member asks: over gloo one worker per other host relays the parts)
         if engine.wire_device.type == "cpu":
-            engine.abandon = Abandon(engine._store, group)
+            engine.abandon = Abandon(engine._store, group, engine.timeout)
         relays = find_relays(engine._store, group, engine.rank, init_info.world_size, trainers,
                              init_info.master_address, engine.wire_device)
         engine.workers = relays.receivers(range(trainers, init_info.world_size))

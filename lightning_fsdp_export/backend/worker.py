@@ -142,7 +142,7 @@ class GlooWeightTransferEngine(StagedRounds,
                                              init_info.world_size,
                                         init_info.group, init_info.timeout_s, host=False, device=self.wire_device)
         self.rank = rank
-        self.abandon = Abandon(self._store, init_info.group) if self.wire_device.type == "cpu" else None
+        self.abandon = Abandon(self._store, init_info.group, self.timeout) if self.wire_device.type == "cpu" else None
         self.relays = find_relays(self._store, init_info.group, rank, init_info.world_size, self.trainers,
                                   init_info.master_address, self.wire_device)
         _log_relays(rank, self.relays)

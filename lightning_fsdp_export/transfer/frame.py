@@ -197,10 +197,34 @@ class NativeTransfer(Transfer):
         this = _round_of(self.options, version, adapter, run=self._run, draft=draft)
         if self.background.enabled and adapter is None and not draft:
             snapshot = self.background.snapshot(source, version, self.control)
-            self.background.start(RoundRun(self, this, snapshot, version=version, resume=resume).run,
-                                  name=f"lfe-sync-v{version}")
+            self.background.start(lambda: self._in_background(snapshot, version, resume), name=f"lfe-sync-v{version}")
             return
         RoundRun(self, this, source, version=version, resume=resume).run()
+
+    def _in_background(self, snapshot: Any, version: int, resume: bool) -> None:
+        """Every rank's thread: the round of a background push, redone at once from the same snapshots without the
+        servers it found silent, while ``min_servers`` holds (a foreground push is redone by the sync, which exports
+        again: here nothing is). The ranks agree on each try's outcome over the control group."""
+        control = self.control
+        assert control is not None  # (a background push: every rank sends)
+        while True:
+            error: BaseException | None = None
+            try:
+                RoundRun(self, _round_of(self.options, version, None, run=self._run), snapshot, version=version,
+                         resume=resume).run()
+            except Exception as err:  # noqa: BLE001 - every rank learns of it just below
+                error = err
+            failed = [rank for rank, ok in enumerate(control.gather(error is None)) if not ok]
+            if not failed:
+                return
+            if not control.broadcast(self.rank == 0 and self.pool.drop_silent(self.servers)):
+                if error is not None:
+                    raise error
+                raise RuntimeError(f"version {version} failed on trainer rank(s) {failed} in the background")
+            if self.rank == 0:
+                rank_zero_warn(f"RemoteVLLM: the background push of version {version} failed ({type(error).__name__}:"
+                               f" {error}). The servers that went silent are set aside; version {version} is pushed"
+                               " again, now, to the others (from the same snapshots).")
 
     def forget(self) -> None:
         """The servers' weights are no longer what this rank last sent: the next round is dense."""

@@ -5,7 +5,9 @@ Run by ``tests/test_remote_pool_faults.py``: ``torchrun --nproc-per-node 2 pool_
 --model-dir DIR --port P --only kill@begins,...`` where DIR holds the servers' checkpoint. A scenario
 ``<fault>@<step>[+shards]``: the fault (``kill``: SIGKILL of the server's processes; ``stop``: SIGSTOP of them, SIGCONT
 after step 3) lands where rank 0's round reaches the step (``begins``: after the round's ``/health``, before its pause;
-``data``: as the first chunk of data is packed); ``+shards``: ``Gloo(shard_direct=True)`` (every rank sends). Each fit
+``data``: as the first chunk of data is packed; ``take``: as the servers are told what follows the data; the kinds:
+:data:`KINDS`); ``+shards``: ``Gloo(shard_direct=True)`` (every rank sends); ``+background``: ``Gloo(shard_direct=True,
+background=True)`` (a thread sends from each rank's snapshot; each sync scored once it arrived). Each fit
 runs 4 steps; after each sync, rank 0 records every server's version, pause and logprob gap to the trainer's weights.
 ``campaign@SEED:STEPS``: one fit whose faults are drawn from the seed (see :func:`campaign`; it prints a table, which
 ``benchmarks/fault_campaign.py`` runs longer). The doomed server is started again only where a scenario killed it.
@@ -24,6 +26,7 @@ import sys
 import threading
 import time
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +40,7 @@ from lightning_fsdp_export.backend.trainer import GlooTrainerWeightTransferEngin
 from lightning_fsdp_export.targets import Gloo
 from lightning_fsdp_export.transfer.http import Server
 from lightning_fsdp_export.transfer.pauses import Pauses
+from tests.hosts import on_host, set_link
 from tests.scripts.common import (
     CausalLM,
     end_script,
@@ -51,32 +55,85 @@ from tests.scripts.remote_transfer import AfterSync, gap, trainer_for
 TIMEOUT = 20.0  # RemoteVLLM(timeout=...): a round stuck on a silent server fails within it
 
 
+KINDS = ("kill", "stop", "kill-engine", "stop-engine", "stop-api")
+"""The faults on the doomed server's processes: ``kill`` / ``stop``: SIGKILL / SIGSTOP of all of them (its process
+group); ``kill-engine`` / ``stop-engine``: of its engine process only (vLLM's ``EngineCore``, where the workers run);
+``stop-api``: of its API process only. ``cut`` (where the server is on a host of its own, ``--doomed-on``): its host's
+link down for a few seconds."""
+
+
+@dataclass
+class Place:
+    """Where the doomed server runs: this host (loopback), or a host made of a network namespace (``--doomed-on``)."""
+
+    address: str = "127.0.0.1"
+    ns: str | None = None  # the namespace and the host's name (``tests/hosts.py``)
+    name: str = ""
+    link: str | None = None  # its link as the bridge sees it (``Hosts.link``): a ``cut`` sets it down
+
+    def start(self, model_dir: Path, port: int) -> None:
+        ns = self.ns
+        start_server(model_dir, port, host=self.address,
+                     on_host=None if ns is None else lambda cmd: on_host(ns, self.name, cmd))
+
+
+PLACE = Place()
+
+
 class Fault:
-    """Rank 0: the fault, landed once when sync ``version``'s round reaches ``step`` (:meth:`arm` sets another)."""
+    """Rank 0: the fault, landed once when sync ``version``'s round reaches ``step`` (:meth:`arm` sets another);
+    ``seconds``: how long a ``cut`` lasts (healed then, or at :meth:`heal`, whichever comes first)."""
 
     def __init__(self, kind: str, step: str, model_dir: Path, port: int, sync: VLLMWeightSync, version: int) -> None:
         self.kind, self.step, self.model_dir, self.port = kind, step, model_dir, port
         self.sync, self.version = sync, version
         self.landed: float | None = None
+        self.seconds = 0.0
+        self.target: int | None = None  # the process the fault stopped
+        self._timer: threading.Timer | None = None
 
-    def arm(self, kind: str, step: str, version: int) -> None:
-        self.kind, self.step, self.version, self.landed = kind, step, version, None
+    def arm(self, kind: str, step: str, version: int, seconds: float = 0.0) -> None:
+        self.kind, self.step, self.version, self.seconds, self.landed = kind, step, version, seconds, None
 
     def reached(self, step: str) -> None:
         if step != self.step or self.landed is not None or self.sync.version != self.version:
             return
         if self.kind == "kill":
             stop_server(self.model_dir, self.port)
-        else:
+        elif self.kind == "stop":
             os.killpg(self.pid(), signal.SIGSTOP)
+        elif self.kind == "cut":
+            assert PLACE.link is not None, "a cut needs the server on a host of its own (--doomed-on)"
+            set_link(PLACE.link, up=False)
+            self._timer = threading.Timer(self.seconds, set_link, (PLACE.link, True))
+            self._timer.start()
+        else:
+            what, _, process = self.kind.partition("-")
+            self.target = self.engine() if process == "engine" else self.pid()
+            os.kill(self.target, signal.SIGKILL if what == "kill" else signal.SIGSTOP)
         self.landed = time.monotonic()
 
     def pid(self) -> int:
         return int((self.model_dir / f"server{self.port}.pid").read_text())
 
+    def engine(self) -> int:
+        """The server's engine process (vLLM's ``EngineCore``, a child of its API process)."""
+        import psutil
+
+        return next(p.pid for p in psutil.Process(self.pid()).children(recursive=True) if "EngineCore" in p.name())
+
     def heal(self) -> None:
-        if self.kind == "stop" and self.landed is not None:
+        """A frozen server runs again, a cut host's link is back (a killed one: :func:`up_again`)."""
+        if self.landed is None:
+            return
+        if self.kind == "stop":
             os.killpg(self.pid(), signal.SIGCONT)
+        elif self.kind.startswith("stop-") and self.target is not None:
+            os.kill(self.target, signal.SIGCONT)
+        elif self.kind == "cut" and PLACE.link is not None:
+            if self._timer is not None:
+                self._timer.cancel()
+            set_link(PLACE.link, up=True)
 
 
 def install(fault: Fault) -> None:
@@ -111,11 +168,12 @@ def server_state(url: str) -> dict[str, Any]:
 
 def scenario(name: str, root: Path, alive: str, model_dir: Path, port: int) -> dict[str, Any]:
     kind, rest = name.split("@")
-    step, _, shards = rest.partition("+")
+    step, _, how = rest.partition("+")
     doomed = up(model_dir, port)
     seed_everything(0)
-    sync = VLLMWeightSync(RemoteVLLM([alive, doomed], transport=Gloo(shard_direct=bool(shards)), timeout=TIMEOUT,
-                                     min_servers=1), every_n_train_steps=1)
+    transport = Gloo(shard_direct=bool(how), background=how == "background")
+    sync = VLLMWeightSync(RemoteVLLM([alive, doomed], transport=transport, timeout=TIMEOUT, min_servers=1),
+                          every_n_train_steps=1)
     fault = Fault(kind, step, model_dir, port, sync, version=2)
     if dist.get_rank() == 0:
         install(fault)
@@ -126,14 +184,15 @@ def scenario(name: str, root: Path, alive: str, model_dir: Path, port: int) -> d
         if trainer.global_step == 3 and trainer.global_rank == 0:
             fault.heal()  # a frozen server runs again: it rejoins at the next sync
 
-    after = AfterSync(sync, on_step=on_step)
+    after = Settled(sync, on_step=on_step)
     trainer = trainer_for([sync, after], steps=4, root=root / name.replace("@", "_").replace("+", "_"))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         start = time.monotonic()
         trainer.fit(CausalLM(lr=3e-2), token_loader(16))
         events["fit_seconds"] = time.monotonic() - start
-    result = {"version": sync.version, "records": after.records, "doomed": doomed, **events,
+    result = {"version": sync.version, "records": after.records, "doomed": doomed, "arrived_seconds": after.arrived,
+              **events,
               "warnings": [str(w.message) for w in caught if "RemoteVLLM" in str(w.message)
                            or "Weight sync" in str(w.message)]}
     if dist.get_rank() == 0:
@@ -144,21 +203,39 @@ def scenario(name: str, root: Path, alive: str, model_dir: Path, port: int) -> d
     return result
 
 
+class Settled(AfterSync):
+    """``AfterSync`` that first ends a push still in the background (every rank), so each sync is scored once it
+    arrived."""
+
+    def __init__(self, sync: VLLMWeightSync, **kwargs: Any) -> None:
+        super().__init__(sync, **kwargs)
+        self.arrived: dict[int, float] = {}  # version: seconds its settle waited (its round's end, a redo included)
+
+    def check(self, trainer: pl.Trainer) -> None:
+        if self.sync.target.pushes_in_background:
+            start = time.monotonic()
+            self.sync.settle()
+            self.arrived[self.sync.version] = time.monotonic() - start
+        super().check(trainer)
+
+
 def up(model_dir: Path, port: int) -> str:
     """Every rank: the doomed server answers (started again where a scenario killed it); its URL."""
-    doomed = f"http://127.0.0.1:{port}"
+    doomed = f"http://{PLACE.address}:{port}"
     if dist.get_rank() == 0 and server_state(doomed).get("error"):
         stop_server(model_dir, port)
-        start_server(model_dir, port)
+        PLACE.start(model_dir, port)
         wait_for_server(doomed, model_dir / f"server{port}.log")
     dist.barrier()
     return doomed
 
 
 def campaign(name: str, root: Path, alive: str, model_dir: Path, port: int) -> dict[str, Any]:
-    """``campaign@SEED:SYNCS[:RATE:SCORE]``: one fit of SYNCS steps, shard-direct, a sync each; from the seed, faults at
-    random syncs and steps (kill or stop, as the round begins, as its data starts, as the servers take it). A fault's
-    server comes back at the next sync (SIGCONT, or restarted and waited for) and rejoins at the one after; the next
+    """``campaign@SEED:SYNCS[:RATE:SCORE[:KINDS]]``: one fit of SYNCS steps, shard-direct, a sync each; from the seed,
+    faults at random syncs and steps (one of KINDS, ``/``-separated, default :data:`KINDS` (and ``cut`` where the
+    server has a host of its own), as the round begins, as its data starts, as the servers take it; a cut lasts 1 to
+    12 s). A fault's server comes back at the next sync (SIGCONT, its link up, or restarted and waited for) and rejoins
+    at the one after; the next
     fault may come after that, at each sync with probability RATE (default 0.6). A client on rank 0 sends completions
     to the alive server throughout. Every SCORE-th sync (default 1) and every sync from a fault to its rejoin has both
     servers scored against the trainer's weights (the others: their version and pause only); every 100 steps each
@@ -166,6 +243,7 @@ def campaign(name: str, root: Path, alive: str, model_dir: Path, port: int) -> d
     fields = name.split("@")[1].split(":")
     seed, syncs = int(fields[0]), int(fields[1])
     rate, every = (float(fields[2]), int(fields[3])) if len(fields) > 2 else (0.6, 1)
+    kinds = fields[4].split("/") if len(fields) > 4 else [*KINDS, *(["cut"] if PLACE.link else [])]
     rng = random.Random(seed)
     doomed = up(model_dir, port)
     seed_everything(seed)
@@ -192,16 +270,15 @@ def campaign(name: str, root: Path, alive: str, model_dir: Path, port: int) -> d
                               landed_at=fault.landed,
                               paused_s=sync.target.last_paused_seconds)
         if rank0 and faults and faults[-1]["version"] == v - 1:  # back now: it rejoins at the next sync
-            if fault.kind == "stop":
-                fault.heal()
-            else:
-                up_again(model_dir, port)
+            fault.heal()
+            up_again(model_dir, port)  # (killed, or broken by its engine's death: started again)
         if v + 1 >= free_from[0] and v + 1 < syncs and rng.random() < rate:
-            kind, step = rng.choice(["kill", "stop"]), rng.choice(["begins", "data", "take"])
+            kind, step = rng.choice(kinds), rng.choice(["begins", "data", "take"])
+            seconds = round(rng.uniform(1, 12), 1) if kind == "cut" else 0.0
             scored.update(range(v + 1, v + 4))
             if rank0:
-                fault.arm(kind, step, v + 1)
-                faults.append({"version": v + 1, "kind": kind, "step": step})
+                fault.arm(kind, step, v + 1, seconds)
+                faults.append({"version": v + 1, "kind": kind, "step": step, "seconds": seconds})
             free_from[0] = v + 4
 
     ports = {"alive server": int(alive.rsplit(":", 1)[1]), "doomed server": port}
@@ -252,11 +329,12 @@ def _group(pid: int) -> int | None:
 
 
 def up_again(model_dir: Path, port: int) -> None:
-    """Rank 0: the doomed server, killed, started again and waited for (a harness wait, not the library's)."""
-    doomed = f"http://127.0.0.1:{port}"
+    """Rank 0: the doomed server, killed (or its engine), started again and waited for (a harness wait, not the
+    library's)."""
+    doomed = f"http://{PLACE.address}:{port}"
     if server_state(doomed).get("error"):
         stop_server(model_dir, port)
-        start_server(model_dir, port)
+        PLACE.start(model_dir, port)
         wait_for_server(doomed, model_dir / f"server{port}.log")
 
 
@@ -297,12 +375,12 @@ class Client(threading.Thread):
 
 def table(faults: list[dict[str, Any]], client: dict[str, Any]) -> str:
     """The campaign's faults by kind and step: how many, how many the fit went on through, the longest sync."""
-    lines = ["fault  step     n  survived  sync s (max)  set aside  pause of the round that took it, s (max)"]
-    for kind in ("kill", "stop"):
+    lines = ["fault        step     n  survived  sync s (max)  set aside  pause of the round that took it, s (max)"]
+    for kind in (*KINDS, "cut"):
         for step in ("begins", "data", "take"):
             these = [f for f in faults if f["kind"] == kind and f["step"] == step and f.get("landed")]
             if these:
-                lines.append(f"{kind:<6} {step:<7} {len(these):>2}  {sum('sync_seconds' in f for f in these):>8}"
+                lines.append(f"{kind:<12} {step:<7} {len(these):>2}  {sum('sync_seconds' in f for f in these):>8}"
                              f"  {max(f.get('sync_seconds') or 0 for f in these):>12.2f}"
                              f"  {sum(bool(f.get('set_aside')) for f in these):>9}"
                              f"  {max(f.get('paused_s') or 0 for f in these):>40.2f}")
@@ -319,7 +397,12 @@ def main() -> None:
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--only", required=True)
+    parser.add_argument("--doomed-on", default=None, help="NS:NAME:ADDRESS:LINK: the doomed server on a host of its"
+                        " own (tests/hosts.py: its namespace, name, address and link as the bridge sees it)")
     args = parser.parse_args()
+    if args.doomed_on:
+        ns, name, address, link = args.doomed_on.split(":")
+        PLACE.ns, PLACE.name, PLACE.address, PLACE.link = ns, name, address, link
     dist.init_process_group("gloo")
     root = Path(args.out).parent / "pool_faults"
     model_dir = Path(args.model_dir)
@@ -327,6 +410,8 @@ def main() -> None:
         name, root, args.server, model_dir, args.port)) for name in args.only.split(",")}
     results = run_scenarios(runs, list(runs))
     if dist.get_rank() == 0:
+        if PLACE.link is not None:
+            set_link(PLACE.link, up=True)  # (a cut's timer may not have run: the harness removes the host)
         stop_server(model_dir, args.port)
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
     end_script()
