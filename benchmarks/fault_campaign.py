@@ -6,15 +6,16 @@ for 1 to 12 s. It comes back at the next sync and rejoins at the one after. A cl
 server throughout.
 
     python benchmarks/fault_campaign.py --seed 1 --steps 60
-    sudo python benchmarks/fault_campaign.py --hosts --seed 1 --steps 60   # each server on a host of its own
+    sudo python benchmarks/fault_campaign.py --hosts --seed 1 --steps 60   # each rank and server on a host of its own
     python benchmarks/fault_campaign.py --background --seed 1 --steps 60  # staged pushes, in the background
 
 Prints the faults by kind and step (how many, how many the fit went on through, the longest such sync, how many set
 the server aside, the other server's longest pause), the client's requests and failures, and the resident memory of
 both trainer ranks and both servers at the fit's start and end. The same campaign, short, is in the suite
 (``tests/test_remote_pool_faults.py``). Not part of the suite; a tiny Qwen2. Without ``--hosts`` everything is on this
-host (loopback); with it (root: ``tests/hosts.py``) each server is on a host made of a network namespace on a bridge,
-the trainer on this one. Loss and delay are measured by ``benchmarks/lossy_link_bench.py``.
+host (loopback); with it (root: ``tests/hosts.py``) each trainer rank and each server is on a host of its own made of a
+network namespace on a bridge (192.168.79.x; the trainer's two hosts each run a ``torchrun --nnodes 2``). Loss and
+delay are measured by ``benchmarks/lossy_link_bench.py``.
 """
 
 from __future__ import annotations
@@ -61,21 +62,28 @@ def main() -> None:
     alive, doomed = free_port("127.0.0.1"), free_port("127.0.0.1")
     out = work / f"campaign_{args.seed}.json"
     name = f"campaign@{args.seed}:{args.steps}:{args.rate}:{args.score_every}"
-    hosts = Hosts(["a", "b"]) if args.hosts else None
+    hosts = Hosts(["t1", "t2", "a", "b"], subnet="192.168.79") if args.hosts else None
     try:
+        script = [str(ROOT / "tests" / "scripts" / "pool_faults.py"), "--out", str(out), "--model-dir", str(model),
+                  "--port", str(doomed), "--only", name, *(["--background"] if args.background else [])]
         if hosts is None:
             start_server(model, alive)
             alive_url = f"http://127.0.0.1:{alive}"
             wait_for_server(alive_url, model / f"server{alive}.log")
-            place = []
-        else:
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                   f"--master-port={free_port('127.0.0.1')}", *script, "--server", alive_url]
+            proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+        else:  # one torchrun per trainer host, as users launch a multi-node fit
             (alive_url,) = hosts.start_servers(model, {"a": alive})
-            place = ["--doomed-on", f"{hosts.ns('b')}:b:{hosts.address('b')}:{hosts.link('b')}"]
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-               f"--master-port={free_port('127.0.0.1')}", str(ROOT / "tests" / "scripts" / "pool_faults.py"),
-               "--out", str(out), "--server", alive_url, "--model-dir", str(model), "--port",
-               str(doomed), "--only", name, *place, *(["--background"] if args.background else [])]
-        proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+            doomed_on = f"{hosts.ns('b')}:b:{hosts.address('b')}:{hosts.link('b')}:{hosts.root()}"
+            port = free_port("127.0.0.1")
+            procs = [subprocess.Popen(hosts.command(node, [
+                sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "1",
+                "--node-rank", str(i), "--master-addr", hosts.address("t1"), "--master-port", str(port), *script,
+                "--server", alive_url, "--doomed-on", doomed_on]), cwd=ROOT, stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT, text=True) for i, node in enumerate(["t1", "t2"])]
+            logs = [p.communicate()[0] for p in procs]
+            proc = subprocess.CompletedProcess(procs[0].args, max(p.returncode for p in procs), logs[0], logs[1])
         if proc.returncode != 0 or not out.exists():
             raise SystemExit(f"the campaign failed (rc={proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-5000:]}")

@@ -161,18 +161,18 @@ def interface_of(address: str) -> str | None:
 
 def trainer_gloo_interface(main_address: str) -> str | None:
     """The interface torch's own gloo group (a CPU trainer's process group) should bind on this host, where gloo's
-    default would not reach the other ranks: ``GLOO_SOCKET_IFNAME`` unset, ``main_address`` (rank 0's) on another host,
-    and this hostname resolving to a loopback address (127.0.1.1 on stock Debian/Ubuntu hosts); else ``None``. A
+    default would not reach the other ranks: ``GLOO_SOCKET_IFNAME`` unset, ``main_address`` (rank 0's) a routable
+    address (another host's, or this host's own: rank 0 itself, or a rank beside it, in a job that may span hosts, as
+    Ray Train's ``MASTER_ADDR`` always is), and this hostname resolving to a loopback address (127.0.1.1 on stock
+    Debian/Ubuntu hosts), which gloo would advertise to the ranks on other hosts; else ``None``. A
     ``main_address`` naming this host (SLURM's node name, which resolves to 127.0.1.1 there) needs nothing: binding the
-    loopback interface would also make the transfer group advertise 127.0.0.1 to servers on other hosts; nor does a
-``main_address`` that is an address of this host (Ray Train's ``MASTER_ADDR`` where rank 0 runs here)."""
+    loopback interface would also make the transfer group advertise 127.0.0.1 to servers on other hosts."""
     if os.environ.get("GLOO_SOCKET_IFNAME") or not main_address or is_loopback(main_address):
         return None
     try:
-        route = route_address(main_address)
-        if is_loopback(route) or route == socket.getaddrinfo(main_address, None, socket.AF_INET)[0][4][0]:
-            return None  # rank 0 is on this host (named, or by an address of it: Ray Train's MASTER_ADDR)
-    except (ValueError, OSError):  # no route: torch's own error says more than ours could
+        if is_loopback(route_address(main_address)):
+            return None
+    except ValueError:  # no route: torch's own error says more than ours could
         return None
     try:
         own = socket.gethostbyname(socket.gethostname())

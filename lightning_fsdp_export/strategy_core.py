@@ -78,9 +78,11 @@ class LazyExportCore:
 
     def _before_process_group(self) -> None:
         """Before Lightning's own set-up (process group, device mesh): ``data_parallel_size="auto"`` is pure FSDP over
-        the whole world (not Lightning's "nodes"); a gloo (CPU) run across hosts whose hostname resolves to loopback
-        (127.0.1.1 on stock Debian/Ubuntu, which gloo would advertise) binds the interface that reaches rank 0, by
-        setting ``GLOO_SOCKET_IFNAME`` where nothing set it."""
+        the whole world (not Lightning's "nodes"); a gloo (CPU) run whose hostname resolves to loopback (127.0.1.1 on
+        stock Debian/Ubuntu, which gloo would advertise) and whose rank 0 has a routable address binds the interface
+        that reaches rank 0, by setting ``GLOO_SOCKET_IFNAME`` where nothing set it
+        (``_network.trainer_gloo_interface``; under Ray Train, whose process group exists already, for the groups made
+        from then on)."""
         if self._data_parallel_size == "auto":
             self._data_parallel_size = (self.num_nodes * self.num_processes) // self._tensor_parallel_size
         if self._get_process_group_backend() == "gloo":
@@ -89,8 +91,9 @@ class LazyExportCore:
                 os.environ["GLOO_SOCKET_IFNAME"] = interface
                 built = (" for the groups made from now on (the process group exists already: Ray Train's, built"
                          " before the strategy's set-up)" if torch.distributed.is_initialized() else "")
-                log.info(f"GLOO_SOCKET_IFNAME={interface}{built}: this host's name resolves to loopback, and"
-                         f" {interface} reaches rank 0 at {self.cluster_environment.main_address} on another host")
+                log.info(f"GLOO_SOCKET_IFNAME={interface}{built}: this host's name resolves to loopback, which gloo"
+                         " would advertise to ranks on other hosts; the interface reaches rank 0 at"
+                         f" {self.cluster_environment.main_address}")
 
     def _build_parts(self, options: LazyExportOptions, *, tensor_parallel_size: int,
                      model: Callable[[], nn.Module | None], optimizers: Callable[[], Sequence[Any]]) -> None:

@@ -136,8 +136,17 @@ class Hosts:
 
     def link(self, name: str) -> str:
         """Host ``name``'s link as the bridge sees it (its veth's other end, in this namespace): ``ip link set <it>
-        down`` cuts the host off, ``up`` heals it (:func:`set_link`)."""
+        down`` cuts the host off, ``up`` heals it (:func:`set_link`, from any host with :meth:`root`)."""
         return f"lfep{self.tag}{self.names.index(name) + 1}"
+
+    def root(self) -> str:
+        """A name for this (the bridge's) namespace, so a process on a host can reach the links: ``ip -n <it> ...``
+        (``ip netns attach``; removed by :meth:`down`)."""
+        name = f"lfe{self.tag}-root"
+        if name not in self.made:
+            _ip("netns", "attach", name, str(os.getpid()))
+            self.made.append(name)
+        return name
 
     def down(self) -> None:
         for name, wire in self.wires.items():
@@ -146,6 +155,9 @@ class Hosts:
             _ip("link", "del", f"lfew{self.tag}{self.names.index(name) + 1}", check=False)
         self.wires = {}
         for ns in self.made:
+            if ns.endswith("-root"):  # (this namespace's name only: its processes are the harness's own)
+                _ip("netns", "del", ns, check=False)
+                continue
             for pid in _ip("netns", "pids", ns, check=False).stdout.split():
                 try:
                     os.kill(int(pid), signal.SIGKILL)
@@ -165,9 +177,9 @@ def on_host(ns: str, name: str, argv: Sequence[str]) -> list[str]:
     return ["ip", "netns", "exec", ns, "unshare", "--uts", "sh", "-c", f'hostname host-{name} && exec "$@"', "_", *argv]
 
 
-def set_link(link: str, up: bool) -> None:
-    """Cut (``up=False``) or heal the link :meth:`Hosts.link` named."""
-    _ip("link", "set", link, "up" if up else "down")
+def set_link(link: str, up: bool, ns: str | None = None) -> None:
+    """Cut (``up=False``) or heal the link :meth:`Hosts.link` named; ``ns``: :meth:`Hosts.root` (from another host)."""
+    _ip(*(["-n", ns] if ns else []), "link", "set", link, "up" if up else "down")
 
 
 def bench_model(name: str, workdir: str | None) -> Path:

@@ -158,3 +158,37 @@ def test_health_is_503_while_a_process_of_the_server_is_stopped() -> None:
     finally:
         engine.kill()
         engine.wait()
+
+
+def test_a_trainers_request_of_a_round_it_has_left_is_refused() -> None:
+    # Issue 67: a request a round gave up (a link cut, a frozen server) may arrive once the link is back, after its
+    # trainer began the next round; measured in the fault campaign on namespace hosts, the cut round's /update_weights
+    # reached the server after the redo's /init_weight_transfer_engine and held its engine in the new group with the
+    # old round's plan until the group's timeout. The plugin's middleware refuses it (409), naming both rounds.
+    from lightning_fsdp_export.backend import server_lease, server_swap
+    from lightning_fsdp_export.backend.shared import ROUND_HEADER
+
+    app = fastapi.FastAPI()
+    app.middleware("http")(server_swap.middleware)
+    seen: list[str] = []
+
+    async def answer(request: fastapi.Request) -> Any:
+        seen.append(f"{request.url.path} {request.headers.get(ROUND_HEADER)}")
+        return JSONResponse({})
+
+    for route in ("/update_weights", "/init_weight_transfer_engine", "/pause", "/v1/completions"):
+        app.add_api_route(route, answer, methods=["POST"])
+    server_lease.FENCE.__init__()  # (one per API server process)
+    with TestClient(app) as client:
+        def post(route: str, tag: str | None) -> int:
+            return client.post(route, headers={} if tag is None else {ROUND_HEADER: tag}).status_code
+
+        assert post("/pause", "7:4") == 200 and post("/update_weights", "7:4") == 200  # round 4 of trainer 7
+        assert post("/init_weight_transfer_engine", "7:5") == 200  # its redo, round 5
+        late = client.post("/update_weights", headers={ROUND_HEADER: "7:4"})  # round 4's, delivered late
+        assert late.status_code == 409 and "round 4" in late.json()["error"] and "round 5" in late.json()["error"]
+        assert post("/update_weights", "7:5") == 200  # the redo's own
+        assert post("/v1/completions", "7:1") == 200  # not a trainer's weight route: never fenced
+        assert post("/update_weights", None) == 200  # a client without the header (not this package)
+        assert post("/pause", "9:1") == 200 and post("/update_weights", "7:5") == 200  # another session starts over
+    assert "/update_weights 7:4" in seen and seen.count("/update_weights 7:4") == 1, seen

@@ -1113,8 +1113,6 @@ def test_a_cpu_trainer_binds_the_interface_to_rank_0_only_where_its_hostname_is_
     monkeypatch.setattr(_network, "route_address", lambda peer: "192.0.2.5")
     monkeypatch.setattr(_network, "interface_of", lambda address: {"192.0.2.5": "eth7"}.get(address))
     assert _network.trainer_gloo_interface("192.0.2.77") == "eth7"
-    # rank 0 at an address of this host (Ray Train's MASTER_ADDR, rank 0 on this node; issue 67): nothing to bind
-    assert _network.trainer_gloo_interface("192.0.2.5") is None
     monkeypatch.setenv("GLOO_SOCKET_IFNAME", "eth9")  # the user's choice stands
     assert _network.trainer_gloo_interface("192.0.2.77") is None
     monkeypatch.delenv("GLOO_SOCKET_IFNAME")

@@ -26,9 +26,11 @@ import asyncio
 import time
 from typing import Any
 
-from lightning_fsdp_export.backend.shared import PAUSE_MODES
+from fastapi.responses import JSONResponse  # (this module runs in the vLLM API server, which serves with FastAPI)
 
-__all__ = ["LEASE", "PauseLease"]
+from lightning_fsdp_export.backend.shared import PAUSE_MODES, ROUND_HEADER, SWAP_ROUTE
+
+__all__ = ["FENCE", "LEASE", "PauseLease", "RoundFence"]
 
 _STARTS = ("/start_weight_update", "/start_draft_weight_update")
 """Routes that begin an update: the round is a full push or a patch of a whole model (a trainer pushes every tensor
@@ -124,3 +126,44 @@ class PauseLease:
 
 
 LEASE = PauseLease()
+
+
+class RoundFence:
+    """Which round of which trainer this server is in: a trainer's request of an earlier round than one this server
+    has seen from that trainer is refused (409), never passed on (issue 67).
+
+    A trainer gives up a request of a round when the round's watch finds the server silent (a link cut, a frozen
+    process); the request itself may still be in the network, or in a stopped server's socket, and arrive once the
+    link is back or the process runs again, after the trainer began the next round (measured: a link cut for a few
+    seconds mid-data; the cut round's ``/update_weights`` arrived after the redo's ``/init_weight_transfer_engine``
+    and held the engine in the new group with the old round's plan for the group's whole timeout, failing the redo).
+    Every request of a trainer carries ``ROUND_HEADER`` (``<session>:<round>``, :func:`~..transfer.http.next_round`);
+    a request of another session (another trainer, a restarted one) starts the fence over; one without the header (a
+    client other than this package) is never refused.
+    """
+
+    def __init__(self) -> None:
+        self.session = 0
+        self.round = 0
+
+    def refuse(self, request: Any) -> Any:
+        """The 409 to answer ``request`` with, or ``None`` to let it through (and note its round)."""
+        path = request.url.path
+        tag = request.headers.get(ROUND_HEADER)
+        if tag is None or (path not in _ROUTES and path != SWAP_ROUTE):
+            return None
+        try:
+            session, round_ = (int(part) for part in tag.split(":"))
+        except ValueError:
+            return None
+        if session == self.session and round_ < self.round:
+            return JSONResponse({"error": f"{request.method} {path} belongs to round {round_} of its trainer, which"
+                                          f" has begun round {self.round} here: a request delivered late (its round"
+                                          " gave it up), refused."}, status_code=409)
+        self.session, self.round = session, max(round_, self.round) if session == self.session else round_
+        return None
+
+
+FENCE = RoundFence()
+"""The fence of this API server process's trainer requests (one per process, as :data:`LEASE`)."""
+

@@ -41,7 +41,7 @@ from typing import Any
 from fastapi.responses import JSONResponse  # (this module runs in the vLLM API server, which serves with FastAPI)
 
 from lightning_fsdp_export.backend.server_health import unhealthy
-from lightning_fsdp_export.backend.server_lease import LEASE
+from lightning_fsdp_export.backend.server_lease import FENCE, LEASE
 from lightning_fsdp_export.backend.shared import PAUSE_MODES, SWAP_PROTOCOL, SWAP_ROUTE, SWAP_STEPS
 
 __all__ = ["handle", "middleware", "unauthorized"]
@@ -57,7 +57,8 @@ _lock: asyncio.Lock | None = None  # one swap at a time on a server
 async def middleware(request: Any, call_next: Any) -> Any:
     """The plugin's ``swap_route``: refuse a request that needs the API key (:func:`unauthorized`), answer
     ``/lfe/swap`` (:func:`handle`), answer ``/health`` with 503 while a process of the server is stopped
-    (:mod:`.server_health`), pass every other request through, the trainer's renewing its pause's lease
+    (:mod:`.server_health`), refuse a trainer's request of a round it has left (``RoundFence``), pass every other
+    request through, the trainer's renewing its pause's lease
     (:mod:`.server_lease`)."""
     refused = unauthorized(request)
     if refused is not None:
@@ -66,6 +67,9 @@ async def middleware(request: Any, call_next: Any) -> Any:
         sick = unhealthy()
         if sick is not None:
             return sick
+    late = FENCE.refuse(request)  # (a trainer's request of a round it has left: delivered late)
+    if late is not None:
+        return late
     if request.url.path != SWAP_ROUTE:
         return await LEASE.around(request, call_next)
     return await handle(request)

@@ -7,15 +7,16 @@ transfer room; the servers' swap middleware and backend registration, inside vLL
 - the server-owned swap: its route (:data:`SWAP_ROUTE`), the body's protocol version (:data:`SWAP_PROTOCOL`) and its
   steps (:data:`SWAP_STEPS`);
 - how a round pauses a server (:data:`PauseMode`, :data:`PAUSE_MODES`) and for how long a silent trainer's pause
-  holds (:data:`PAUSE_LEASE_S`).
+  holds (:data:`PAUSE_LEASE_S`);
+- the header that tells a server which round of which trainer a request belongs to (:data:`ROUND_HEADER`).
 """
 
 from __future__ import annotations
 
 from typing import Literal, get_args
 
-__all__ = ["BACKENDS", "PAUSE_LEASE_S", "PAUSE_MODES", "SWAP_PROTOCOL", "SWAP_ROUTE", "SWAP_STEPS", "PauseMode",
-           "register_backends"]
+__all__ = ["BACKENDS", "PAUSE_LEASE_S", "PAUSE_MODES", "ROUND_HEADER", "SWAP_PROTOCOL", "SWAP_ROUTE", "SWAP_STEPS",
+           "PauseMode", "register_backends"]
 
 _BACKEND = "lightning_fsdp_export.backend"
 BACKENDS = {
@@ -37,6 +38,12 @@ SWAP_STEPS = ("checked", "paused", "swapped", "labelled", "cache_reset", "resume
 PAUSE_LEASE_S = 10.0
 """Seconds a server paused by a round waits for its trainer's next request (the round's watch asks every second) before
 it ends the pause on its own, where its model is whole (``backend.server_lease``)."""
+
+ROUND_HEADER = "X-LFE-Round"
+"""``<trainer session>:<round>`` (integers: the trainer process's start, in ns, and its round count), sent with every
+request of a trainer: a server refuses a request of an earlier round of the same trainer than one it has seen
+(``backend.server_lease.RoundFence``): a request the trainer gave up, delivered late (a link that came back, a frozen
+server that runs again), never acts on a later round."""
 
 PauseMode = Literal["wait", "keep", "keep_old_kv"]
 """How a round pauses a server: ``wait`` drains running requests; ``keep`` freezes them (recomputed with the new

@@ -8,6 +8,7 @@ import http.client
 import json
 import socket
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
@@ -15,15 +16,26 @@ from contextvars import ContextVar
 from typing import Any, TypeVar
 from urllib.parse import urlsplit
 
-from lightning_fsdp_export.backend.shared import PAUSE_LEASE_S, SWAP_PROTOCOL, SWAP_ROUTE, PauseMode
+from lightning_fsdp_export.backend.shared import PAUSE_LEASE_S, ROUND_HEADER, SWAP_PROTOCOL, SWAP_ROUTE, PauseMode
 
-__all__ = ["GENERATE_ROUTE", "SILENT", "HealthProbe", "Server", "ServerError", "interrupt", "not_answering", "on_all",
-           "on_each"]
+__all__ = ["GENERATE_ROUTE", "SILENT", "HealthProbe", "Server", "ServerError", "interrupt", "next_round",
+           "not_answering", "on_all", "on_each"]
 
 GENERATE_ROUTE = "/inference/v1/generate"
 """Token-in, token-out generation (vLLM's ``--enable-scale-out`` route): what rollouts request."""
 
 T = TypeVar("T")
+
+_SESSION = time.time_ns()  # this trainer process, as its servers tell it from others (ROUND_HEADER)
+_ROUNDS = [0]  # the rounds this process began (every request carries the count: a server refuses an earlier round's)
+
+
+def next_round() -> None:
+    """A round begins: from now on this process's requests belong to it, and a server that saw them refuses any
+    request of an earlier round that reaches it late (one the round gave up, delivered once a cut link came back or a
+    frozen server ran again: ``backend.server_lease.RoundFence``)."""
+    _ROUNDS[0] += 1
+
 
 SILENT: ContextVar[Mapping[str, str] | None] = ContextVar("lfe_silent_servers", default=None)
 """While a round runs on rank 0 (``transfer/watch.py``): the servers its watch found silent, by URL: why. Requests to
@@ -247,7 +259,7 @@ class Server:
         self.request("POST", "/weight_checker", {"action": "reset"})
 
     def _headers(self) -> dict[str, str]:
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", ROUND_HEADER: f"{_SESSION}:{_ROUNDS[0]}"}
         if self._api_key:
             headers["Authorization"] = f"Bearer {self._api_key}"
         return headers

@@ -26,7 +26,7 @@ from typing import Any
 
 from lightning_fsdp_export._compat import source_metadata
 from lightning_fsdp_export.export.source import SourceLayout
-from lightning_fsdp_export.transfer.http import Server, ServerError, not_answering
+from lightning_fsdp_export.transfer.http import Server, ServerError, next_round, not_answering
 from lightning_fsdp_export.transfer.pauses import PartlyFailed, close_rounds
 from lightning_fsdp_export.transfer.pool import ServerPool
 from lightning_fsdp_export.transfer.rounds import Round, RoundInputs, Staged
@@ -50,6 +50,7 @@ class RoundRun:
     """
 
     def __init__(self, transfer: Any, round_: Round, source: Any, *, version: int, resume: bool) -> None:
+        next_round()  # (this process's requests from now on are this round's: a server refuses an earlier one's)
         self.transfer = transfer
         self.round = round_
         self.source = weight_source(source, transfer.options)

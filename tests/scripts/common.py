@@ -119,12 +119,13 @@ LORA_ARGS = ["--enable-lora", "--max-lora-rank", "16"]
 LORA_ENV = {"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
 
 
-def start_server(model_dir: Path, port: int, *, backend: str | None = "gloo", env: dict[str, str] | None = None,
+def start_server(model_dir: Path, port: int, *, backend: str | None = "gloo", env: dict[str, str | None] | None = None,
                  args: list[str] | None = None, python: str | None = None, host: str = "127.0.0.1",
                  on_host: Callable[[list[str]], list[str]] | None = None) -> Any:
     """Start ``python -m vllm.entrypoints.openai.api_server`` on ``host``:``port`` (no wait); its log and
     pid go to ``model_dir/server{port}.log|.pid`` (the pid file lets whoever restarts it be cleaned up).
-    ``backend=None``: no ``--weight-transfer-config``; ``env`` overrides ``SERVER_ENV``; ``args`` are appended;
+    ``backend=None``: no ``--weight-transfer-config``; ``env`` overrides ``SERVER_ENV`` (``None``: unset the
+    variable, e.g. a trainer's ``GLOO_SOCKET_IFNAME``, which names an interface of its own host); ``args`` are appended;
     ``python``: another venv's interpreter; ``on_host``: the command as run on another host (``tests/hosts.py``)."""
     import json
     import os
@@ -141,8 +142,9 @@ def start_server(model_dir: Path, port: int, *, backend: str | None = "gloo", en
     if on_host is not None:
         cmd = on_host(cmd)
     log = open(model_dir / f"server{port}.log", "a")  # noqa: SIM115 - open for the server's lifetime
-    proc = subprocess.Popen(cmd, env={**os.environ, **SERVER_ENV, **(env or {})}, stdout=log, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    full = {**os.environ, **SERVER_ENV, **{k: v for k, v in (env or {}).items() if v is not None}}
+    proc = subprocess.Popen(cmd, env={k: v for k, v in full.items() if (env or {}).get(k, "") is not None},
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     (model_dir / f"server{port}.pid").write_text(str(proc.pid))
     return proc
 

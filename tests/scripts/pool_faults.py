@@ -36,6 +36,7 @@ from lightning.pytorch import seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export._network import trainer_gloo_interface
 from lightning_fsdp_export.backend.trainer import GlooTrainerWeightTransferEngine
 from lightning_fsdp_export.targets import Gloo
 from lightning_fsdp_export.transfer.http import Server
@@ -71,11 +72,12 @@ class Place:
     ns: str | None = None  # the namespace and the host's name (``tests/hosts.py``)
     name: str = ""
     link: str | None = None  # its link as the bridge sees it (``Hosts.link``): a ``cut`` sets it down
+    link_ns: str | None = None  # the bridge's namespace by name (``Hosts.root``), for a rank on a host of its own
     background: bool = False  # the campaign's pushes: Gloo(shard_direct=True, background=True) (``--background``)
 
     def start(self, model_dir: Path, port: int) -> None:
         ns = self.ns
-        start_server(model_dir, port, host=self.address,
+        start_server(model_dir, port, host=self.address, env={"GLOO_SOCKET_IFNAME": None},  # (this trainer host's)
                      on_host=None if ns is None else lambda cmd: on_host(ns, self.name, cmd))
 
 
@@ -106,8 +108,8 @@ class Fault:
             os.killpg(self.pid(), signal.SIGSTOP)
         elif self.kind == "cut":
             assert PLACE.link is not None, "a cut needs the server on a host of its own (--doomed-on)"
-            set_link(PLACE.link, up=False)
-            self._timer = threading.Timer(self.seconds, set_link, (PLACE.link, True))
+            set_link(PLACE.link, False, PLACE.link_ns)
+            self._timer = threading.Timer(self.seconds, set_link, (PLACE.link, True, PLACE.link_ns))
             self._timer.start()
         else:
             what, _, process = self.kind.partition("-")
@@ -135,7 +137,7 @@ class Fault:
         elif self.kind == "cut" and PLACE.link is not None:
             if self._timer is not None:
                 self._timer.cancel()
-            set_link(PLACE.link, up=True)
+            set_link(PLACE.link, True, PLACE.link_ns)
 
 
 def install(fault: Fault) -> None:
@@ -414,15 +416,20 @@ def main() -> None:
     parser.add_argument("--model-dir", required=True)
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--only", required=True)
-    parser.add_argument("--doomed-on", default=None, help="NS:NAME:ADDRESS:LINK: the doomed server on a host of its"
-                        " own (tests/hosts.py: its namespace, name, address and link as the bridge sees it)")
+    parser.add_argument("--doomed-on", default=None, help="NS:NAME:ADDRESS:LINK[:ROOT]: the doomed server on a host of"
+                        " its own (tests/hosts.py: its namespace, name, address, link as the bridge sees it, and the"
+                        " bridge's namespace by name where the ranks run on hosts of their own)")
     parser.add_argument("--background", action="store_true", help="the campaign's pushes in the background (staged"
                         " rounds: the servers pause only for their own swap)")
     args = parser.parse_args()
     PLACE.background = args.background
+    interface = trainer_gloo_interface(os.environ.get("MASTER_ADDR", ""))  # (as the strategy does: ranks on hosts
+    if interface is not None:  # whose names resolve to 127.0.1.1; this script's group comes before Lightning's)
+        os.environ["GLOO_SOCKET_IFNAME"] = interface
     if args.doomed_on:
-        ns, name, address, link = args.doomed_on.split(":")
+        ns, name, address, link, *root = args.doomed_on.split(":")
         PLACE.ns, PLACE.name, PLACE.address, PLACE.link = ns, name, address, link
+        PLACE.link_ns = root[0] if root else None
     dist.init_process_group("gloo")
     root = Path(args.out).parent / "pool_faults"
     model_dir = Path(args.model_dir)
@@ -431,7 +438,7 @@ def main() -> None:
     results = run_scenarios(runs, list(runs))
     if dist.get_rank() == 0:
         if PLACE.link is not None:
-            set_link(PLACE.link, up=True)  # (a cut's timer may not have run: the harness removes the host)
+            set_link(PLACE.link, True, PLACE.link_ns)  # (a cut's timer may not have run: the harness removes it)
         stop_server(model_dir, args.port)
         Path(args.out).write_text(json.dumps(results, indent=1, default=str))
     end_script()

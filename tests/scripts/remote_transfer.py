@@ -143,7 +143,10 @@ class AfterSync(pl.Callback):
 
 
 def trainer_for(callbacks: list[pl.Callback], steps: int, root: Path) -> Trainer:
-    return Trainer(accelerator="cpu", devices=2, strategy=LazyExportFSDP2(), max_steps=steps, logger=False,
+    """The fit's Trainer: torchrun's ranks (2 on this host, or one per host: ``--nnodes``)."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "2"))
+    return Trainer(accelerator="cpu", devices=local, num_nodes=int(os.environ.get("WORLD_SIZE", local)) // local,
+                   strategy=LazyExportFSDP2(), max_steps=steps, logger=False,
                    enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                    callbacks=callbacks, default_root_dir=str(root))
 
