@@ -222,9 +222,10 @@ class NativeTransfer(Transfer):
                     raise error
                 raise RuntimeError(f"version {version} failed on trainer rank(s) {failed} in the background")
             if self.rank == 0:
-                rank_zero_warn(f"RemoteVLLM: the background push of version {version} failed ({type(error).__name__}:"
-                               f" {error}). The servers that went silent are set aside; version {version} is pushed"
-                               " again, now, to the others (from the same snapshots).")
+                why = f"{type(error).__name__}: {error}" if error is not None else f"on trainer rank(s) {failed}"
+                rank_zero_warn(f"RemoteVLLM: the background push of version {version} failed ({why}). The servers that"
+                               f" went silent are set aside; version {version} is pushed again, now, to the others"
+                               " (from the same snapshots).")
 
     def forget(self) -> None:
         """The servers' weights are no longer what this rank last sent: the next round is dense."""
