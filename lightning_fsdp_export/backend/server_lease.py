@@ -160,7 +160,7 @@ class RoundFence:
             return JSONResponse({"error": f"{request.method} {path} belongs to round {round_} of its trainer, which"
                                           f" has begun round {self.round} here: a request delivered late (its round"
                                           " gave it up), refused."}, status_code=409)
-        self.session, self.round = session, max(round_, self.round) if session == self.session else round_
+        self.session, self.round = session, round_  # (a later round of this trainer, or another trainer)
         return None
 
 

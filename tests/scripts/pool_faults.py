@@ -233,13 +233,10 @@ class Settled(AfterSync):
 
 def up(model_dir: Path, port: int) -> str:
     """Every rank: the doomed server answers (started again where a scenario killed it); its URL."""
-    doomed = f"http://{PLACE.address}:{port}"
-    if dist.get_rank() == 0 and server_state(doomed).get("error"):
-        stop_server(model_dir, port)
-        PLACE.start(model_dir, port)
-        wait_for_server(doomed, model_dir / f"server{port}.log")
+    if dist.get_rank() == 0:
+        up_again(model_dir, port)
     dist.barrier()
-    return doomed
+    return f"http://{PLACE.address}:{port}"
 
 
 def campaign(name: str, root: Path, alive: str, model_dir: Path, port: int) -> dict[str, Any]:
@@ -347,8 +344,8 @@ def _group(pid: int) -> int | None:
 
 
 def up_again(model_dir: Path, port: int) -> None:
-    """Rank 0: the doomed server, killed (or its engine), started again and waited for (a harness wait, not the
-    library's)."""
+    """Rank 0: the doomed server answers: started (again: killed, or its engine) where it does not, and waited for
+    (a harness wait, not the library's)."""
     doomed = f"http://{PLACE.address}:{port}"
     if server_state(doomed).get("error"):
         stop_server(model_dir, port)
