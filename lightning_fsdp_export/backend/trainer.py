@@ -5,6 +5,7 @@ the weights is its :class:`GlooRound` argument."""
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import uuid
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -203,7 +204,9 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             return self.sent_bytes
         pool = ThreadPoolExecutor(max_workers=1)
         try:
-            answer = pool.submit(self.client.update_weights, asdict(info))
+            # (in the round's context: a server the watch finds silent is not waited for there either; a stopped
+            # API process held this answer for the request's whole timeout while its workers took every byte)
+            answer = pool.submit(contextvars.copy_context().run, self.client.update_weights, asdict(info))
             self._stream(plan, self._checked(source, meta), answer, payload.patches, staged)
             answer.result()
         finally:
