@@ -25,6 +25,7 @@ The package never imports this module; it imports Ray (``pip install 'lightning-
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -154,17 +155,31 @@ def _end_group(group: int) -> None:
 
 
 class _Fleet:
-    """A Ray actor owning the servers' actors, and the URL each one registered once its server was up."""
+    """A Ray actor owning the servers' actors, and the URL each one registered once its server was up.
 
-    def __init__(self, spec: _ServerSpec, actor_options: Mapping[str, Any], max_restarts: int) -> None:
+    Ray restarts it where it dies (``max_restarts=-1``). Its servers' actors died with it (Ray's ownership): the new
+    owner starts as many again, the count it last ran kept in a file on its node (``memo``; on another node, where
+    ``owner_options`` let Ray move it: the count it was made with)."""
+
+    def __init__(self, spec: _ServerSpec, actor_options: Mapping[str, Any], max_restarts: int, count: int,
+                 memo: str) -> None:
         self._make = ray.remote(_Server).options(max_restarts=max_restarts, **{"num_cpus": 1, **actor_options})
         self._spec = spec
         self._servers: list[Any] = []
         self._urls: dict[int, tuple[str, int]] = {}  # by server index: the URL its server last answered at, and
         # the server's process group on its node
         self._me = ray.get_runtime_context().current_actor
+        self._memo = Path(memo)
+        if ray.get_runtime_context().was_current_actor_reconstructed:
+            with contextlib.suppress(OSError, ValueError):
+                count = int(self._memo.read_text())
+        self.scale(count)
+
+    def forget(self) -> None:
+        self._memo.unlink(missing_ok=True)
 
     def scale(self, count: int) -> None:
+        self._memo.write_text(str(count))
         while len(self._servers) < count:
             self._servers.append(self._make.remote(self._spec, self._me, len(self._servers)))
         while len(self._servers) > count:
@@ -210,7 +225,10 @@ class VLLMServers:
         name: the Ray name of the actor owning the servers (one per set of servers in a Ray namespace).
         owner_options: Ray's ``.options()`` for that owner; default: on the node that makes this object (the
             driver's), as Ray Train pins its controller: by Ray's ownership the servers' actors share their owner's
-            fate, so an owner on a server's node would take every server down with that node.
+            fate, so an owner on a server's node would take every server down with that node. Ray restarts the
+            owner where it dies alone (``max_restarts=-1``): the servers that died with it start again, as many as
+            it last ran; meanwhile the pool finds them silent (the sync fails where fewer than ``min_servers``
+            answer), and they rejoin with every tensor once up, at new URLs.
 
     ``urls`` is what ``RemoteVLLM(servers.urls, min_servers=k)`` re-reads before each round: a server is listed from
     the moment it first answers; while Ray restarts it, the pool finds it silent and sets it aside; restarted on the
@@ -233,11 +251,14 @@ class VLLMServers:
         spec = _ServerSpec(model=str(model), args=tuple(args), env=dict(env or {}), backend=backend,
                            ready_timeout=ready_timeout, log_dir=None if log_dir is None else str(log_dir))
         self.name = name
-        here = NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False)
-        options = {"scheduling_strategy": here, **(owner_options or {})}
+        context = ray.get_runtime_context()
+        here = NodeAffinitySchedulingStrategy(context.get_node_id(), soft=False)
+        # (restarted where it dies; a call made meanwhile waits for the new one instead of failing)
+        options = {"scheduling_strategy": here, "max_restarts": -1, "max_task_retries": -1, **(owner_options or {})}
+        memo = Path(tempfile.gettempdir()) / f"lfe-vllm-servers-{context.get_job_id()}-{name}.count"
         self._fleet = ray.remote(_Fleet).options(name=name, num_cpus=0, max_concurrency=8, **options).remote(
-            spec, dict(actor_options or {}), max_restarts)
-        self.scale(count)
+            spec, dict(actor_options or {}), max_restarts, count, str(memo))
+        ray.get(self._fleet.node.remote())  # (its servers are started: a failure to make the owner is said here)
 
     def urls(self) -> list[str]:
         """Each server's URL once its server first answered, in the servers' order (what ``RemoteVLLM`` re-reads;
@@ -272,7 +293,8 @@ class VLLMServers:
     def shutdown(self) -> None:
         """Stop every server (their actors are not restarted) and the actor owning them."""
         self.scale(0)
-        ray.kill(self._fleet)
+        ray.get(self._fleet.forget.remote())
+        ray.kill(self._fleet, no_restart=True)
 
     def _first_failure(self) -> str:
         for actor in self.actors():

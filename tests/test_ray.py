@@ -113,6 +113,11 @@ def test_a_fit_in_ray_train_syncs_into_servers_ray_places_grows_and_heals(ray_ru
     assert first[4]["serving"] == [two] and sorted(first[6]["serving"]) == sorted([one, two]), first  # rollouts
     # The fit ended; both servers serve its last version, unpaused.
     assert got["servers"] == [{"url": u, "version": str(got["final_version"]), "paused": False} for u in (one, two)]
+    # The owner killed alone after the fit: Ray started it again on the driver's node; the servers, gone with it,
+    # came back (both, as many as it ran) and answer
+    restart = got["owner_restart"]
+    assert restart["old_gone_s"] < 120 and restart["count"] == 2 and len(restart["back"]) == 2, restart
+    assert restart["on_driver_node"] is True, restart
 
 
 def test_servers_are_asked_for_clearly_and_need_ray_running() -> None:

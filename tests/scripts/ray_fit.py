@@ -155,13 +155,25 @@ def main() -> None:
         server = Server(url, api_key=None, timeout=10)
         states.append({"url": url, "version": server.request("GET", "/weight_info")["weight_version"],
                        "paused": server.request("GET", "/is_paused")["is_paused"]})
+    # issue 67: the servers' owner killed alone: Ray starts it again on the driver's node, and the servers that died
+    # with it (Ray's ownership) start again, as many as it ran
+    from lightning_fsdp_export.serve import healthy
+
+    start = time.monotonic()
+    ray.kill(ray.get_actor(servers.name), no_restart=False)
+    while any(healthy(url) for url in urls) and time.monotonic() - start < 120:
+        time.sleep(0.5)
+    gone = time.monotonic() - start
+    back = servers.wait(2, timeout=300)
+    owner = {"old_gone_s": gone, "back_s": time.monotonic() - start, "back": back, "count": len(servers.actors()),
+             "on_driver_node": servers.owner_node() == ray.get_runtime_context().get_node_id()}
     steps = [json.loads(line) for line in (work / "steps.jsonl").read_text().splitlines()]
     final = json.loads((work / "final.json").read_text())
     Path(args.out).write_text(json.dumps({
         "error": repr(result.error) if result.error else None, "first_server_up_s": first_up, "steps": steps,
         "servers": states, "server_hosts": sorted({u.split("//")[1].split(":")[0] for u in urls}),
         "owner_on_driver_node": servers.owner_node() == ray.get_runtime_context().get_node_id(),
-        "final_version": final["version"],
+        "final_version": final["version"], "owner_restart": owner,
         "token_truth": final["token_truth"], "dropped": final["dropped"], "checkpoint": str(result.checkpoint)},
         indent=1))
     servers.shutdown()
