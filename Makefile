@@ -80,9 +80,11 @@ setup: $(STAMP) $(VLLM033)/base.py $(TF_VENV)/.installed $(VLM_VENV)/.installed 
 demo: setup
 	$(VPY) examples/grpo_tiny.py
 
-# The linter first (ruff, configured in pyproject.toml): seconds, and a failure names the file and line.
+# The linter and the type checker first (ruff and mypy, configured in pyproject.toml): about a minute together, and
+# a failure names the file and line.
 test: setup
 	$(VPY) -m ruff check .
+	$(VPY) -m mypy
 	$(VPY) -m pytest -q -rfEs --durations=25 tests
 
 # The in-process tests (no vLLM engine, no second process, no host made of a namespace): the main venv only, about
@@ -90,6 +92,7 @@ test: setup
 test-fast: $(STAMP)
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(VPY) -m ruff check .
+	$(VPY) -m mypy
 	$(VPY) -m pytest -q -m "not vllm and not distributed and not subprocess" tests
 
 # The docs site into site/ (strict: a broken link, snippet or API reference fails the build).

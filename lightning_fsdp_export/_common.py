@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -145,7 +145,7 @@ Relocation = tuple[tuple[str, str], ...]
 """Prefix moves ``((prefix, new prefix), ...)`` that name a model's tensors as a larger checkpoint holds them."""
 
 
-def find_relocation(wanted: list[str], available: set[str] | dict[str, object]) -> Relocation | None:
+def find_relocation(wanted: list[str], available: Collection[str]) -> Relocation | None:
     """The prefix moves (:meth:`CheckpointFormat.relocate`) under which every name of ``wanted`` missing from
     ``available`` is found there, each keeping its first part's tail: a text model's ``model.*`` found as a
     vision-language checkpoint's ``model.language_model.*`` (one move), or its ``model.*`` and ``lm_head.*`` as

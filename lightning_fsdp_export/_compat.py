@@ -436,7 +436,7 @@ def name_refused_tensor(err: BaseException, model: Any, name: str, tensor: Any) 
     what = getattr(err, "_refused_message", None)
     if what is None:
         what = f"{type(err).__name__}: {str(err) or 'no message: a bare assertion, usually a shape the engine lacks'}"
-        err._refused_message = what  # type: ignore[attr-defined]
+        err._refused_message = what  # type: ignore[attr-defined]  # (our mark on vLLM's exception)
     param = dict(model.named_parameters()).get(name) if hasattr(model, "named_parameters") else None
     engine = "" if param is None else f"; the engine's {name} is {tuple(param.shape)}"
     dtype = str(getattr(tensor, "dtype", "")).replace("torch.", "")

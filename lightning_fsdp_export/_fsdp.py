@@ -31,4 +31,4 @@ def chunk_bounds(rows: int, world: int) -> tuple[int, ...]:
 
 def unsharded_class(module: nn.Module) -> type[nn.Module]:
     """The module's own class: ``fully_shard`` swaps it for a generated ``FSDP<name>`` subclass."""
-    return next(c for c in type(module).__mro__ if not issubclass(c, FSDPModule))
+    return next(c for c in type(module).__mro__ if issubclass(c, nn.Module) and not issubclass(c, FSDPModule))

@@ -13,6 +13,7 @@ import ipaddress
 import os
 import socket
 import struct
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -20,10 +21,10 @@ from typing import Any
 
 import torch.distributed as dist
 
-try:
+if sys.platform != "win32":
     import fcntl
-except ImportError:  # (Windows)
-    fcntl = None  # type: ignore[assignment]
+else:  # (Windows: no file locks, no interface lookups)
+    fcntl = None
 
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1")
 
@@ -71,7 +72,7 @@ def free_port(host: str, want: int = 0, wait: float = 0.0) -> int:
         return int(probe.getsockname()[1])
 
 
-def gloo_group(store: Any, rank: int, world_size: int, timeout: Any, peer: str) -> dist.ProcessGroup:
+def gloo_group(store: Any, rank: int, world_size: int, timeout: Any, peer: str) -> dist.ProcessGroupGloo:
     """A gloo group whose device binds :func:`route_address` of ``peer`` (the store's host), unless
     ``GLOO_SOCKET_IFNAME`` names the interface (then gloo's own device, which reads it). gloo's default device takes
     the hostname's address, 127.0.1.1 on many hosts: a peer on another host cannot dial it.
@@ -80,7 +81,7 @@ def gloo_group(store: Any, rank: int, world_size: int, timeout: Any, peer: str) 
     ``new_group`` fills; ``tests/test_unit.py`` builds a group through it, so a torch that changes it fails there.)"""
     if os.environ.get("GLOO_SOCKET_IFNAME"):
         return dist.ProcessGroupGloo(store, rank, world_size, timeout)
-    options = dist.ProcessGroupGloo._Options()
+    options = dist.ProcessGroupGloo._Options()  # type: ignore[attr-defined]  # (private: torch's stubs omit it)
     options._devices = [dist.ProcessGroupGloo.create_device(hostname=route_address(peer))]
     options._timeout = timeout
     return dist.ProcessGroupGloo(store, rank, world_size, options)

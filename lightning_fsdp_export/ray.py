@@ -237,6 +237,8 @@ class VLLMServers:
     (``train_loop_config``). A server that fails to start ends its actor for good: :meth:`wait` names its log's end.
     """
 
+    _fleet: Any  # (the owner's Ray actor handle: Ray types a handle's methods as the class's, not as remote calls)
+
     def __init__(self, model: str | os.PathLike[str], count: int, *, args: Sequence[str] = (),
                  env: Mapping[str, str] | None = None, actor_options: Mapping[str, Any] | None = None,
                  backend: str = "gloo", max_restarts: int = -1, ready_timeout: float = 900.0,

@@ -30,10 +30,10 @@ from pathlib import Path
 from lightning_fsdp_export._network import free_port, is_loopback, route_address
 from lightning_fsdp_export.transfer.http import Server, ServerError
 
-try:
+if sys.platform != "win32":
     import fcntl
-except ImportError:  # (Windows)
-    fcntl = None  # type: ignore[assignment]
+else:  # (Windows: no file locks, no interface lookups)
+    fcntl = None
 
 __all__ = ["SERVER_ENV", "healthy", "main", "server_command", "this_host_address", "wait_healthy"]
 

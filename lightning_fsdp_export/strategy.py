@@ -123,6 +123,7 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
         output = super().training_step(*args, **kwargs)
+        assert self.lightning_module is not None  # (a step runs with its module)
         if not self.lightning_module.automatic_optimization:  # manual: the step ran inside training_step
             self._phases.leave()
         return output
@@ -135,6 +136,7 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
             return output
 
         output = super().optimizer_step(optimizer, step_closure, *args, **kwargs)
+        assert self.lightning_module is not None
         if self.lightning_module.automatic_optimization:
             self._phases.leave()
         return output
@@ -152,6 +154,7 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
     @override
     def on_validation_end(self) -> None:
         super().on_validation_end()
+        assert self.lightning_module is not None
         if self.lightning_module.trainer.state.fn == TrainerFn.FITTING:
             self._phases.leave()
 

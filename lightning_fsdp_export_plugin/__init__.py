@@ -22,7 +22,7 @@ def register() -> None:
     install_reload_fixes()
 
 
-async def swap_route(request, call_next):  # type: ignore[no-untyped-def]
+async def swap_route(request, call_next):
     """vLLM API-server middleware that adds ``/lfe/swap``: the server carries out a staged round's swap (check, pause,
     load, label, prefix-cache reset, resume) on its own, so a trainer that dies mid-swap never leaves it paused; and,
     on a server started with an API key, asks for that key on every request that changes the server outside the

@@ -256,6 +256,12 @@ def test_metadata_that_disagrees_with_iteration_is_named() -> None:
     engine.source = liar
     with pytest.raises(ValueError, match="yielded 'model.embed_tokens.weight' torch.bfloat16 .* declared"):
         engine.send_weights()
+    extra = {**tensors, "lm_head.extra": torch.ones(2)}  # yields one more tensor than it declares
+    more = source_of(extra)
+    more.export._entries = lambda: [([n], t) for n, t in tensors.items()]
+    engine.source = more  # (a None shape read for the tensor past the metadata raised AttributeError: found by mypy)
+    with pytest.raises(ValueError, match="yielded 'lm_head.extra' .* at position .* declared nothing more"):
+        engine.send_weights()
 
 
 def test_update_info_is_validated() -> None:

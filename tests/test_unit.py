@@ -268,15 +268,18 @@ def test_the_rooms_import_each_other_without_a_cycle_as_architecture_md_says() -
     assert not any("plugin" in deps for deps in edges.values())  # the plugin hands vLLM's entry points to backend/
 
 
-def test_at_most_three_attribute_ignores_are_left() -> None:
-    # issue 57 item 4: what a room needs of another is declared (capabilities, HoldsSyncEngine), not reached through
-    # `type: ignore`: three are left (an attribute vLLM's exception lacks, two generic helpers mypy cannot type)
+def test_few_type_ignores_are_left_each_with_its_reason() -> None:
+    # issue 68 item 1: mypy checks the package in `make test` (pyproject.toml's [tool.mypy]); an ignore is the last
+    # resort, fewer than 10, each naming its code and saying why on its line: "# type: ignore[code]  # (why)"
     import re
 
-    root = Path(__file__).resolve().parent.parent / "lightning_fsdp_export"
-    ignores = [f"{p.name}:{i}" for p in root.rglob("*.py") for i, line in enumerate(p.read_text().splitlines(), 1)
-               if re.search(r"type: ignore\[(attr-defined|misc)", line)]
-    assert len(ignores) <= 3, ignores
+    top = Path(__file__).resolve().parent.parent
+    roots = [top / "lightning_fsdp_export", top / "lightning_fsdp_export_plugin"]
+    ignores = [(f"{p.name}:{i}", line) for root in roots for p in root.rglob("*.py")
+               for i, line in enumerate(p.read_text().splitlines(), 1) if "type: ignore" in line]
+    assert len(ignores) < 10, ignores
+    unexplained = [where for where, line in ignores if not re.search(r"type: ignore\[[a-z-]+\]  # \(", line)]
+    assert unexplained == [], unexplained
 
 
 def test_each_server_route_is_spelled_in_one_module_of_each_side() -> None:
@@ -370,7 +373,7 @@ def test_a_drafter_is_named_by_its_path_and_offered_only_where_the_target_loads_
     # issue 47: VLLMWeightSync(drafter=Drafter(...)) pushes a speculative-decoding drafter trained beside the policy
     from lightning_fsdp_export import ColocatedVLLM, Drafter, InMemoryTarget, RemoteVLLM, VLLMWeightSync
     from lightning_fsdp_export.fabric import WeightSync
-    from lightning_fsdp_export.targets import NCCL, Gloo
+    from lightning_fsdp_export.targets import NCCL, Directory, Gloo
 
     drafter = Drafter("mtp", prefix="model.layers.46.")
     assert VLLMWeightSync(ColocatedVLLM("ckpt"), drafter=drafter).options.drafter is drafter  # no engine built yet
@@ -379,7 +382,8 @@ def test_a_drafter_is_named_by_its_path_and_offered_only_where_the_target_loads_
         assert VLLMWeightSync(RemoteVLLM(["http://127.0.0.1:9"], transport=transport), drafter=drafter).options.drafter
     with pytest.raises(TypeError, match=r"VLLMWeightSync\(drafter=...\) needs .* InMemoryTarget cannot"):
         VLLMWeightSync(InMemoryTarget(), drafter=drafter)
-    for transport in (NCCL(master_address="10.0.0.1"), Gloo(shard_direct=True, background=True)):
+    for transport in (NCCL(master_address="10.0.0.1"), Gloo(shard_direct=True, background=True),
+                      Directory("/tmp/lfe-unused")):  # (the directory's once raised AttributeError: found by mypy)
         with pytest.raises(ValueError, match=r"drafter=...\) with RemoteVLLM: its transport .* carries no drafter"):
             VLLMWeightSync(RemoteVLLM(["http://127.0.0.1:9"], transport=transport, pause_mode="keep"),
                            drafter=drafter)

@@ -280,7 +280,10 @@ class InPlace:
                                              for p in trace.placements):
                 trace.why = "the engine holds other values than it loaded (a layout its kernel made)"
         _close(traces)
-        placed, reloaded, modules, feeds = {}, {}, {}, {}
+        placed: dict[str, Placed] = {}
+        reloaded: dict[str, str] = {}
+        modules: dict[Any, torch.nn.Module] = {}  # (each traced layer's owner: reloaded whole)
+        feeds: dict[str, set[Any]] = {}
         whole = False
         for name, trace in traces.items():
             if trace.why is not None:
@@ -344,7 +347,7 @@ class InPlace:
 
     def reload_pairs(self, names: list[str], copy: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
         """``names`` from the host ``copy`` (a fresh tensor each: the copy stays ours), each with its tied names."""
-        later = {}
+        later: dict[str, list[str]] = {}
         for name, earlier in self.ties.items():
             later.setdefault(earlier, []).append(name)
         for name in names:
@@ -353,7 +356,7 @@ class InPlace:
             for tied in later.get(name, ()):
                 yield tied, tensor
 
-    def reload(self, model: torch.nn.Module, changed: Iterable[str], copy: dict[str, torch.Tensor]) -> str:
+    def reload(self, model: Any, changed: Iterable[str], copy: dict[str, torch.Tensor]) -> str:  # (vLLM's model)
         """Reload the layers ``changed`` reaches (:meth:`open_reload`) from the host ``copy``; what was reloaded, said
         for the worker's log."""
         changed = list(changed)
@@ -380,8 +383,9 @@ class InPlace:
                 method.process_weights_after_loading(layer)
         if self.opened is None:
             return  # the whole model was reloaded: its end processed the attention layers
-        for module in model.modules():
-            if is_deferred_attention_layer(module) and id(module) not in self.opened:
+        layers: list[Any] = [m for m in model.modules() if is_deferred_attention_layer(m)]  # (vLLM's Attention)
+        for module in layers:
+            if id(module) not in self.opened:
                 module.process_weights_after_loading(dtype)
 
     def summary(self) -> str:
@@ -399,11 +403,13 @@ class _Layers(torch.nn.Module):
         super().__init__()
         object.__setattr__(self, "_layers", layers)  # not submodules: nothing registered, nothing moved
 
-    def modules(self) -> Iterator[torch.nn.Module]:  # type: ignore[override]
+    _layers: list[torch.nn.Module]
+
+    def modules(self, remove_duplicate: bool = True) -> Iterator[torch.nn.Module]:
         return iter(self._layers)
 
 
-def _trace(model: torch.nn.Module, names: list[str], tensor: torch.Tensor, storages: dict[int, torch.Tensor],
+def _trace(model: Any, names: list[str], tensor: torch.Tensor, storages: dict[int, torch.Tensor],
            touched: set[int]) -> _Trace:
     """Run vLLM's loader for ``tensor`` under ``names`` (its own, then the names tied to it) without writing; what it
     would write where."""
@@ -413,7 +419,7 @@ def _trace(model: torch.nn.Module, names: list[str], tensor: torch.Tensor, stora
     data = {id(p): (p.data_ptr(), p.shape) for p in storages.values()}
     try:
         with writes:
-            model.load_weights([(name, tensor) for name in names])  # type: ignore[operator]
+            model.load_weights([(name, tensor) for name in names])
     except Exception as err:  # noqa: BLE001 - then it is reloaded, as every tensor was before
         return _Trace(set(touched), [], f"the loader raised {type(err).__name__} ({str(err)[:200]})")
     moved = [p for p in storages.values() if (p.data_ptr(), p.shape) != data[id(p)]]
@@ -424,8 +430,8 @@ def _trace(model: torch.nn.Module, names: list[str], tensor: torch.Tensor, stora
     placements = []
     for param, dst, src in writes.copies:
         placement = Placement.of(param, tuple(tensor.shape), tuple(src.shape), tuple(src.stride()),
-                                 src.storage_offset() - tensor.storage_offset(), tuple(dst.stride()),
-                                 dst.storage_offset())
+                                 int(src.storage_offset() - tensor.storage_offset()), tuple(dst.stride()),
+                                 int(dst.storage_offset()))
         if placement is None:
             return _Trace(set(touched), [], "the loader copies a reshaped view")
         placements.append(placement)
@@ -438,15 +444,14 @@ class _recording_loaders:
     def __init__(self, modules: Iterable[torch.nn.Module]) -> None:
         self.modules = list(modules)
         self.touched: set[int] = set()
-        self.saved: list[tuple[torch.Tensor, Any]] = []
+        self.saved: list[tuple[Any, Any]] = []  # (each parameter, with the weight_loader vLLM set on it)
 
     def __enter__(self) -> set[int]:
         from vllm.model_executor.model_loader.weight_utils import default_weight_loader
 
         for module in self.modules:
-            for param in module._parameters.values():
-                if param is None:
-                    continue
+            params: list[Any] = [p for p in module._parameters.values() if p is not None]
+            for param in params:
                 original = getattr(param, "weight_loader", None)
                 self.saved.append((param, original))
                 param.weight_loader = _recorder(original or default_weight_loader, id(module), self.touched)

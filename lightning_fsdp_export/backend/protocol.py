@@ -283,10 +283,11 @@ def _take(part: torch.Tensor | None, offsets: list[int], rank: int, count: int, 
 
 
 def join_group(address: str, port: int, rank: int, world_size: int, group: str, timeout_s: float,
-          *, host: bool, device: torch.device = CPU) -> tuple[dist.ProcessGroup, dist.TCPStore]:
-    """The transfer group, straight from a TCPStore (not vLLM's ``init_gloo_process_group``, which swaps
-    fd 1 while it runs, and not torch's default group, which belongs to the trainer): gloo over CPU sockets, or NCCL
-    on ``device`` (a CUDA device: the ``staged_nccl`` backend)."""
+          *, host: bool, device: torch.device = CPU) -> tuple[Any, dist.TCPStore]:
+    """The transfer group, straight from a TCPStore (not vLLM's ``init_gloo_process_group``, which swaps fd 1 while it
+    runs, and not torch's default group, which belongs to the trainer): gloo over CPU sockets, or NCCL on ``device``
+    (a CUDA device: the ``staged_nccl`` backend). A ``ProcessGroupGloo`` or ``ProcessGroupNCCL`` used as a group
+    (``Any``: torch's stubs type these backends apart from ``ProcessGroup``, though they answer the same calls)."""
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(address, port, world_size if host else None, is_master=host, timeout=timeout,
                           wait_for_workers=False)
@@ -376,7 +377,7 @@ def exchange_header(pg: dist.ProcessGroup, code: int = DATA, origin: int = NOBOD
     the round. The exchanges below take all three too."""
     message = torch.tensor([code, origin], dtype=torch.int64, device=device)
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MIN
+    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MIN)
     _wait(pg.allreduce([message], opts), timeout, abandon)
     return int(message[0]), int(message[1])
 
@@ -386,7 +387,7 @@ def exchange_status(pg: dist.ProcessGroup, failed: bool, *, device: torch.device
     """Whether any member of the group failed this round (an all-reduce of everyone's flag)."""
     flag = torch.tensor([1 if failed else 0], dtype=torch.int64, device=device)
     opts = dist.AllreduceOptions()
-    opts.reduceOp = dist.ReduceOp.MAX
+    opts.reduceOp = dist.ReduceOp(dist.ReduceOp.MAX)
     _wait(pg.allreduce([flag], opts), timeout, abandon)
     return bool(flag.item())
 
@@ -418,7 +419,8 @@ def crc32(crc: int, tensor: torch.Tensor | None) -> int:
         return crc
     if tensor.device.type != "cpu":
         return device_checksum(crc, tensor)
-    return zlib.crc32(tensor.contiguous().view(-1).view(torch.uint8).numpy(), crc)
+    host = tensor.contiguous().view(-1).view(torch.uint8).numpy()
+    return zlib.crc32(host, crc)  # type: ignore[arg-type]  # (an ndarray is a buffer; numpy 2.3's stubs omit it)
 
 
 CHECKSUM_MOD = (1 << 31) - 1  # a prime: the checksum stays an int64 through the group's all-reduce

@@ -13,7 +13,7 @@ transfer room; the servers' swap middleware and backend registration, inside vLL
 
 from __future__ import annotations
 
-from typing import Literal, get_args
+from typing import Any, Literal, get_args
 
 __all__ = ["BACKENDS", "PAUSE_LEASE_S", "PAUSE_MODES", "ROUND_HEADER", "SWAP_PROTOCOL", "SWAP_ROUTE", "SWAP_STEPS",
            "PauseMode", "register_backends"]
@@ -56,8 +56,9 @@ def register_backends() -> None:
     the backend is imported here); a repeat is a no-op."""
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
 
+    factories: tuple[Any, Any] = (WeightTransferEngineFactory, WeightTransferTrainerFactory)  # (two classes, one call)
     for backend, halves in BACKENDS.items():
-        for factory, (module, cls) in zip((WeightTransferEngineFactory, WeightTransferTrainerFactory), halves):
+        for factory, (module, cls) in zip(factories, halves):
             try:
                 factory.register_engine(backend, module, cls)
             except ValueError as err:  # "already registered" (vLLM raises on a duplicate name)

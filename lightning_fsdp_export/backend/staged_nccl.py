@@ -72,7 +72,7 @@ class StagedNCCLWeightTransferEngine(GlooWeightTransferEngine):
     """Worker side: the gloo engine with its group on this worker's GPU, staged rounds received on a stream of their
     own into device or pinned host memory."""
 
-    init_info_cls = StagedNCCLInitInfo  # type: ignore[assignment]
+    init_info_cls = StagedNCCLInitInfo
 
     def __init__(self, config: Any, vllm_config: Any, device: torch.device, model: torch.nn.Module) -> None:
         super().__init__(config, vllm_config, device, model)
@@ -127,7 +127,7 @@ class StagedNCCLWeightTransferEngine(GlooWeightTransferEngine):
 class StagedNCCLTrainerWeightTransferEngine(GlooTrainerWeightTransferEngine):
     """Trainer side: the gloo engine with its group on this rank's GPU, its sends on a stream of their own."""
 
-    init_info_cls = StagedNCCLTrainerInitInfo  # type: ignore[assignment]
+    init_info_cls = StagedNCCLTrainerInitInfo
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

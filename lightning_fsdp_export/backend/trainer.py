@@ -11,7 +11,7 @@ from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
@@ -49,6 +49,13 @@ from lightning_fsdp_export.backend.shared import register_backends
 from lightning_fsdp_export.export.patches import PatchBase
 
 __all__ = ["DENSE", "GlooRound", "GlooTrainerWeightTransferEngine", "register", "swap_update_info"]
+
+@runtime_checkable
+class DraftingClient(Protocol):
+    """A client that also starts a drafter's round (``/start_draft_weight_update``): this package's own clients."""
+
+    def start_draft_weight_update(self) -> None: ...
+
 
 @dataclass(frozen=True)
 class GlooRound:
@@ -150,7 +157,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             packed_buffer_size_bytes=init_info.packed_buffer_size_bytes, timeout_s=init_info.timeout_s,
             num_trainer_ranks=init_info.num_trainer_ranks)
 
-    def send_weights(self, payload: GlooRound = DENSE) -> int:
+    def send_weights(self, payload: GlooRound = DENSE) -> int:  # type: ignore[override]  # (vLLM's takes no round)
         """One round of the source's weights (and ``payload``: an adapter, or patches against a kept copy); every rank
         of the group calls it. Returns the bytes this rank sent."""
         assert self.source is not None
@@ -189,6 +196,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             self._stream(plan, self._checked(source, meta), None, payload.patches, staged)
             return self.sent_bytes
         if payload.draft:
+            assert isinstance(self.client, DraftingClient), f"a drafter's round needs our client: {self.client!r}"
             self.client.start_draft_weight_update()
         else:
             self.client.start_weight_update()
@@ -223,7 +231,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             try:
                 if answer is not None and answer.done():
                     answer.result()  # the workers refused the round before any data: say why
-                part = self._pack(plan, chunk, pairs, base)
+                packed = self._pack(plan, chunk, pairs, base)
             except BaseException:
                 if answer is None or not answer.done():
                     self._abort()
@@ -236,7 +244,7 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
                 raise RuntimeError("another trainer rank ended the round early: the ranks' sources disagree")
             for work in inflight[1:]:
                 wait_for(work, self.timeout, self.abandon, collective=False)
-            counts, part = part
+            counts, part = packed
             inflight = [(counts, part)]
             if staged:
                 for piece in (counts, part):
@@ -312,6 +320,8 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
 
     def _abort(self) -> None:
         """Tell every member this round is over (they raise), best effort: a dead peer must not hide the error."""
+        if self.group is None:
+            return  # (no group: nobody to tell)
         try:
             exchange_header(self.group, ABORT, self.rank, device=self.wire_device, timeout=self.timeout)
         except Exception:  # noqa: BLE001 - the caller raises the original error
@@ -322,11 +332,13 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
         sent = 0
         for name, tensor in iter_full(source):
             want = meta[sent] if sent < len(meta) else None
-            bounds = _bounds(want, self.trainers) if want is not None else None
-            shape = want.shape if bounds is None or want is None else (
-                bounds[self.rank + 1] - bounds[self.rank], *want.shape[1:])
-            if want is None or name != want.name or tensor.dtype != want.dtype or tuple(tensor.shape) != tuple(shape):
-                expected = "nothing more" if want is None else f"{want.name!r} {want.dtype} {tuple(shape)}"
+            shape: tuple[int, ...] = ()
+            if want is not None:
+                bounds = _bounds(want, self.trainers)
+                shape = tuple(want.shape if bounds is None else
+                              (bounds[self.rank + 1] - bounds[self.rank], *want.shape[1:]))
+            if want is None or name != want.name or tensor.dtype != want.dtype or tuple(tensor.shape) != shape:
+                expected = "nothing more" if want is None else f"{want.name!r} {want.dtype} {shape}"
                 raise ValueError(f"WeightSource yielded {name!r} {tensor.dtype} {tuple(tensor.shape)} at position"
                                  f" {sent} on trainer rank {self.rank} where metadata() declared {expected}; the two"
                                  " must agree.")
@@ -372,7 +384,8 @@ def _ties(source: WeightSource, meta: list[Any]) -> dict[str, str] | None:
     """The names of ``meta`` whose tensor is an earlier name's, as the source's export says (a tied head: sent once,
     loaded under both names by each worker); ``None``: none, or a source that does not say."""
     export = getattr(source, "export", None)
-    ties = export.ties() if hasattr(export, "ties") else {}
+    told = getattr(export, "ties", None)
+    ties = told() if callable(told) else {}
     what = {m.name: (m.dtype, tuple(m.shape)) for m in meta}
     ties = {a: b for a, b in ties.items() if a in what and what.get(b) == what[a]}
     return ties or None

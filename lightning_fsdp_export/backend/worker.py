@@ -189,7 +189,7 @@ class GlooWeightTransferEngine(StagedRounds,
             _logger().info("gloo weight update: finalized in %.3f s", time.perf_counter() - start)
         if self._placing and self._inplace is not None:
             self._placing = False
-            self._inplace.after_round(self.model, self.model_config.dtype)
+            self._inplace.after_round(self.model, _resolved(self.model_config.dtype))
         if self._trace_ties is not None:  # a kept dense round loaded: where its tensors live (logged once)
             ties, self._trace_ties = self._trace_ties, None
             self._inplace = InPlace.trace(self.model, self._base, ties, _logger())
@@ -326,12 +326,12 @@ class GlooWeightTransferEngine(StagedRounds,
                 message = torch.empty(len(chunk), dtype=torch.int64, device=self.wire_device)
                 r.wait(r.group.recv([message], *_source(relay, rank, 2 * index, plan.trainers)), self.timeout)
                 _forward(r, self.relays.followers.get(self.rank, []), message, 2 * index, rank, plan.trainers)
-                counts[-1], messages[-1] = message.tolist(), message
-                size = sparse_segment(chunk, rank, counts[-1])
-            parts.append(torch.empty(size, dtype=torch.uint8, device=self.wire_device) if size else None)
-            if size:
+                counts[-1], messages[-1] = (codes := message.tolist()), message
+                size = sparse_segment(chunk, rank, codes)
+            parts.append(part := torch.empty(size, dtype=torch.uint8, device=self.wire_device) if size else None)
+            if part is not None:
                 tag = 2 * index + 1 if sparse else index
-                works.append(r.group.recv([parts[-1]], *_source(relay, rank, tag, plan.trainers)))
+                works.append(r.group.recv([part], *_source(relay, rank, tag, plan.trainers)))
         return _Received(chunk, parts, works, plan.trainers, index, counts if sparse else None,
                          messages if sparse else None)
 
@@ -456,3 +456,9 @@ def _log_round(plan: Plan, info: GlooWeightTransferUpdateInfo, r: _Round, *, sta
                        f", {'patched' if info.patch_of else 'kept'} a host copy of {kept / 1e6:.1f} MB"
                        if kept else "") + (f", {placed} tensor(s) {where}" if placed else "") + (
                        f", into the draft model {draft_model}" if draft_model else ""))
+
+
+def _resolved(dtype: Any) -> torch.dtype:
+    """The engine's dtype (vLLM resolved ``"auto"`` and the names when the engine started)."""
+    assert isinstance(dtype, torch.dtype), dtype
+    return dtype

@@ -25,6 +25,7 @@ import math
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import TypeGuard
 
 import torch
 import torch.distributed as dist
@@ -34,7 +35,7 @@ from torch.distributed.tensor import DTensor, Partial, Shard
 __all__ = ["bucketable", "cast_before_gather", "gather_in_order", "layer_key"]
 
 
-def bucketable(tensor: Tensor) -> bool:
+def bucketable(tensor: Tensor) -> TypeGuard[DTensor]:
     """Whether ``tensor`` is sharded as FSDP2 shards parameters: ``Shard(0)`` on a 1-D mesh."""
     return (isinstance(tensor, DTensor) and tensor.device_mesh.ndim == 1 and tensor.dim() >= 1
             and tuple(tensor.placements) == (Shard(0),) and tensor.numel() > 0)

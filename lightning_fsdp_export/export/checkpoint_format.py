@@ -33,9 +33,9 @@ from __future__ import annotations
 import copy
 import math
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -62,7 +62,7 @@ class Piece:
     shape: tuple[int, ...]
 
 
-def parts_not_held(held: set[str], checkpoint: list[str] | dict[str, object]) -> frozenset[str]:
+def parts_not_held(held: set[str], checkpoint: Collection[str]) -> frozenset[str]:
     """The module names (dotted parts but the last) of ``checkpoint`` tensors missing from ``held`` that no held name
     has: what a trainer holding part of a larger checkpoint cannot push (``{"visual", "blocks", "merger", ...}`` for a
     text model trained out of a Qwen3.5 checkpoint). Empty when every checkpoint tensor is held: a whole model. An
@@ -72,10 +72,10 @@ def parts_not_held(held: set[str], checkpoint: list[str] | dict[str, object]) ->
     return frozenset(part for name in checkpoint if name not in held for part in name.split(".")[:-1]) - mine
 
 
-def find_pretrained_model(module: nn.Module) -> nn.Module | None:
+def find_pretrained_model(module: nn.Module) -> PreTrainedModel | None:
     """The ``transformers.PreTrainedModel`` whose conversion rules apply: ``module`` or a peft model's base."""
     if is_peft_model(module):
-        module = module.get_base_model()  # type: ignore[operator]
+        module = module.get_base_model()
     return module if isinstance(module, PreTrainedModel) else None
 
 
@@ -88,9 +88,10 @@ class CheckpointFormat:
             elements (default 32M: 64 MiB in bf16), which bounds the pieces held beside the full tensor.
     """
 
-    def __init__(self, model: nn.Module | None, *, block_elements: int = DEFAULT_BLOCK_ELEMENTS) -> None:
+    def __init__(self, model: PreTrainedModel | None, *, block_elements: int = DEFAULT_BLOCK_ELEMENTS) -> None:
         rules = _conversion_rules(model) if model is not None else None
-        self._model = _WithRules(model, rules) if rules else None
+        # (what transformers' revert_weight_conversion takes for the model: a stand-in that duck-types it)
+        self._model: Any = _WithRules(model, rules) if model is not None and rules else None
         self._rules = bool(rules)
         self._block_elements = block_elements
         self._pieces: dict[tuple[str, tuple[int, ...]], list[Piece]] = {}
@@ -351,7 +352,7 @@ class CheckpointFormat:
         """
         self._checked = True
         state = {export_name(n): torch.empty(tuple(t.shape), dtype=t.dtype, device="meta")
-                 for n, t in self._model.state_dict(keep_vars=True).items()  # type: ignore[union-attr]
+                 for n, t in self._model.state_dict(keep_vars=True).items()
                  if isinstance(t, Tensor) and not is_lora_name(n)}
         together = {self._relocated(n): tuple(t.shape) for n, t in self._revert_all(state)}
         alone: dict[str, tuple[int, ...]] = {}
@@ -361,7 +362,7 @@ class CheckpointFormat:
             alone.update((p.name, p.shape) for p in pieces)
         if together != alone:
             differ = sorted(set(together.items()) ^ set(alone.items()))[:6]
-            model = type(self._model.model).__name__  # type: ignore[union-attr]
+            model = type(self._model.model).__name__
             raise ValueError(
                 f"{model}: transformers joins several of its in-memory tensors into one checkpoint tensor"
                 f" (converted together and one by one they differ: {differ}). This package converts one tensor at"
@@ -380,7 +381,7 @@ class CheckpointFormat:
         return [(self._relocated(n), t) for n, t in revert_weight_conversion(self._model, {name: tensor}).items()]
 
 
-def _conversion_rules(model: nn.Module) -> list[object] | None:
+def _conversion_rules(model: PreTrainedModel) -> list[Any] | None:
     """The rules ``save_pretrained`` reverts for ``model``, chosen as transformers chooses them.
 
     A model loaded by ``from_pretrained`` carries its own (``_weight_conversions``); otherwise
@@ -408,7 +409,7 @@ _TRANSPOSED_ON_DISK = ("qwen3_vl_moe",)
 (``Transpose(check_dims=True)``), so ``save_pretrained`` writes the memory layout, which vLLM refuses."""
 
 
-def _published_orientation(model: nn.Module, rules: list[object]) -> list[object]:
+def _published_orientation(model: nn.Module, rules: list[Any]) -> list[Any]:
     """``rules`` with every shape-checked transpose made unconditional for :data:`_TRANSPOSED_ON_DISK` models: the
     export then writes (and ``pretrained=`` reads) the published orientation."""
     if getattr(getattr(model, "config", None), "model_type", None) not in _TRANSPOSED_ON_DISK:
@@ -431,7 +432,7 @@ class _WithRules:
     Holds the model weakly, so the per-model cache of :meth:`CheckpointFormat.of` never keeps it alive.
     """
 
-    def __init__(self, model: nn.Module, rules: list[object]) -> None:
+    def __init__(self, model: nn.Module, rules: list[Any]) -> None:
         self._ref = weakref.ref(model)
         self._weight_conversions = rules
 
@@ -453,11 +454,11 @@ class _unsharded_class_names:
 
     def __enter__(self) -> None:
         for module, _ in self._swapped:
-            module.__class__ = unsharded_class(module)
+            object.__setattr__(module, "__class__", unsharded_class(module))
 
     def __exit__(self, *exc: object) -> None:
         for module, cls in self._swapped:
-            module.__class__ = cls
+            object.__setattr__(module, "__class__", cls)
 
 
 def _moved(name: str, offset: int, names: dict[str, Piece]) -> str | None:

@@ -209,9 +209,9 @@ def _gather_run(run: list[tuple[list[str], Tensor]], *, device: torch.device, dt
     """The full tensors of one run of entries, in order: consecutive FSDP2 shards bucketed
     (:func:`~lightning_fsdp_export.export.buckets.gather_in_order`), any other layout alone."""
     if bucketable(run[0][1]):
-        return gather_in_order([t for _, t in run], device=device, dtype=dtype, bucket_bytes=bucket_bytes,
-                               prefetch=prefetch, names=[names[0] for names, _ in run],
-                               stats=stats)  # type: ignore[misc]
+        return gather_in_order([t for _, t in run if bucketable(t)], device=device, dtype=dtype,
+                               bucket_bytes=bucket_bytes, prefetch=prefetch, names=[names[0] for names, _ in run],
+                               stats=stats)
     return iter([gather_full(run[0][1], device=device, dtype=dtype, stats=stats)])
 
 
@@ -224,8 +224,9 @@ def _runs(entries: list[tuple[list[str], Tensor]]) -> Iterator[list[tuple[list[s
     """Maximal runs of consecutive FSDP2 shards on one mesh; any other entry alone."""
     run: list[tuple[list[str], Tensor]] = []
     for entry in entries:
-        tensor = entry[1]
-        if run and (not bucketable(tensor) or tensor.device_mesh is not run[0][1].device_mesh):
+        tensor, first = entry[1], run[0][1] if run else None
+        if first is not None and (not bucketable(tensor) or not bucketable(first)
+                                  or tensor.device_mesh is not first.device_mesh):
             yield run
             run = []
         if bucketable(tensor):

@@ -23,7 +23,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from safetensors.torch import save_file
@@ -34,6 +34,9 @@ from torch.distributed.tensor import DTensor
 from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
 from lightning_fsdp_export.export.lazy import ExportReport, lazy_export, plan_export
 from lightning_fsdp_export.export.names import adapter_file_name, export_name, is_lora_name, is_peft_model
+
+if TYPE_CHECKING:
+    from peft.tuners.tuners_utils import BaseTunerLayer
 
 __all__ = ["LoraMode", "check_adapters_loadable", "entries_for", "is_peft_model", "staged_merged_export",
            "write_adapter"]
@@ -46,10 +49,10 @@ def parse_lora_mode(value: str) -> LoraMode:
     """Validate a ``lora=`` argument once; raise a ``ValueError`` listing the accepted values."""
     if value not in _LORA_MODES:
         raise ValueError(f"lora={value!r} is not one of {', '.join(map(repr, _LORA_MODES))}.")
-    return value  # type: ignore[return-value]
+    return cast(LoraMode, value)  # (one of them: checked above)
 
 
-def _lora_layers(module: nn.Module) -> list[nn.Module]:
+def _lora_layers(module: nn.Module) -> list[BaseTunerLayer]:
     from peft.tuners.tuners_utils import BaseTunerLayer
 
     return [m for m in module.modules() if isinstance(m, BaseTunerLayer)]
@@ -60,7 +63,7 @@ def _local(tensor: Tensor) -> Tensor:
 
 
 @contextmanager
-def merged_in_place(module: nn.Module) -> Iterator[None]:
+def merged_in_place(module: Any) -> Iterator[None]:  # (a peft model: merge_adapter, unmerge_adapter)
     """Within the block, the adapters are merged into the base weights; afterwards the module is exact again."""
     for sub in module.modules():
         if isinstance(sub, FSDPModule):
@@ -162,7 +165,7 @@ def staged_merged_export(module: nn.Module, *, device: torch.device, dtype: torc
                            gathered_bytes=lazy.gathered_bytes))
 
 
-def write_adapter(weights: Iterator[tuple[str, Tensor]], module: nn.Module, directory: str) -> None:
+def write_adapter(weights: Iterator[tuple[str, Tensor]], module: Any, directory: str) -> None:  # (a peft model)
     """Write a peft-format adapter directory (``adapter_config.json`` + ``adapter_model.safetensors``)."""
     tensors = {name: tensor.contiguous() for name, tensor in weights}
     path = Path(directory)

@@ -170,7 +170,10 @@ class ModelExport:
         from lightning_fsdp_export.export.vllm_source import FSDP2M2NSource, FSDP2WeightSource
 
         source = self.source_for(mode, layout, dtype=dtype, device=device)
-        return FSDP2M2NSource(source) if layout is SourceLayout.M2N else FSDP2WeightSource(source)
+        if layout is SourceLayout.M2N:
+            assert isinstance(source, ShardSource)  # (source_for gives each rank's rows in any layout but FULL)
+            return FSDP2M2NSource(source)
+        return FSDP2WeightSource(source)
 
     def _format_for(self, mode: str) -> CheckpointFormat:
         """Adapters go out under peft's file names, untouched; base weights in checkpoint format."""

@@ -7,7 +7,10 @@ names a Hugging Face checkpoint of the same model uses, through :func:`export_na
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
+
+if TYPE_CHECKING:
+    from peft import PeftModel
 
 # Parts that wrappers insert into parameter names; none of them exists in an HF checkpoint.
 _WRAPPER_PARTS = (
@@ -52,7 +55,7 @@ def adapter_file_name(name: str, adapter: str = "default") -> str:
     return name.replace(f".{adapter}.", ".")
 
 
-def is_peft_model(module: Any) -> bool:
+def is_peft_model(module: Any) -> TypeGuard[PeftModel]:
     """Whether ``module`` is a peft ``PeftModel`` (here, a leaf module, so every room can ask without a cycle)."""
     try:
         from peft import PeftModel

@@ -212,7 +212,8 @@ class PatchBase:
             moved = steps(values, old.reshape(-1)[index])
             coded = (Patch(None, values, positions=encode_positions(index)) if moved is None  # values as they are
                      else Patch(None, moved[0], positions=encode_positions(index, moved[1]), stepped=True))
-        by_coded = coded_nbytes(coded.positions.numel(), count, 1 if coded.stepped else itemsize) if coded else math.inf
+        by_coded = (coded_nbytes(coded.positions.numel(), count, 1 if coded.stepped else itemsize)
+                    if coded is not None and coded.positions is not None else math.inf)
         old.copy_(host)  # the copy becomes the part whatever goes on the wire
         if min(by_index, by_bitmap, by_coded) >= numel * itemsize:
             stats.dense += 1
@@ -221,16 +222,16 @@ class PatchBase:
         stats.patched += 1
         if coded is not None and by_coded <= min(by_index, by_bitmap):
             stats.coded += 1
-            stats.wire_bytes += by_coded
+            stats.wire_bytes += int(by_coded)
             return coded
         if index is None or values is None:
             index = mask.nonzero().squeeze(1)
             values = flat[index]
         if by_bitmap < by_index:
             stats.bitmaps += 1
-            stats.wire_bytes += by_bitmap
+            stats.wire_bytes += int(by_bitmap)
             return Patch(None, values, pack_bits(mask))
-        stats.wire_bytes += by_index
+        stats.wire_bytes += int(by_index)
         return Patch(index.to(INDEX_DTYPE), values)
 
     def succeeded(self) -> None:

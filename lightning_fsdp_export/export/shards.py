@@ -35,7 +35,7 @@ from lightning_fsdp_export._fsdp import chunk_bounds
 from lightning_fsdp_export.export.buckets import bucketable
 from lightning_fsdp_export.export.checkpoint_format import CheckpointFormat
 from lightning_fsdp_export.export.lazy import ExportReport, _converted, gather_full
-from lightning_fsdp_export.export.source import Entries, ExportSource, wire_dtype
+from lightning_fsdp_export.export.source import Entries, ExportSource, TensorMeta, wire_dtype
 
 __all__ = ["Layout", "ShardMeta", "ShardSnapshot", "ShardSource", "owner_bounds", "row_bounds", "shard_export",
            "trainer_world"]
@@ -45,7 +45,7 @@ Layout = tuple[int, ...] | dict[str, int] | None
 
 
 @dataclass(frozen=True)
-class ShardMeta:
+class ShardMeta(TensorMeta):
     """One tensor of a shard-direct pass: vLLM's ``ParamMeta`` fields and how the ranks hold it.
 
     Attributes:
@@ -53,9 +53,6 @@ class ShardMeta:
             else ``world + 1`` row offsets, rank ``r`` yielding rows ``bounds[r]:bounds[r + 1]``.
     """
 
-    name: str
-    dtype: torch.dtype
-    shape: tuple[int, ...]
     bounds: tuple[int, ...] | None
 
 
@@ -114,6 +111,7 @@ def shard_export(entries: Entries, *, fmt: CheckpointFormat, dtype: torch.dtype 
             pairs: Iterator[tuple[str, Tensor]] = _converted(fmt, names, full)
             del full
         elif isinstance(bounds, dict):
+            assert isinstance(tensor, DTensor)  # (pieces by owner: a sharded tensor's layout)
             pairs = _owned_pieces(names[0], tensor, rank, fmt, dtype, device)
         else:
             pairs = iter(_local_rows(names, tensor, bounds, rank, fmt, dtype, device))
@@ -141,7 +139,7 @@ def _local_rows(names: list[str], tensor: Tensor, bounds: tuple[int, ...], rank:
     return [(fmt.pieces(name, tensor)[0].name, local) for name in names]
 
 
-def _owned_pieces(name: str, tensor: Tensor, rank: int, fmt: CheckpointFormat, dtype: torch.dtype | None,
+def _owned_pieces(name: str, tensor: DTensor, rank: int, fmt: CheckpointFormat, dtype: torch.dtype | None,
                   device: torch.device | str | None) -> Iterator[tuple[str, Tensor]]:
     """The checkpoint pieces of ``name`` in order: those this rank's rows make, converted here (cast first: the
     rules only copy and transpose), an empty ``(0, ...)`` tensor for each of the others."""
@@ -188,7 +186,7 @@ class ShardSource(ExportSource):
         self.layout = layout
         self.world = world
 
-    def metadata(self) -> list[ShardMeta]:  # type: ignore[override]
+    def metadata(self) -> list[ShardMeta]:
         """Every tensor of a pass, in order: checkpoint name, wire dtype, full shape, and the ranks' rows."""
         out = []
         for names, tensor in self._entries():
@@ -223,7 +221,7 @@ class ShardSnapshot(ShardSource):
         self._meta = meta
         self.nbytes = sum(t.numel() * t.element_size() for _, t in pairs)
 
-    def metadata(self) -> list[ShardMeta]:  # type: ignore[override]
+    def metadata(self) -> list[ShardMeta]:
         """The metadata of the pass it holds (read when it was taken)."""
         return self._meta
 

@@ -17,7 +17,7 @@ it counts what went through (tensors, bytes, a rank-0 progress bar for long sync
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -151,7 +151,7 @@ class ExportSource:
         self.expected: int | None = None
         self.passes = 0
 
-    def metadata(self) -> list[TensorMeta]:
+    def metadata(self) -> Sequence[TensorMeta]:
         """``(checkpoint name, wire dtype, full shape)`` for every tensor a pass yields, in its order; no collective."""
         return [TensorMeta(piece.name, wire_dtype(tensor, self.dtype), piece.shape)
                 for names, tensor in self._entries() for name in names

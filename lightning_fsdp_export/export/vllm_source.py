@@ -33,6 +33,9 @@ from lightning_fsdp_export.export.source import ExportSource
 __all__ = ["FSDP2M2NSource", "FSDP2WeightSource", "RowShardMeta"]
 
 _CONTRACT = weight_source_contract()  # "0.32" (metadata() method) or "0.33" (cached metadata, iter_full/local)
+VLLM_033 = _CONTRACT == "0.33"
+"""vLLM 0.33's source contract (chosen by its API). mypy checks the branch of the vLLM it runs beside: the main venv's
+0.32 (pyproject.toml: ``always_false``); the 0.33 branch runs under ``tests/test_vllm_contracts.py`` with vLLM 0.33."""
 
 
 @dataclass(frozen=True)
@@ -62,10 +65,10 @@ class _Repointable:
     def _declared(self) -> list[ParamMeta]:
         return self._metadata()  # the subclass's, looked up per instance
 
-    if _CONTRACT == "0.33":
-        metadata = cached_property(_declared)  # type: ignore[assignment]
+    if VLLM_033:
+        metadata = cached_property(_declared)
     else:
-        metadata = _declared  # type: ignore[assignment]
+        metadata = _declared
 
     def __iter__(self) -> Iterator[tuple[str, Tensor]]:
         return iter(self._export)
@@ -105,7 +108,7 @@ class FSDP2WeightSource(_Repointable, WeightSource):
         return iter(self._export)
 
 
-if _CONTRACT == "0.33":
+if VLLM_033:
     from vllm.distributed.weight_transfer.base import Shard
 
     class FSDP2M2NSource(_Repointable, WeightSource):
@@ -136,7 +139,7 @@ else:
     from vllm.distributed.weight_transfer.m2n_common import REPLICATE, REPLICATED, M2NMesh, M2NParamMeta
     from vllm.distributed.weight_transfer.m2n_source import M2NWeightSource
 
-    class FSDP2M2NSource(_Repointable, M2NWeightSource):  # type: ignore[no-redef]
+    class FSDP2M2NSource(_Repointable, M2NWeightSource):
         """vLLM 0.32's ``M2NWeightSource`` (``nccl_m2n``) over a
         :class:`~lightning_fsdp_export.export.shards.ShardSource`.
 

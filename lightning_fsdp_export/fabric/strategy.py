@@ -100,7 +100,8 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
             raise TypeError(f"{type(self).__name__} only supports the new FSDP2 APIs in PyTorch >= 2.4 (`fully_shard`),"
                             " but modules wrapped with FSDP1 `FullyShardedDataParallel` were found. Apply `fully_shard`"
                             " in your parallelize_fn instead, or leave the sharding to the strategy.")
-        module = self._parallelize_fn(module, self.device_mesh)  # type: ignore[arg-type]
+        parallelize: Any = self._parallelize_fn  # (Lightning types it over its class's TypeVar, unbound here)
+        module = parallelize(module, self.device_mesh)
         if not isinstance(module, nn.Module):
             raise TypeError("LazyExportFSDP2(parallelize_fn=...) must return the nn.Module, got"
                             f" {type(module).__name__}.")

@@ -17,7 +17,7 @@ It knows nothing of vLLM or of the export; the strategy calls it from its Lightn
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any, Protocol
 
@@ -52,7 +52,7 @@ class ComputePhases:
     """
 
     def __init__(self, mode: OffloadMode, *, offload_optimizer: bool, model: Callable[[], nn.Module | None],
-                 device: Callable[[], torch.device], optimizers: Callable[[], list[Any]]) -> None:
+                 device: Callable[[], torch.device], optimizers: Callable[[], Sequence[Any]]) -> None:
         self.mode = mode
         self._offload_optimizer = offload_optimizer
         self._model = model

@@ -199,8 +199,9 @@ def _fallback_init(module: nn.Module) -> None:
         reset()
         return
     config = getattr(module, "config", None)
-    unset = [name for name in module._non_persistent_buffers_set
-             if module._buffers.get(name) is not None and _is_unset(module._buffers[name])]
+    buffers = {name: buffer for name in module._non_persistent_buffers_set
+               if (buffer := module._buffers.get(name)) is not None}
+    unset = [name for name, buffer in buffers.items() if _is_unset(buffer)]
     if config is None or not unset:
         return
     try:
@@ -211,12 +212,13 @@ def _fallback_init(module: nn.Module) -> None:
     with torch.no_grad():
         for name in unset:
             value = fresh._buffers.get(name)
-            if value is not None and tuple(value.shape) == tuple(module._buffers[name].shape):
-                module._buffers[name].copy_(value)
+            if value is not None and tuple(value.shape) == tuple(buffers[name].shape):
+                buffers[name].copy_(value)
 
 
-def _outermost_hf_models(root: nn.Module) -> list[nn.Module]:
-    return [model for _, model in outermost(root, lambda m: isinstance(m, PreTrainedModel))]
+def _outermost_hf_models(root: nn.Module) -> list[PreTrainedModel]:
+    return [model for _, model in outermost(root, lambda m: isinstance(m, PreTrainedModel))
+            if isinstance(model, PreTrainedModel)]  # (what the test chose: for the type checker)
 
 
 def _needs_rank_distinct_rng(root: nn.Module) -> bool:

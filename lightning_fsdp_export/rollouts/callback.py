@@ -22,7 +22,7 @@ from lightning_fsdp_export.rollouts.loop import FabricLoop
 from lightning_fsdp_export.rollouts.pacing import Pacing
 from lightning_fsdp_export.rollouts.samples import Prompt, RolloutBatch, RolloutError, Sample
 from lightning_fsdp_export.rollouts.state import RolloutState
-from lightning_fsdp_export.sync.callback import VLLMWeightSync
+from lightning_fsdp_export.sync.callback import VLLMWeightSync, trainer_callbacks
 from lightning_fsdp_export.sync.holder import HoldsSyncEngine
 from lightning_fsdp_export.targets.base import ServesRollouts
 from lightning_fsdp_export.transfer.http import Server, ServerError
@@ -166,7 +166,7 @@ class AsyncRollouts(Callback, FabricLoop):
 
     @override
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if stage == "fit" and self.sync not in trainer.callbacks:
+        if stage == "fit" and self.sync not in trainer_callbacks(trainer):
             raise ValueError("AsyncRollouts(sync=...): that VLLMWeightSync is not among the Trainer's callbacks;"
                              " pass both: Trainer(callbacks=[sync, rollouts]).")
 

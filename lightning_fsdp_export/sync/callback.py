@@ -179,9 +179,15 @@ def _require_strategy(trainer: pl.Trainer) -> LazyExportFSDP2:
     return strategy
 
 
+def trainer_callbacks(trainer: pl.Trainer) -> list[pl.Callback]:
+    """``trainer.callbacks``: Lightning's callback connector sets it on every Trainer; the class does not declare it."""
+    callbacks: list[pl.Callback] = trainer.callbacks  # type: ignore[attr-defined]  # (set, never declared)
+    return callbacks
+
+
 def _require_distinct_keys(trainer: pl.Trainer) -> None:
     """Two syncs in one Trainer must keep their states under different checkpoint keys: name the ones that would not."""
-    syncs = [cb for cb in trainer.callbacks if isinstance(cb, VLLMWeightSync)]
+    syncs = [cb for cb in trainer_callbacks(trainer) if isinstance(cb, VLLMWeightSync)]
     keys = [sync.checkpoint_key for sync in syncs]
     twice = sorted({key for key in keys if keys.count(key) > 1})
     if twice:

@@ -15,7 +15,7 @@ import time
 from datetime import timedelta
 from functools import partial
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from lightning.fabric.utilities.rank_zero import rank_zero_info, rank_zero_warn
 
@@ -40,23 +40,11 @@ from lightning_fsdp_export.targets.base import (
     ScoresLogprobs,
     SendsPatches,
     SleepsDuringCompute,
+    SyncRun,
     WeightTarget,
 )
 
-__all__ = ["SyncEngine", "SyncRun"]
-
-
-class SyncRun(Protocol):
-    """What a sync and its target read of the run: a ``lightning.pytorch.Trainer`` is one; a Fabric loop's is
-    :class:`~lightning_fsdp_export.fabric.sync.FabricRun`."""
-
-    strategy: Any
-    global_rank: int
-    local_rank: int
-    world_size: int
-    is_global_zero: bool
-    global_step: int
-    accumulate_grad_batches: int
+__all__ = ["SyncEngine", "SyncRun"]  # (SyncRun: what a target's setup reads too, declared beside WeightTarget)
 
 
 class SyncEngine:
@@ -136,7 +124,7 @@ class SyncEngine:
     def lora(self) -> SyncLora:
         """The mode: ``"merged"``, or ``"adapter"`` (the target serves the trained adapter, e.g. under
         ``RemoteVLLM.adapter_name``)."""
-        return self.options.lora  # type: ignore[return-value] - parsed into a SyncLora
+        return SyncLora(self.options.lora)  # (parsed already: the member itself)
 
     # -- the run's start and end ---------------------------------------------------------------------------
 
@@ -305,7 +293,9 @@ class SyncEngine:
         if self._target_ready:
             return
         self.target.setup(run)
-        self._group = SyncGroup(self.options.timeout or strategy.collective_timeout or timedelta(minutes=30))
+        timeout = self.options.timeout
+        assert not isinstance(timeout, (int, float))  # (SyncOptions parsed a number of seconds into a timedelta)
+        self._group = SyncGroup(timeout or strategy.collective_timeout or timedelta(minutes=30))
         self._target_ready = True
 
     @property

@@ -42,7 +42,7 @@ from lightning_fsdp_export._common import EngineNotRestored, SyncGroup, WeightSy
 from lightning_fsdp_export.targets.base import ExactCheckable
 
 if TYPE_CHECKING:
-    from lightning_fsdp_export.strategy import LazyExportFSDP2
+    from lightning_fsdp_export.strategy_core import LazyExportCore
 
 __all__ = ["EMPTY_SHA256", "EXACT_FAILED", "ExactCheck", "check_precondition", "compare_checksums", "exact_verdict",
            "restore_after_failure"]
@@ -120,7 +120,7 @@ def compare_checksums(before: dict[str, dict[str, str]], after: dict[str, dict[s
     return ExactCheck(compared, not_comparable, mismatched, len(before), kept)
 
 
-def check_precondition(group: SyncGroup, strategy: LazyExportFSDP2, target: ExactCheckable) -> None:
+def check_precondition(group: SyncGroup, strategy: LazyExportCore, target: ExactCheckable) -> None:
     """At fit start: the trainer must start from the engine's own checkpoint (every rank raises, or none)."""
     pretrained = strategy.export_checkpoint
     if pretrained is None:

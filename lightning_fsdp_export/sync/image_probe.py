@@ -36,7 +36,7 @@ from lightning.pytorch.utilities import rank_zero_warn
 from transformers import AutoProcessor
 
 if TYPE_CHECKING:
-    from lightning_fsdp_export.strategy import LazyExportFSDP2
+    from lightning_fsdp_export.strategy_core import LazyExportCore
     from lightning_fsdp_export.targets.base import ScoresLogprobs
 
 __all__ = ["image_probe_gap"]
@@ -45,11 +45,11 @@ _UNMATCHED: set[str] = set()  # checkpoints whose image probe did not line up (w
 _WRAPS = ("<|vision_start|>", "<|vision_end|>")  # Qwen-VL: an image's tokens between these (the model counts them)
 
 
-def image_probe_gap(strategy: LazyExportFSDP2, target: ScoresLogprobs,
+def image_probe_gap(strategy: LazyExportCore, target: ScoresLogprobs,
                     probe: list[int]) -> tuple[float | None, str | None]:
     """The largest logprob gap on ``probe``'s tokens after a picture, engine vs trainer (``None`` where the engine or
     the model takes no image, or the two expand the picture differently), and a message if the engine failed."""
-    module = strategy.export_module
+    module: Any = strategy.export_module  # (a transformers model: its forward takes the processor's inputs)
     path = target.image_checkpoint()
     whole = "pixel_values" in inspect.signature(module.forward).parameters
     if path is None or not (whole or strategy.checkpoint_format.parts_not_held):
@@ -201,7 +201,7 @@ def _probe(path: str) -> tuple[Any, list[int], list[int], dict[str, Any]]:
     """What every sync's image probe of the checkpoint in ``path`` reuses (its processor runs once): a fixed random
     64x64 RGB picture as an ``(H, W, 3)`` uint8 array (vLLM and every family's processor take it and resize it), the
     prompt tokens standing for it, their expansion by the processor, and the model's other inputs for it."""
-    processor = AutoProcessor.from_pretrained(path)
+    processor: Any = AutoProcessor.from_pretrained(path)
     g = torch.Generator().manual_seed(20260)
     picture = torch.randint(0, 256, (64, 64, 3), generator=g, dtype=torch.uint8).numpy()
     lead = _image_lead(processor)

@@ -23,7 +23,7 @@ from lightning_fsdp_export.targets.base import ExactCheckable, LoadsAdapters, Pu
 from lightning_fsdp_export.transfer.adapters import prune_versions
 
 if TYPE_CHECKING:
-    from lightning_fsdp_export.strategy import LazyExportFSDP2
+    from lightning_fsdp_export.strategy_core import LazyExportCore
 
 __all__ = ["Push", "consume", "plan_pushes", "refusals"]
 
@@ -36,7 +36,7 @@ class Push:
     consume: Callable[[ExportSource], None]
 
 
-def plan_pushes(strategy: LazyExportFSDP2, target: WeightTarget, *, lora: SyncLora, base_pushed: bool,
+def plan_pushes(strategy: LazyExportCore, target: WeightTarget, *, lora: SyncLora, base_pushed: bool,
                 dtype: torch.dtype | None, version: int, rank: int, adapter_dir: Callable[[], Path],
                 show_progress: bool, drafter: Drafter | None = None) -> list[Push]:
     """The sources this sync pushes, in the order every rank runs them (a drafter's last).
@@ -60,12 +60,16 @@ def plan_pushes(strategy: LazyExportFSDP2, target: WeightTarget, *, lora: SyncLo
     def to_target(src: ExportSource) -> None:
         target.push_source(src, version=version)
 
-    drafts = []
+    drafts: list[Push] = []
     if drafter is not None:
         assert isinstance(target, PushesDrafts), "VLLMWeightSync(drafter=...) refuses other targets"
+        takes_drafts = target
+
+        def to_draft(src: ExportSource) -> None:
+            takes_drafts.push_draft(src, version=version)
+
         drafts = [Push(strategy.module_source(drafter.module, prefix=drafter.prefix, dtype=dtype,
-                                              show_progress=show_progress, layout=target.source_layout),
-                       lambda src, drafts=target: drafts.push_draft(src, version=version))]
+                                              show_progress=show_progress, layout=target.source_layout), to_draft)]
     if lora is SyncLora.MERGED:
         return [Push(source("merged"), to_target), *drafts]
     assert isinstance(target, LoadsAdapters), "VLLMWeightSync(lora='adapter') refuses other targets"

@@ -9,13 +9,13 @@ import torch
 from lightning_fsdp_export.sync.image_probe import image_probe_gap
 
 if TYPE_CHECKING:
-    from lightning_fsdp_export.strategy import LazyExportFSDP2
+    from lightning_fsdp_export.strategy_core import LazyExportCore
     from lightning_fsdp_export.targets.base import ScoresLogprobs
 
 __all__ = ["check_logprobs"]
 
 
-def check_logprobs(strategy: LazyExportFSDP2, target: ScoresLogprobs,
+def check_logprobs(strategy: LazyExportCore, target: ScoresLogprobs,
                    tolerance: float) -> tuple[float | None, str | None]:
     """This rank's engine(s) against the trainer on a fixed probe: ``(worst difference, message past tolerance)``;
     where the engine and the trainer's model both read images, on the probe after a picture too

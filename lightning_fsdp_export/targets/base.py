@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from abc import ABC, abstractmethod
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import Tensor
@@ -40,12 +40,31 @@ from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
 
     from lightning_fsdp_export.transfer.http import Server
 
 __all__ = ["ExactCheckable", "LoadsAdapters", "PushesDrafts", "ScoresLogprobs", "SendsPatches", "ServesRollouts",
-           "SleepsDuringCompute", "WeightTarget"]
+           "SleepsDuringCompute", "SyncRun", "WeightTarget"]
+
+
+class SyncRun(Protocol):
+    """What a sync and its target read of the run: a ``lightning.pytorch.Trainer`` is one; a Fabric loop's is
+    :class:`~lightning_fsdp_export.fabric.sync.FabricRun`."""
+
+    @property
+    def strategy(self) -> Any: ...
+    @property
+    def global_rank(self) -> int: ...
+    @property
+    def local_rank(self) -> int: ...
+    @property
+    def world_size(self) -> int: ...
+    @property
+    def is_global_zero(self) -> bool: ...
+    @property
+    def global_step(self) -> int: ...
+    @property
+    def accumulate_grad_batches(self) -> int: ...
 
 
 class WeightTarget(ABC):
@@ -54,8 +73,11 @@ class WeightTarget(ABC):
     Subclass it and write :meth:`push`; override the others where the default does not fit.
     """
 
-    source_layout: SourceLayout = SourceLayout.FULL
-    """What the sync asks the strategy for: whole tensors, or each rank's own shards (a shard-direct target)."""
+    @property
+    def source_layout(self) -> SourceLayout:
+        """What the sync asks the strategy for: whole tensors (this default), or each rank's own shards (a
+        shard-direct target)."""
+        return SourceLayout.FULL
 
     @property
     def dtype(self) -> torch.dtype | None:
@@ -94,7 +116,7 @@ class WeightTarget(ABC):
         """Every rank: wait for this rank's push still travelling in the background (at most one), and raise its
         failure; default: nothing is ever in flight."""
 
-    def setup(self, trainer: pl.Trainer) -> None:  # noqa: B027 - a default that does nothing
+    def setup(self, trainer: SyncRun) -> None:  # noqa: B027 - a default that does nothing
         """Prepare before the first push (build an engine, reach a server); default: nothing."""
 
     def agree(self, ranks: SyncGroup) -> None:  # noqa: B027 - a default that does nothing

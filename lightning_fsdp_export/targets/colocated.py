@@ -36,6 +36,7 @@ from lightning_fsdp_export.targets.base import (
     PushesDrafts,
     ScoresLogprobs,
     SleepsDuringCompute,
+    SyncRun,
     WeightTarget,
 )
 from lightning_fsdp_export.targets.directory import CheckpointCheck
@@ -43,7 +44,7 @@ from lightning_fsdp_export.targets.vision_layout import vision_layout_problem
 from lightning_fsdp_export.transfer.preflight import engine_quantization_problem
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
+    pass
 
 
 class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, SleepsDuringCompute, PushesDrafts):
@@ -131,7 +132,7 @@ class ColocatedVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters,
         return None if self._engine is None else engine_dtype(self._engine)
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup(self, trainer: SyncRun) -> None:
         if self.sleep_level is not None and trainer.accumulate_grad_batches > 1 and self.sleep_level == 2:
             raise ValueError(
                 f"ColocatedVLLM(sleep_level=2) with accumulate_grad_batches={trainer.accumulate_grad_batches}: between"

@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from safetensors import safe_open
@@ -17,10 +17,10 @@ from typing_extensions import override
 
 from lightning_fsdp_export._common import DEFAULT_SHARD_BYTES, compare_shapes
 from lightning_fsdp_export.prepare.pretrained import checkpoint_shapes
-from lightning_fsdp_export.targets.base import WeightTarget
+from lightning_fsdp_export.targets.base import SyncRun, WeightTarget
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
+    pass
 
 
 
@@ -113,9 +113,10 @@ class DirectoryTarget(WeightTarget):
         return self._dtype
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup(self, trainer: SyncRun) -> None:
         self._is_writer = trainer.global_rank == 0
-        self._config = getattr(trainer.strategy.export_module, "config", None)
+        strategy: Any = trainer.strategy  # (LazyExportFSDP2: the callbacks refuse another strategy first)
+        self._config = getattr(strategy.export_module, "config", None)
 
     def version_dir(self, version: int) -> Path:
         return self.directory / f"v{version:06d}"
@@ -166,7 +167,7 @@ class CheckpointCheck:
             self._expected = checkpoint_shapes(self.path) if self.readable else {}
             config = self.path / "config.json"
             settings = json.loads(config.read_text()) if config.is_file() else {}
-            text = settings.get("text_config") if isinstance(settings.get("text_config"), dict) else {}
+            text = settings["text_config"] if isinstance(settings.get("text_config"), dict) else {}
             self._tied = bool(settings.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
             self.drafter = drafter_names(self._expected, settings)
             self._drafter_shapes = {name: self._expected.pop(name) for name in self.drafter}
@@ -204,7 +205,7 @@ class CheckpointCheck:
         return lines
 
 
-def drafter_names(names: dict[str, object] | list[str], config: dict[str, object]) -> list[str]:
+def drafter_names(names: Collection[str], config: dict[str, Any]) -> list[str]:
     """The checkpoint tensors of its multi-token-prediction (MTP) layers, which vLLM loads into a speculative-decoding
     drafter and a ``transformers`` model drops on load: ``mtp.*`` (Qwen3-Next, Qwen3.5) and the decoder layers past
     ``num_hidden_layers`` (``model.layers.{N}.*``: DeepSeek-V3, GLM-4.5; ``num_nextn_predict_layers`` of them). A

@@ -9,10 +9,10 @@ import torch
 from torch import Tensor
 from typing_extensions import override
 
-from lightning_fsdp_export.targets.base import WeightTarget
+from lightning_fsdp_export.targets.base import SyncRun, WeightTarget
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
+    pass
 
 
 class InMemoryTarget(WeightTarget):
@@ -30,7 +30,7 @@ class InMemoryTarget(WeightTarget):
         self.weights: dict[str, Tensor] = {}
         self.versions: list[int] = []
         self.steps: list[int] = []
-        self._trainer: pl.Trainer | None = None
+        self._trainer: SyncRun | None = None
 
     @property
     @override
@@ -38,7 +38,7 @@ class InMemoryTarget(WeightTarget):
         return self._dtype
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup(self, trainer: SyncRun) -> None:
         self._rank = trainer.global_rank
         self._trainer = trainer
 

@@ -30,6 +30,7 @@ from lightning_fsdp_export.targets.base import (
     ScoresLogprobs,
     SendsPatches,
     ServesRollouts,
+    SyncRun,
     WeightTarget,
 )
 from lightning_fsdp_export.targets.directory import CheckpointCheck
@@ -42,7 +43,7 @@ from lightning_fsdp_export.transfer.pool import ServerPool, Urls
 from lightning_fsdp_export.transfer.transports import Directory, Transport, parse_transport
 
 if TYPE_CHECKING:
-    import lightning.pytorch as pl
+    pass
 
 __all__ = ["RemoteVLLM"]
 
@@ -208,14 +209,14 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
     def last_pause(self) -> tuple[float, float] | None:  # rank 0: the last sync's /pause and /resume, time.time()
         return self._round.last_pause
 
-    @property  # type: ignore[override]
+    @property
     @override
     def source_layout(self) -> SourceLayout:
         """The transport's layout, which ``VLLMWeightSync`` asks the strategy for (shards, m2n or full)."""
         return self.options.layout
 
     @override
-    def setup(self, trainer: pl.Trainer) -> None:
+    def setup(self, trainer: SyncRun) -> None:
         """Every rank: the network transports rendezvous here (rank 0 with every server)."""
         self._is_rank_zero = trainer.global_rank == 0
         self._round.setup(trainer)
@@ -241,7 +242,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
     @override
     def push_draft(self, source: ExportSource, *, version: int) -> None:
         """The drafter into every server's draft model (``/start_draft_weight_update``): a dense round of its own."""
-        self._round.push(source, version=version, draft=True)
+        self._round.push_draft(source, version=version)
 
     @override
     def check_adapter(self, exported: list[tuple[str, tuple[int, ...]]]) -> list[str]:

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import os
 from pathlib import Path
+from typing import Any
 
 from safetensors.torch import load_file, save_file
 
@@ -43,7 +44,7 @@ PUBLISHED_FIELDS: dict[str, dict[str, object]] = {
 value its published checkpoints hold."""
 
 
-def _config(path: Path) -> dict:
+def _config(path: Path) -> dict[str, Any]:
     config = path / "config.json"
     return json.loads(config.read_text()) if config.is_file() else {}
 
@@ -70,7 +71,7 @@ def _untransposed(path: Path) -> list[str]:
             and shape[1] != shape[2]]
 
 
-def _missing_fields(config: dict) -> dict[str, object]:
+def _missing_fields(config: dict[str, Any]) -> dict[str, object]:
     """The :data:`PUBLISHED_FIELDS` of ``config``'s family its text config lacks, with their published values."""
     text = config.get("text_config") or {}
     return {k: v for k, v in PUBLISHED_FIELDS.get(config.get("model_type", ""), {}).items() if k not in text}

@@ -95,6 +95,11 @@ class Transfer(ABC):
     def push_adapter(self, files: AdapterFiles, *, version: int, name: str) -> None:
         """Every rank: every server serves this adapter version as ``name``."""
 
+    def push_draft(self, source: ExportSource, *, version: int) -> None:
+        """Every rank: send a drafter's ``source`` as ``version`` into every server's draft model (a transfer that
+        carries drafters says so in its target's ``cannot_push_drafts``, which ``VLLMWeightSync`` asks first)."""
+        raise TypeError(f"{type(self).__name__} carries no drafter.")
+
     @abstractmethod
     def push_stream(self, weights: Iterable[tuple[str, Tensor]], *, version: int) -> None:
         """A plain stream of ``(name, tensor)``, without a source's metadata (a directory takes one; a network group

@@ -177,9 +177,19 @@ class NativeTransfer(Transfer):
         raise TypeError(f"RemoteVLLM(transport={self.transport!r}) sends from a source: call push_source(), as"
                         " VLLMWeightSync does.")
 
-    def push(self, source: ExportSource | AdapterTensors, *, version: int, resume: bool = True,
-             adapter: tuple[str, str] | None = None, draft: bool = False) -> None:
-        """Send ``source`` as ``version`` to every server: one round; every rank calls it (rank 0 drives the servers).
+    def push(self, source: ExportSource, *, version: int, resume: bool = True) -> None:
+        """Send ``source`` as ``version`` to every server: one round; every rank calls it (rank 0 drives the servers);
+        ``resume=False``: the servers stay paused for the adapter round that follows."""
+        self._push(source, version=version, resume=resume)
+
+    def push_draft(self, source: ExportSource, *, version: int) -> None:
+        """A drafter's ``source`` into every server's draft model: a dense round of its own (``draft_round``; never in
+        the background)."""
+        self._push(source, version=version, draft=True)
+
+    def _push(self, source: ExportSource | AdapterTensors, *, version: int, resume: bool = True,
+              adapter: tuple[str, str] | None = None, draft: bool = False) -> None:
+        """One round of ``source`` as ``version`` (what :meth:`push`, :meth:`push_draft` and :meth:`push_adapter` run).
 
         Args:
             source: the sync's source, or (``adapter``) an adapter's tensors.
@@ -238,7 +248,7 @@ class NativeTransfer(Transfer):
         (the workers write it on their hosts; every rank of the group takes part), else from ``files.path``,
         which every server must read at that path (a shared filesystem)."""
         if self.options.carries_adapters:
-            self.push(AdapterTensors(files.tensors()), version=version, adapter=(name, files.config))
+            self._push(AdapterTensors(files.tensors()), version=version, adapter=(name, files.config))
             return
         if self.rank == 0:
             self.pauses.load_adapter_from(os.fspath(files.path.resolve()), name=name, version=version)

@@ -129,7 +129,7 @@ def _merged(chunk: list[ShardMeta], collected: list[list[tuple[Tensor, Tensor] |
 
     out = []
     for i, want in enumerate(chunk):
-        pieces = [ranks[i] for ranks in collected if ranks[i] is not None]
+        pieces = [piece for ranks in collected if (piece := ranks[i]) is not None]
         if not pieces or not any(p[0].numel() for p in pieces):
             continue  # nothing changed
         indices = torch.cat([p[0] for p in pieces])

@@ -430,6 +430,8 @@ class Directory:
     """Every sync is a whole reload."""
     stages: ClassVar[bool] = False
     """The servers pause for the whole reload."""
+    draft_round: ClassVar[RoundKind | None] = None
+    """It carries no drafter (the servers reload their policy's checkpoint only)."""
 
 
 Transport = NetworkTransport | Directory
@@ -451,4 +453,6 @@ def parse_transport(value: Transport | str | None) -> Transport:
     if value == "directory":
         raise ValueError("RemoteVLLM(transport='directory') needs the directory: transport=Directory(PATH), a path"
                          " every server can read.")
-    return TRANSPORTS[value]()
+    network = TRANSPORTS[value]
+    assert issubclass(network, NetworkTransport)  # (the directory's path has no default: refused above)
+    return network()

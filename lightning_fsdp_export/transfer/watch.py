@@ -17,7 +17,8 @@ and every member's waits leave the round within a second (``backend/abandon.py``
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from contextvars import Token
 from types import TracebackType
 
 from lightning_fsdp_export.transfer.http import SILENT, HealthProbe, Server, ServerError
@@ -45,10 +46,10 @@ class HealthWatch:
         self.silent: dict[str, str] = {}
         """The servers found silent during this round, by URL: why."""
         self._stop = threading.Event()
-        self._token = None
+        self._token: Token[Mapping[str, str] | None] | None = None
 
     def __enter__(self) -> HealthWatch:
-        self._token = SILENT.set(self.silent)  # type: ignore[assignment]
+        self._token = SILENT.set(self.silent)
         for server in self._servers():
             threading.Thread(target=self._watch, args=(server,), name=f"lfe-watch {server.url}", daemon=True).start()
         return self
@@ -56,7 +57,7 @@ class HealthWatch:
     def __exit__(self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None) -> None:
         self._stop.set()
         if self._token is not None:
-            SILENT.reset(self._token)  # type: ignore[arg-type]
+            SILENT.reset(self._token)
 
     def _watch(self, server: Server) -> None:
         probe = HealthProbe(server, HEALTH_TIMEOUT_S)
