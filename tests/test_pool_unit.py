@@ -344,6 +344,37 @@ def test_a_held_pause_renews_its_lease_until_the_adapter_round_resumes(recording
     assert [s.requests for s in stubs] == [[], []]  # resumed: no lease to renew
 
 
+def test_a_set_aside_server_that_stays_frozen_costs_the_next_syncs_nothing_and_rejoins_once_it_answers(
+        recording_engine: Any) -> None:
+    # Issue 67: a frozen server, set aside, was asked for /health before every sync and waited for its whole 2 s
+    # timeout each time; now only OUT_GRACE_S past the serving servers (a restarted server answers in milliseconds)
+    stubs = [Stub(), Stub(), FreezesAt("/never")]
+    target = RemoteVLLM([s.url for s in stubs], transport="nccl", min_servers=2, timeout=60)
+    target.setup(Rank(0))
+    target.push_source(source(), version=1)
+    stubs[2].frozen.set()  # every request of it from now on hangs
+    with pytest.warns(UserWarning, match=rf"set aside 1 server\(s\): {stubs[2].url} \(does not answer /health"):
+        target.push_source(source(), version=2)  # (asked twice, 2 s each: the rule for a serving server)
+    start = time.monotonic()
+    for version in (3, 4, 5):
+        target.push_source(source(), version=version)
+    seconds = time.monotonic() - start
+    print(f"3 syncs with a frozen server set aside: {seconds:.2f} s")
+    assert seconds < 3, seconds  # (before: 2 s a sync, 6.05 s here)
+    assert [rounds(s) for s in stubs] == [5, 5, 1] and list(target.servers_out) == [stubs[2].url]
+    slow = SlowAt("/health", 1.0)  # a set-aside server that answers, slowly: waited for in full the next time
+    target2 = RemoteVLLM([stubs[0].url, slow.url], transport="nccl", min_servers=1, timeout=60)
+    target2.setup(Rank(0))
+    target2.pool.out[slow.url] = "test: set aside"
+    for version in (6, 7):  # (the first round takes the pool setup asked; the second asks again)
+        target2.push_source(source(), version=version)
+        assert list(target2.servers_out) == [slow.url]  # not answered within the grace: still out
+    time.sleep(1.2)  # (its answer came, late)
+    with pytest.warns(UserWarning, match=rf"server\(s\) \['{slow.url}'\] join the pool"):
+        target2.push_source(source(), version=8)
+    assert target2.servers_out == {}
+
+
 def test_the_watchs_probe_tells_a_refused_host_from_a_silent_one() -> None:
     from lightning_fsdp_export._network import free_port
     from lightning_fsdp_export.transfer.http import HealthProbe, Server

@@ -22,7 +22,7 @@ of round sends and tells the servers is :mod:`.rounds`'; the servers' pause and 
 from __future__ import annotations
 
 import contextlib
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from lightning_fsdp_export._compat import source_metadata
 from lightning_fsdp_export.export.source import SourceLayout
@@ -33,7 +33,48 @@ from lightning_fsdp_export.transfer.rounds import Round, RoundInputs, Staged
 from lightning_fsdp_export.transfer.transports import NetworkTransport
 from lightning_fsdp_export.transfer.watch import HealthWatch
 
-__all__ = ["RoundRun", "plan_digest", "weight_source"]
+if TYPE_CHECKING:
+    from lightning_fsdp_export._common import SyncGroup
+    from lightning_fsdp_export.export.patches import PatchBase
+    from lightning_fsdp_export.transfer.background import BackgroundPushes
+    from lightning_fsdp_export.transfer.clients import FanOutClient
+    from lightning_fsdp_export.transfer.pauses import Pauses
+
+__all__ = ["RoundHost", "RoundRun", "plan_digest", "weight_source"]
+
+
+class RoundHost(Protocol):
+    """What a round reads and keeps of the transfer it runs through, between rounds (:class:`~.frame.NativeTransfer`
+    is one: a protocol, as the frame imports this module). A round writes ``broken``, ``plan_digest``, ``kept``,
+    ``last_patch``, the client's ``version``, the engine's ``source``, the pause's ``servers`` and the pool's record."""
+
+    every_rank: bool
+    timeout: float
+    options: NetworkTransport
+    pool: ServerPool
+    pauses: Pauses
+    background: BackgroundPushes
+    control: SyncGroup | None
+    patches: PatchBase | None
+    confirmed: int | None
+    client: FanOutClient | None
+    engine: Any  # (the transport's trainer engine: vLLM's or ours, built by connect)
+    broken: bool
+    plan_digest: str
+    kept: str | None
+    last_patch: dict[str, Any] | None
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def servers(self) -> list[Server]: ...
+
+    def plan_group(self) -> dict[str, Any]: ...
+
+    def connect(self, plan: dict[str, Any] | None, source: Any) -> None: ...
+
+    def forget(self) -> None: ...
 
 
 class RoundRun:
@@ -42,14 +83,14 @@ class RoundRun:
 
     Args:
         transfer: the :class:`~.frame.NativeTransfer` whose group it runs through, and what that keeps between rounds
-            (engine, pause, pool, copies; typed ``Any``: the frame imports this module).
+            (engine, pause, pool, copies: :class:`RoundHost`).
         round_: the kind of round (:mod:`.rounds`).
         source: this push's source (the sync's export, an adapter's tensors, or a background snapshot).
         version: the version the servers report after it.
         resume: resume the servers at the end (``False``: held paused for the adapter round that follows).
     """
 
-    def __init__(self, transfer: Any, round_: Round, source: Any, *, version: int, resume: bool) -> None:
+    def __init__(self, transfer: RoundHost, round_: Round, source: Any, *, version: int, resume: bool) -> None:
         next_round()  # (this process's requests from now on are this round's: a server refuses an earlier one's)
         self.transfer = transfer
         self.round = round_

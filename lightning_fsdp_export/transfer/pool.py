@@ -5,8 +5,10 @@ pool. Before each round it re-reads the URLs (a callable or a file given as ``ba
 running fit), asks every server in the round for ``/health`` and every server set aside too: a server that does not
 answer is set aside (named once in a warning, counted in ``weight_sync/servers_out``); one set aside that answers
 again (restarted, from any checkpoint) rejoins, and the round that takes it rebuilds the transfer group, so it gets
-every tensor whole before anything is patched against it. A round that fails on some servers only (their pause,
-swap, adapter load or cache reset) succeeds when at least ``k`` took the version: the others are set aside. One that
+every tensor whole before anything is patched against it. A set-aside server is waited for only :data:`OUT_GRACE_S`
+past the serving ones (in full where its last answer came late): one frozen or cut off costs the syncs nothing. A
+round that fails on some servers only (their pause, swap, adapter load or cache reset) succeeds when at least ``k``
+took the version: the others are set aside. One that
 answered ``/health`` and then fails as the round begins (its pause, the group's rebuild) is set aside at once and the
 round starts again without it, in a new group, before any data leaves.
 
@@ -17,6 +19,7 @@ sync; the pool then only re-reads the URLs.
 from __future__ import annotations
 
 import os
+import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,10 +27,10 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_fsdp_export._common import SyncGroup
-from lightning_fsdp_export.transfer.http import Server, ServerError, on_each
+from lightning_fsdp_export.transfer.http import Server, ServerError
 from lightning_fsdp_export.transfer.pauses import PartlyFailed
 
-__all__ = ["HEALTH_TIMEOUT_S", "MISSES", "ServerPool", "Urls", "answers", "read_urls"]
+__all__ = ["HEALTH_TIMEOUT_S", "MISSES", "OUT_GRACE_S", "ServerPool", "Urls", "answers", "read_urls"]
 
 HEALTH_TIMEOUT_S = 2.0
 """Seconds a server has to answer one ``/health``."""
@@ -35,6 +38,11 @@ HEALTH_TIMEOUT_S = 2.0
 MISSES = 2
 """``/health`` requests in a row a server must leave unanswered to be set aside (before a round, and by the round's
 watch): one lost to a lossy link is not a silent server. A refused connection (nothing listens) is enough at once."""
+
+OUT_GRACE_S = 0.25
+"""Seconds a set-aside server's ``/health`` is waited for past the serving servers' answers before a round (a restarted
+server answers in milliseconds). One that answers later is waited for in full at the next sync; one that never answers
+(frozen, cut off) is not waited for: each sync waited its whole ``/health`` timeout (2 s) while it stayed out."""
 
 Urls = str | Sequence[str] | Callable[[], Sequence[str]] | os.PathLike[str]
 """What ``RemoteVLLM(base_url=...)`` takes: one URL, a list, a callable returning the list now, or a file of them."""
@@ -83,6 +91,7 @@ class ServerPool:
         """The servers the running round's watch found silent, by URL: why (``transfer/watch.py``; cleared as the
         next round's servers are asked for ``/health``)."""
         self._warned_swaps: set[str] = set()
+        self._late: set[str] = set()  # set-aside servers whose last /health answered after the grace: waited for
         self._fresh = False  # refreshed for the coming round already (the sync's agreement): not asked again
         self._reread()
 
@@ -149,7 +158,7 @@ class ServerPool:
         self.silent = {}
         if self.changes:
             self._reread()
-        silent = on_each([self.known[u] for u in self.listed], lambda s: answers(s, confirm=s.url not in self.out))
+        silent = self._health([self.known[u] for u in self.listed])
         if self.heals:
             back = [u for u in self.out if self.known[u] not in silent]
             for url in back:
@@ -169,6 +178,42 @@ class ServerPool:
             rank_zero_warn(f"RemoteVLLM: server(s) {self.joined} join the pool; this round pushes every tensor whole"
                            f" to {len(after)} server(s).")
         return after
+
+    def _health(self, servers: list[Server]) -> dict[Server, BaseException]:
+        """Every server's ``/health`` at once (:func:`answers`), what failed by server. A set-aside server is waited for
+        :data:`OUT_GRACE_S` past the others (in full where its last answer came late, or where the serving ones are
+        fewer than ``min_servers``); one not answered by then stays out, its request left to finish in its thread."""
+        waited = {s for s in servers if s.url not in self.out or s.url in self._late}
+        if len(waited) < self.quorum() or not self.heals:
+            waited = set(servers)
+        failed: dict[Server, BaseException] = {}
+        done: set[Server] = set()
+        gave_up: set[Server] = set()  # not answered when this refresh stopped waiting
+        changed = threading.Condition()
+
+        def ask(server: Server) -> None:
+            try:
+                answers(server, confirm=server.url not in self.out)
+            except Exception as err:  # noqa: BLE001 - what failed is the caller's to judge
+                with changed:
+                    failed[server] = err
+            with changed:
+                if server in gave_up and server not in failed:
+                    self._late.add(server.url)  # it answers, slowly: wait for it in full next time
+                done.add(server)
+                changed.notify_all()
+
+        for server in servers:
+            threading.Thread(target=ask, args=(server,), name=f"lfe-health {server.url}", daemon=True).start()
+        with changed:
+            changed.wait_for(lambda: waited <= done)
+            changed.wait_for(lambda: len(done) == len(servers), timeout=OUT_GRACE_S)
+            gave_up.update(s for s in servers if s not in done)
+            self._late -= {s.url for s in done}
+            return {s: failed[s] if s in failed else
+                    ServerError(f"vLLM server {s.url} (set aside) did not answer /health within {OUT_GRACE_S:g} s of"
+                                " the others; it is asked again before the next round.", s.url)
+                    for s in servers if s in failed or s in gave_up}
 
     def agree(self, ranks: SyncGroup, *, rank_zero: bool) -> tuple[list[Server] | None, list[str]]:
         """Every rank, before each push where the pool can change: rank 0 refreshes it; returns rank 0's servers for
