@@ -50,6 +50,7 @@ from lightning_fsdp_export.export.patches import PatchBase
 
 __all__ = ["DENSE", "GlooRound", "GlooTrainerWeightTransferEngine", "register", "swap_update_info"]
 
+
 @runtime_checkable
 class DraftingClient(Protocol):
     """A client that also starts a drafter's round (``/start_draft_weight_update``): this package's own clients."""

@@ -8,9 +8,9 @@ again (restarted, from any checkpoint) rejoins, and the round that takes it rebu
 every tensor whole before anything is patched against it. A set-aside server is waited for only :data:`OUT_GRACE_S`
 past the serving ones (in full where its last answer came late): one frozen or cut off costs the syncs nothing. A
 round that fails on some servers only (their pause, swap, adapter load or cache reset) succeeds when at least ``k``
-took the version: the others are set aside. One that
-answered ``/health`` and then fails as the round begins (its pause, the group's rebuild) is set aside at once and the
-round starts again without it, in a new group, before any data leaves.
+took the version: the others are set aside. One that answered ``/health`` and then fails as the round begins (its
+pause, the group's rebuild) is set aside at once and the round starts again without it, in a new group, before any
+data leaves.
 
 ``min_servers=None`` (the default) is today's rule: every server takes every version, and one that fails fails the
 sync; the pool then only re-reads the URLs.
