@@ -29,6 +29,7 @@ from lightning_fsdp_export.export.source import ExportSource
 from lightning_fsdp_export.testing import tiny_qwen2
 from lightning_fsdp_export.transfer.frame import NativeTransfer
 from lightning_fsdp_export.transfer.http import Server, ServerError
+from lightning_fsdp_export.transfer.pool import ServerPool
 from lightning_fsdp_export.transfer.transports import Gloo
 from tests.conftest import ROOT, free_port
 from tests.scripts.remote_transfer import gap
@@ -49,6 +50,7 @@ _TRAINER = textwrap.dedent("""
     from lightning_fsdp_export.export.source import ExportSource
     from lightning_fsdp_export.transfer.frame import NativeTransfer
     from lightning_fsdp_export.transfer.http import Server
+    from lightning_fsdp_export.transfer.pool import ServerPool
     from lightning_fsdp_export.transfer.transports import Gloo
     from lightning_fsdp_export.testing import tiny_qwen2
 
@@ -56,7 +58,7 @@ _TRAINER = textwrap.dedent("""
     shards = mode != "plain"
     if shards:  # one rank's shard-direct group: its own rows are every row
         dist.init_process_group("gloo", init_method="tcp://127.0.0.1:{port}", rank=0, world_size=1)
-    transfer = NativeTransfer([Server({url!r}, api_key=None, timeout=60)],
+    transfer = NativeTransfer(ServerPool.of([Server({url!r}, api_key=None, timeout=60)]),
                               Gloo(background=True, shard_direct=shards, sparse=mode == "sparse"), timeout=20,
                               pause_mode="keep")
     transfer.setup(SimpleNamespace(global_rank=0, world_size=1))
@@ -151,7 +153,7 @@ def test_a_trainer_killed_at_each_step_of_the_swap_leaves_the_server_serving_one
         assert label == str(served[0])
         assert gap(server, weights(served[1])) < LOGPROB_TOLERANCE
     if index == len(SCENARIOS) - 1:  # and a trainer's full push after the last death is exact (every tensor whole)
-        transfer = NativeTransfer([server], Gloo(background=True), timeout=20, pause_mode="keep")
+        transfer = NativeTransfer(ServerPool.of([server]), Gloo(background=True), timeout=20, pause_mode="keep")
         transfer.setup(SimpleNamespace(global_rank=0, world_size=1))
         items = list(weights(399).items())
         transfer.push(ExportSource(lambda: [([n], t) for n, t in items], lambda: iter(items), dtype=torch.bfloat16),
@@ -169,6 +171,7 @@ _FOREGROUND = textwrap.dedent("""
     from lightning_fsdp_export.export.source import ExportSource
     from lightning_fsdp_export.transfer.frame import NativeTransfer
     from lightning_fsdp_export.transfer.http import Server
+    from lightning_fsdp_export.transfer.pool import ServerPool
     from lightning_fsdp_export.transfer.transports import Gloo
     from lightning_fsdp_export.testing import tiny_qwen2
 
@@ -180,7 +183,8 @@ _FOREGROUND = textwrap.dedent("""
             os.kill(os.getpid(), signal.SIGKILL)
         setattr(owner, name, dying)
 
-    transfer = NativeTransfer([Server({url!r}, api_key=None, timeout=60)], Gloo(), timeout=20, pause_mode="keep")
+    transfer = NativeTransfer(ServerPool.of([Server({url!r}, api_key=None, timeout=60)]), Gloo(), timeout=20,
+                              pause_mode="keep")
     transfer.setup(SimpleNamespace(global_rank=0, world_size=1))
     for version, seed in {pushes!r}:
         if (version, seed) == {pushes!r}[-1]:

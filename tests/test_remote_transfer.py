@@ -210,6 +210,7 @@ _DYING_TRAINER = textwrap.dedent("""
     sys.path.insert(0, {root!r})
     from lightning_fsdp_export.export.source import ExportSource
     from lightning_fsdp_export.transfer.http import Server
+    from lightning_fsdp_export.transfer.pool import ServerPool
     from lightning_fsdp_export.transfer.frame import NativeTransfer
     from lightning_fsdp_export.transfer.transports import Gloo
     from lightning_fsdp_export.testing import tiny_qwen2
@@ -223,7 +224,7 @@ _DYING_TRAINER = textwrap.dedent("""
                 time.sleep(600)  # killed here, mid-round
             yield item
     source = ExportSource(lambda: [([n], t) for n, t in items], export, dtype=torch.bfloat16)
-    transfer = NativeTransfer([Server({url!r}, api_key=None, timeout=60)],
+    transfer = NativeTransfer(ServerPool.of([Server({url!r}, api_key=None, timeout=60)]),
                               Gloo(buffer_bytes=4096, background={background}), timeout={timeout}, pause_mode="wait")
     transfer.setup(SimpleNamespace(global_rank=0, world_size=1))
     transfer.push(source, version=50)
@@ -235,6 +236,7 @@ def test_a_trainer_killed_mid_round_frees_the_server_after_the_timeout(servers: 
     from lightning_fsdp_export.export.source import ExportSource
     from lightning_fsdp_export.transfer.frame import NativeTransfer
     from lightning_fsdp_export.transfer.http import Server
+    from lightning_fsdp_export.transfer.pool import ServerPool
     from lightning_fsdp_export.transfer.transports import Gloo
 
     _, urls = servers
@@ -259,7 +261,7 @@ def test_a_trainer_killed_mid_round_frees_the_server_after_the_timeout(servers: 
         assert server.request("GET", "/is_paused")["is_paused"] is True  # the dead trainer had paused it
     items = [(k, v.to(torch.bfloat16)) for k, v in tiny_qwen2(seed=4).state_dict().items()]
     source = ExportSource(lambda: [([n], t) for n, t in items], lambda: iter(items), dtype=torch.bfloat16)
-    transfer = NativeTransfer([server], Gloo(), timeout=60, pause_mode="wait")
+    transfer = NativeTransfer(ServerPool.of([server]), Gloo(), timeout=60, pause_mode="wait")
     start = time.monotonic()
     # waits while the worker is still in the dead round (up to its 8 s timeout)
     transfer.setup(SimpleNamespace(global_rank=0, world_size=1))
@@ -277,6 +279,7 @@ def test_a_server_killed_mid_background_transfer_is_named_and_the_other_keeps_se
     from lightning_fsdp_export.export.source import ExportSource
     from lightning_fsdp_export.transfer.frame import NativeTransfer
     from lightning_fsdp_export.transfer.http import Server
+    from lightning_fsdp_export.transfer.pool import ServerPool
     from lightning_fsdp_export.transfer.transports import Gloo
 
     model_dir, urls = servers
@@ -286,8 +289,8 @@ def test_a_server_killed_mid_background_transfer_is_named_and_the_other_keeps_se
     try:
         wait_for_server(doomed, model_dir / f"server{port}.log")
         alive = Server(urls[0], api_key=None, timeout=60)
-        transfer = NativeTransfer([alive, Server(doomed, api_key=None, timeout=60)], Gloo(background=True),
-                                  timeout=20, pause_mode="keep")
+        transfer = NativeTransfer(ServerPool.of([alive, Server(doomed, api_key=None, timeout=60)]),
+                                  Gloo(background=True), timeout=20, pause_mode="keep")
         transfer.setup(SimpleNamespace(global_rank=0, world_size=1))
         items = [(k, v.to(torch.bfloat16)) for k, v in tiny_qwen2(seed=6).state_dict().items()]
         plan = lambda: [([n], t) for n, t in items]  # noqa: E731

@@ -113,14 +113,14 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
         self._drafting: dict[str, str | None] = {}  # by URL: why the server cannot take a drafter (None: it can)
         self.precheck_skipped: list[str] = []
         self._round: Transfer = (
-            DirectoryReload(self.pool.active, self.options, dtype=dtype, pause_mode=pause_mode)
+            DirectoryReload(self.pool, self.options, dtype=dtype, pause_mode=pause_mode)
             if isinstance(self.options, Directory) else
-            NativeTransfer(self.pool.active, self.options, timeout=timeout, pause_mode=pause_mode, pool=self.pool))
+            NativeTransfer(self.pool, self.options, timeout=timeout, pause_mode=pause_mode))
 
     @property
     def servers(self) -> list[Server]:
         """The servers the next sync updates (rank 0's view; with ``min_servers``, those not set aside)."""
-        return self._round.servers
+        return self.pool.active
 
     @property
     @override
@@ -138,9 +138,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
         and every rank learns which of them serve (:attr:`serving`)."""
         if not self.pool.changes:
             return
-        active, self._serving = self.pool.agree(ranks, rank_zero=self._is_rank_zero)
-        if active is not None:
-            self._round.servers = active  # what this sync's checks and round address
+        self._serving = self.pool.agree(ranks, rank_zero=self._is_rank_zero)
 
     @override
     def redo_without_failed(self, ranks: SyncGroup) -> bool:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +22,7 @@ from lightning_fsdp_export.transfer.adapters import AdapterFiles, prune_versions
 from lightning_fsdp_export.transfer.base import Transfer
 from lightning_fsdp_export.transfer.http import Server
 from lightning_fsdp_export.transfer.pauses import reset_prefix_caches, set_versions
+from lightning_fsdp_export.transfer.pool import ServerPool
 from lightning_fsdp_export.transfer.preflight import check_servers
 from lightning_fsdp_export.transfer.transports import Directory
 
@@ -35,15 +36,15 @@ class DirectoryReload(Transfer):
     reload resumes it; the servers whose reload succeeded serve the new version, resumed.
 
     Args:
-        servers: the servers (replicas) updated by every sync.
+        pool: the servers updated by every sync (``RemoteVLLM``'s pool).
         options: the ``Directory`` transport's options.
         dtype: the dtype written.
         pause_mode: as :class:`NativeTransfer`'s.
     """
 
-    def __init__(self, servers: Sequence[Server], options: Directory, *, dtype: torch.dtype | None,
+    def __init__(self, pool: ServerPool, options: Directory, *, dtype: torch.dtype | None,
                  pause_mode: PauseMode) -> None:
-        super().__init__(servers, pause_mode=pause_mode)
+        super().__init__(pool, pause_mode=pause_mode)
         self._checked = False
         self.writer = DirectoryTarget(options.path, dtype=dtype, shard_bytes=options.shard_bytes,
                                       keep_last=options.keep_last)
@@ -69,15 +70,16 @@ class DirectoryReload(Transfer):
         if not self._checked:
             check_servers(self.servers, backend=None)  # dev mode and quantization, before the first reload
             self._checked = True
-        paused_at = pauses.pause()
+        servers = self.servers
+        paused_at = pauses.pause(servers)
 
         def reload_one(server: Server) -> None:
             server.reload_weights(path)
             reset_prefix_caches([server], pauses.mode)
             set_versions([server], version)
 
-        pauses.on_each_server(reload_one, version=version, resume=resume)
-        pauses.finish(paused_at, resume, resumed=True)
+        pauses.on_each_server(servers, reload_one, version=version, resume=resume)
+        pauses.finish(servers, paused_at, resume, resumed=True)
 
     @override
     def push_adapter(self, files: AdapterFiles, *, version: int, name: str) -> None:
@@ -90,5 +92,5 @@ class DirectoryReload(Transfer):
             shutil.rmtree(target)
         shutil.copytree(files.path, target)
         prune_versions(target.parent)
-        self.pauses.load_adapter_from(os.fspath(target.resolve()), name=name, version=version)
+        self.pauses.load_adapter_from(self.servers, os.fspath(target.resolve()), name=name, version=version)
 

@@ -1,6 +1,7 @@
 """What ``RemoteVLLM`` drives, whichever the transport: a :class:`Transfer`. Two exist: a network group's rounds
 (:class:`~lightning_fsdp_export.transfer.frame.NativeTransfer`) and a shared directory's
-(:class:`~lightning_fsdp_export.targets.remote_directory.DirectoryReload`). Each holds the servers' pause (a
+(:class:`~lightning_fsdp_export.targets.remote_directory.DirectoryReload`). Each reads the round's servers from the pool
+(:class:`~lightning_fsdp_export.transfer.pool.ServerPool`, their one owner), holds the servers' pause (a
 :class:`~lightning_fsdp_export.transfer.pauses.Pauses`) and its pushes in the background (a
 :class:`~lightning_fsdp_export.transfer.background.BackgroundPushes`, never enabled for a directory); what only some
 transfers do has a default here that does nothing, so the target asks no transfer what class it is.
@@ -9,7 +10,7 @@ transfers do has a default here that does nothing, so the target asks no transfe
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from torch import Tensor
@@ -20,6 +21,7 @@ from lightning_fsdp_export.transfer.adapters import AdapterFiles
 from lightning_fsdp_export.transfer.background import BackgroundPushes
 from lightning_fsdp_export.transfer.http import Server, on_all
 from lightning_fsdp_export.transfer.pauses import Pauses
+from lightning_fsdp_export.transfer.pool import ServerPool
 
 __all__ = ["Transfer"]
 
@@ -28,13 +30,17 @@ class Transfer(ABC):
     """One way weights reach the servers, every sync (every rank holds one; rank 0 talks to the servers).
 
     Args:
-        servers: the servers (replicas) every sync updates.
+        pool: the servers (replicas) every sync updates: rank 0 keeps the pool current (``ServerPool.of(servers)``
+            for a fixed list).
         pause_mode: how a round pauses them.
         background: a push takes this rank's snapshot and returns; a thread runs the round.
     """
 
-    def __init__(self, servers: Sequence[Server], *, pause_mode: PauseMode, background: bool = False) -> None:
-        self.pauses = Pauses(servers, pause_mode)
+    def __init__(self, pool: ServerPool, *, pause_mode: PauseMode, background: bool = False) -> None:
+        self.pool = pool
+        """Who takes each round, who is set aside (``RemoteVLLM(min_servers=...)``), who swaps on its own: the one
+        owner of the round's servers, which every step is handed from here."""
+        self.pauses = Pauses(pause_mode)
         self.background = BackgroundPushes(background)
         self.last_patch: dict[str, Any] | None = None
         """This rank's last sparse round's report: patched or dense, bytes sent and dense, elements, changed, copy
@@ -42,13 +48,9 @@ class Transfer(ABC):
 
     @property
     def servers(self) -> list[Server]:
-        """The servers every round updates."""
-        return self.pauses.servers
-
-    @servers.setter
-    def servers(self, servers: list[Server]) -> None:
-        """Rank 0: the servers this sync's checks and round address (the pool's active ones, as agreed)."""
-        self.pauses.servers = servers
+        """The servers the next round updates: the pool's active ones (rank 0 refreshes the pool before each sync, and
+        sets a server aside the moment it fails a round; elsewhere the servers first named)."""
+        return self.pool.active
 
     @property
     def pause_mode(self) -> PauseMode:

@@ -55,17 +55,16 @@ class NativeTransfer(Transfer):
     fails, the sync drains the others' iteration.
 
     Args:
-        servers: the servers (replicas) updated by every sync.
+        pool: the servers updated by every sync (``RemoteVLLM``'s pool; ``ServerPool.of(servers)`` for a fixed list).
         transport: a network transport's options (:mod:`~lightning_fsdp_export.transfer.transports`).
         timeout: seconds for the rendezvous and every collective of the transfer (``Gloo``), and per request.
         pause_mode: ``"wait"`` lets running requests finish before the update; ``"keep"`` freezes them
             and preempts them after it (async RL); ``"keep_old_kv"`` freezes them and keeps their KV.
-        pool: the servers' pool (``RemoteVLLM``'s, whose ``active`` servers are ``servers``); default: ``servers``.
     """
 
-    def __init__(self, servers: Sequence[Server], transport: NetworkTransport, *, timeout: float,
-                 pause_mode: PauseMode, pool: ServerPool | None = None) -> None:
-        super().__init__(servers, pause_mode=pause_mode, background=transport.every_rank and transport.stages)
+    def __init__(self, pool: ServerPool, transport: NetworkTransport, *, timeout: float,
+                 pause_mode: PauseMode) -> None:
+        super().__init__(pool, pause_mode=pause_mode, background=transport.every_rank and transport.stages)
         self.options = transport
         self.transport = transport.name
         self.timeout = timeout
@@ -88,8 +87,6 @@ class NativeTransfer(Transfer):
         """The version every rank agreed the servers hold (before each push); patches are made only against it."""
         self.kept: str | None = None
         """Rank 0, sparse rounds: the id of the copy the workers keep (set by a round that succeeded)."""
-        self.pool = pool or ServerPool.of(servers)
-        """Rank 0: who takes each round, who is set aside (``RemoteVLLM(min_servers=...)``), who swaps on its own."""
 
     def confirm(self, version: int | None) -> None:
         self.confirmed = version
@@ -110,7 +107,7 @@ class NativeTransfer(Transfer):
             self.connect(None, empty)  # an engine that only iterates the source
             return
         try:
-            self.pauses.servers = self.pool.refresh()  # (min_servers: a server down now is set aside, not waited for)
+            self.pool.refresh()  # (min_servers: a server down now is set aside, not waited for)
             self.connect(self.plan_group(), empty)
         except ServerError as err:  # only rank 0 knows: the first sync retries, and fails on every rank
             self.broken = True
@@ -251,7 +248,7 @@ class NativeTransfer(Transfer):
             self._push(AdapterTensors(files.tensors()), version=version, adapter=(name, files.config))
             return
         if self.rank == 0:
-            self.pauses.load_adapter_from(os.fspath(files.path.resolve()), name=name, version=version)
+            self.pauses.load_adapter_from(self.servers, os.fspath(files.path.resolve()), name=name, version=version)
 
 
 def _store_address(transport: NetworkTransport, servers: Sequence[Server]) -> tuple[str, int]:

@@ -1,11 +1,11 @@
 """The servers' pause around a round, and what a failed round leaves behind: the rule that no server holding one whole
 version stays paused, and that a server which may hold half-loaded weights never serves.
 
-Rank 0 pauses every server before a round's data travels (or, for a staged round, before the swap), tells each server
-what follows the data (:meth:`Pauses.on_each_server`: swap, adapter, prefix-cache reset, label) and resumes them. Where
-a step fails on some servers only, the others are resumed at once (:class:`PartlyFailed` names both); a round that
-failed mid-transfer is closed on the servers that may hold half-loaded weights (:func:`close_rounds`), which stay
-paused until the next full push.
+Rank 0 pauses every server of the round (the pool's, handed to each call) before a round's data travels (or, for a
+staged round, before the swap), tells each server what follows the data (:meth:`Pauses.on_each_server`: swap,
+adapter, prefix-cache reset, label) and resumes them. Where a step fails on some servers only, the others are resumed
+at once (:class:`PartlyFailed` names both); a round that failed mid-transfer is closed on the servers that may hold
+half-loaded weights (:func:`close_rounds`), which stay paused until the next full push.
 """
 
 from __future__ import annotations
@@ -32,15 +32,14 @@ class PartlyFailed(ServerError):
 
 class Pauses:
     """The servers' pause, which every transfer holds (a network group's and a directory's rounds alike): held across a
-    base round into its adapter round, its timing, and what a failed round leaves behind.
+    base round into its adapter round, its timing, and what a failed round leaves behind. It keeps no list of servers:
+    each call is handed the round's (its transfer's pool is their one owner).
 
     Args:
-        servers: the servers (replicas) every round pauses.
         mode: how they pause (``RemoteVLLM(pause_mode=...)``).
     """
 
-    def __init__(self, servers: Sequence[Server], mode: PauseMode) -> None:
-        self.servers = list(servers)
+    def __init__(self, mode: PauseMode) -> None:
         self.mode = mode
         self.rank = 0
         """This trainer rank (its transfer's ``setup`` sets it): only rank 0 talks to the servers."""
@@ -55,29 +54,35 @@ class Pauses:
         their pause's lease (``/health?watch`` each second: the round's watch is not running)."""
         return self._held_since
 
-    @held_since.setter
-    def held_since(self, since: float | None) -> None:
+    def hold(self, servers: Sequence[Server], since: float) -> None:
+        """Rank 0: a base round leaves ``servers`` paused for its adapter round (:attr:`held_since`); a thread renews
+        their pause's lease until the hold ends."""
         self._held_since = since
-        if since is None and self._renewing is not None:
-            self._renewing.set()
-            self._renewing = None
-        elif since is not None and self._renewing is None:
+        if self._renewing is None:
             self._renewing = threading.Event()
-            threading.Thread(target=_renew, args=(list(self.servers), self._renewing), daemon=True,
+            threading.Thread(target=_renew, args=(list(servers), self._renewing), daemon=True,
                              name="lfe-held-pause").start()
 
-    def pause(self) -> float:
-        """Rank 0: pause every server unless a base round holds them paused; when the pause began. Servers that cannot
-        be paused fail the round before anything is sent: the others are resumed at once (they serve the version they
-        served, its label true) and the error names the ones that failed."""
+    def release(self) -> None:
+        """Rank 0: no round holds the servers paused any more (resumed, or failed): the lease's renewal stops."""
+        self._held_since = None
+        if self._renewing is not None:
+            self._renewing.set()
+            self._renewing = None
+
+    def pause(self, servers: Sequence[Server]) -> float:
+        """Rank 0: pause every one of ``servers`` unless a base round holds them paused; when the pause began. Servers
+        that cannot be paused fail the round before anything is sent: the others are resumed at once (they serve the
+        version they served, its label true) and the error names the ones that failed."""
         if self.held_since is not None:
             return self.held_since
-        failed = on_each(self.servers, lambda s: s.pause(self.mode))
+        failed = on_each(servers, lambda s: s.pause(self.mode))
         if failed:
-            self._resume_all_but(failed, failed_to="be paused", serving="the version they served")
+            self._resume_all_but(servers, failed, failed_to="be paused", serving="the version they served")
         return time.time()
 
-    def on_each_server(self, step: Callable[[Server], None], *, version: int, resume: bool) -> None:
+    def on_each_server(self, servers: Sequence[Server], step: Callable[[Server], None], *, version: int,
+                       resume: bool) -> None:
         """Rank 0, the servers paused after the round's data reached them: ``step`` on every server (what it is told
         then: swap, load an adapter, reset its prefix cache, set its label), and with ``resume`` each server is resumed
         as soon as its own ``step`` is done (its pause never waits on another server's; without ``resume`` an adapter
@@ -92,15 +97,15 @@ class Pauses:
                 server.resume()
                 done.add(server)
 
-        failed = on_each(self.servers, take)
+        failed = on_each(servers, take)
         if not failed:
             return
         if not resume:
             raise next(iter(failed.values()))
-        self._resume_all_but(failed, failed_to=f"take version {version} and stay paused", serving=f"version {version}",
-                             done=done)
+        self._resume_all_but(servers, failed, failed_to=f"take version {version} and stay paused",
+                             serving=f"version {version}", done=done)
 
-    def swap_each(self, swap: Callable[[Server], float], *, version: int) -> None:
+    def swap_each(self, servers: Sequence[Server], swap: Callable[[Server], float], *, version: int) -> None:
         """Rank 0, a staged round's data at every server, nothing paused: each server swaps it in on its own
         (``swap(server)``: its paused seconds), concurrently. Where some fail, the others serve ``version``; each
         failure says what its server serves (:class:`PartlyFailed` names them all)."""
@@ -109,71 +114,60 @@ class Pauses:
         def one(server: Server) -> None:
             paused[server] = swap(server)
 
-        failed = on_each(self.servers, one)
+        failed = on_each(servers, one)
         end = time.time()
         if paused:
             self.last_pause = (end - max(paused.values()), end)
         if not failed:
             return
-        resumed = [s for s in self.servers if s not in failed]
-        raise self._partly_failed(failed, f"failed to swap in version {version}", resumed,
-                                  others=f"{len(resumed)} other(s) serve it")
+        resumed = [s for s in servers if s not in failed]
+        raise _partly_failed(servers, failed, f"failed to swap in version {version}", resumed,
+                             others=f"{len(resumed)} other(s) serve it")
 
-    def _resume_all_but(self, failed: dict[Server, BaseException], *, failed_to: str, serving: str,
-                        done: set[Server] | frozenset[Server] = frozenset()) -> None:
-        """Rank 0, a round that failed on ``failed`` only: resume every other server (each holds one whole version,
-        ``serving``; those in ``done`` are resumed already), then raise a :class:`PartlyFailed` naming them all."""
-        whole = [s for s in self.servers if s not in failed]
+    def _resume_all_but(self, servers: Sequence[Server], failed: dict[Server, BaseException], *, failed_to: str,
+                        serving: str, done: set[Server] | frozenset[Server] = frozenset()) -> None:
+        """Rank 0, a round of ``servers`` that failed on ``failed`` only: resume every other one (each holds one whole
+        version, ``serving``; those in ``done`` are resumed already), then raise a :class:`PartlyFailed` naming them
+        all."""
+        whole = [s for s in servers if s not in failed]
         stuck = on_each([s for s in whole if s not in done], lambda s: s.resume())
         resumed = [s for s in whole if s not in stuck]
-        self.held_since = None
+        self.release()
         others = (f"{len(resumed)} other(s) resumed, serving {serving}" + (f", {len(stuck)} not" if stuck else "")
                   if whole else "no other server")
-        raise self._partly_failed(failed, f"failed to {failed_to}", resumed, others=others, also=stuck)
+        raise _partly_failed(servers, failed, f"failed to {failed_to}", resumed, others=others, also=stuck)
 
-    def finish(self, paused_at: float, resume: bool, *, resumed: bool = False) -> None:
+    def finish(self, servers: Sequence[Server], paused_at: float, resume: bool, *, resumed: bool = False) -> None:
         """Rank 0 after a round that succeeded: resume the servers (``resumed``: each was as it took the round) and
         time the pause, or hold them paused. A server that fails to resume (it died, froze or was cut off after taking
         the version) stays as it is; the others serve the version and the error names it (:class:`PartlyFailed`)."""
         if self.rank != 0:
             return
         if not resume:
-            self.held_since = paused_at
+            self.hold(servers, paused_at)
             return
-        failed = {} if resumed else on_each(self.servers, lambda s: s.resume())
-        self.held_since = None
+        failed = {} if resumed else on_each(servers, lambda s: s.resume())
+        self.release()
         self.last_pause = (paused_at, time.time())
         if failed:
-            others = [s for s in self.servers if s not in failed]
-            raise self._partly_failed(failed, "took the version but failed to be resumed", others,
-                                      others=f"{len(others)} other(s) serve it", then="")
+            others = [s for s in servers if s not in failed]
+            raise _partly_failed(servers, failed, "took the version but failed to be resumed", others,
+                                 others=f"{len(others)} other(s) serve it", then="")
 
-    def _partly_failed(self, failed: dict[Server, BaseException], what: str, resumed: list[Server], *, others: str,
-                       also: dict[Server, BaseException] | None = None,
-                       then: str = " The next sync pushes every tensor whole.") -> PartlyFailed:
-        """The :class:`PartlyFailed` of a step that ``failed`` on some servers (``also``: more failures it names),
-        ``resumed`` the others, caused by the first failure."""
-        lines = "; ".join(f"{s.url}: {err}" for s, err in {**failed, **(also or {})}.items())
-        first = next(iter(failed))
-        error = PartlyFailed(f"{len(failed)} of {len(self.servers)} server(s) {what}; {others} ({lines}).{then}",
-                             first.url, resumed=resumed)
-        error.__cause__ = failed[first]
-        return error
-
-    def resume_after(self, err: BaseException) -> None:
+    def resume_after(self, servers: Sequence[Server], err: BaseException) -> None:
         """Rank 0, a round that failed after the pause but before any data was sent (building the group): resume every
-        server that answers, then raise ``err`` saying so."""
-        stuck = on_each(self.servers, lambda s: s.resume())
+        one of ``servers`` that answers, then raise ``err`` saying so."""
+        stuck = on_each(servers, lambda s: s.resume())
         lines = f" ({'; '.join(f'{s.url}: {e}' for s, e in stuck.items())})" if stuck else ""
-        raise ServerError(f"{type(err).__name__}: {err}; nothing was sent: {len(self.servers) - len(stuck)} of"
-                          f" {len(self.servers)} server(s) resumed, serving the version they served{lines}.",
-                          next(iter(stuck)).url if stuck else self.servers[0].url) from err
+        raise ServerError(f"{type(err).__name__}: {err}; nothing was sent: {len(servers) - len(stuck)} of"
+                          f" {len(servers)} server(s) resumed, serving the version they served{lines}.",
+                          next(iter(stuck)).url if stuck else servers[0].url) from err
 
-    def load_adapter_from(self, path: str, *, name: str, version: int) -> None:
-        """Rank 0: every server reads the adapter at ``path`` (on its host) and serves it as ``name``: pause (unless
-        held), load, reset the prefix caches, set the version, resume. A server that fails stays paused until the next
-        full push; the others serve ``version`` (its adapter and base), resumed."""
-        paused_at = self.pause()
+    def load_adapter_from(self, servers: Sequence[Server], path: str, *, name: str, version: int) -> None:
+        """Rank 0: every one of ``servers`` reads the adapter at ``path`` (on its host) and serves it as ``name``: pause
+        (unless held), load, reset the prefix caches, set the version, resume. A server that fails stays paused until
+        the next full push; the others serve ``version`` (its adapter and base), resumed."""
+        paused_at = self.pause(servers)
 
         def load(server: Server) -> None:
             load_adapter([server], name, path)
@@ -181,10 +175,23 @@ class Pauses:
             set_versions([server], version)
 
         try:
-            self.on_each_server(load, version=version, resume=True)
+            self.on_each_server(servers, load, version=version, resume=True)
         finally:
-            self.held_since = None
-        self.finish(paused_at, resume=True, resumed=True)
+            self.release()
+        self.finish(servers, paused_at, resume=True, resumed=True)
+
+
+def _partly_failed(servers: Sequence[Server], failed: dict[Server, BaseException], what: str, resumed: list[Server], *,
+                   others: str, also: dict[Server, BaseException] | None = None,
+                   then: str = " The next sync pushes every tensor whole.") -> PartlyFailed:
+    """The :class:`PartlyFailed` of a step of ``servers`` that ``failed`` on some (``also``: more failures it names),
+    ``resumed`` the others, caused by the first failure."""
+    lines = "; ".join(f"{s.url}: {err}" for s, err in {**failed, **(also or {})}.items())
+    first = next(iter(failed))
+    error = PartlyFailed(f"{len(failed)} of {len(servers)} server(s) {what}; {others} ({lines}).{then}",
+                         first.url, resumed=resumed)
+    error.__cause__ = failed[first]
+    return error
 
 
 def _renew(servers: list[Server], done: threading.Event) -> None:

@@ -1,6 +1,7 @@
 """One round of one push, as one pipeline read top to bottom (:meth:`RoundRun.run`):
 
-1. **plan** (:meth:`RoundRun.plan`): rank 0 takes the pool's servers for this round, rebuilds the transfer group where
+1. **plan** (:meth:`RoundRun.plan`): rank 0 refreshes the pool, the one owner of this round's servers (every step
+   reads them from it: ``transfer.servers``), rebuilds the transfer group where
    it broke or the plan changed, and pauses the servers (a staged round: not yet); where every trainer rank is in the
    group, they learn rank 0's decision (the plan, or that it failed) over the control group before anything is sent;
 2. **send** (:meth:`RoundRun.send`): every rank of the group sends its part of ``source`` (the round's own
@@ -46,7 +47,8 @@ __all__ = ["RoundHost", "RoundRun", "plan_digest", "weight_source"]
 class RoundHost(Protocol):
     """What a round reads and keeps of the transfer it runs through, between rounds (:class:`~.frame.NativeTransfer`
     is one: a protocol, as the frame imports this module). A round writes ``broken``, ``plan_digest``, ``kept``,
-    ``last_patch``, the client's ``version``, the engine's ``source``, the pause's ``servers`` and the pool's record."""
+    ``last_patch``, the client's ``version``, the engine's ``source``, the pause's state and the pool's record (which
+    servers it sets aside)."""
 
     every_rank: bool
     timeout: float
@@ -134,10 +136,10 @@ class RoundRun:
         """Rank 0 rebuilds the group if needed (broken on any rank, a new plan, other servers) and, unless the round
         stages its data first, pauses the servers (unless held); alone in the group it connects first, else the others
         learn the plan, or its failure, from its broadcast."""
-        transfer, pauses = self.transfer, self.transfer.pauses
+        transfer = self.transfer
         failure: BaseException | None = None
         if transfer.rank == 0:  # servers that left, joined, died or came back: a new group (one silent: failure)
-            pauses.servers, failure = _for_round(transfer.pool, pauses.servers)
+            failure = _for_round(transfer.pool)
         rebuild = (transfer.broken or plan_digest(transfer.options, self.source) != transfer.plan_digest
                    or (transfer.rank == 0 and [s.url for s in transfer.servers] != transfer.pool.members))
         plan_key = self.round.plan_key(self._inputs())
@@ -175,7 +177,7 @@ class RoundRun:
         servers; the plan every rank joins (``None``: none new) and whether a group was built. With ``min_servers``,
         a server that fails here after answering ``/health`` is set aside and both steps are redone at once without
         it (a new group), while the quorum holds: nothing was sent yet."""
-        transfer, pauses, pool = self.transfer, self.transfer.pauses, self.transfer.pool
+        transfer, pool = self.transfer, self.transfer.pool
         built = False
         while True:
             pool.check_quorum()
@@ -185,12 +187,12 @@ class RoundRun:
                     plan, built = transfer.plan_group(), True
                     if not transfer.every_rank:
                         transfer.connect(plan, self.source)
-                self.paused_at = pauses.pause() if pause else 0.0
+                self.paused_at = transfer.pauses.pause(transfer.servers) if pause else 0.0
                 return (plan if transfer.every_rank else None), built
             except ServerError as err:
-                if not pool.drop_failed(err, pauses.servers):
+                if not pool.drop_failed(err, transfer.servers):  # (sets them aside: pool.active is the others)
                     raise
-                pauses.servers, rebuild = pool.active, True
+                rebuild = True
 
     def send(self) -> None:
         """Every rank of the group: join the new group rank 0 planned (if any), then this round's data, through this
@@ -221,19 +223,20 @@ class RoundRun:
             mode = pauses.mode
             if isinstance(this, Staged) and self.resume:  # each server swaps (and resumes) alone
                 self.swapped = True
-                pauses.swap_each(lambda s: this.swap(s, inputs, version=self.version, mode=mode,
-                                                     own=s in transfer.pool.own_swaps), version=self.version)
+                pauses.swap_each(transfer.servers, lambda s: this.swap(s, inputs, version=self.version, mode=mode,
+                                                                       own=s in transfer.pool.own_swaps),
+                                 version=self.version)
             else:
                 if not self.paused:  # a staged round held for its adapter round: pause them all now
-                    self.paused_at, self.paused = pauses.pause(), True
-                pauses.on_each_server(lambda s: this.on_server(s, inputs, version=self.version, mode=mode),
+                    self.paused_at, self.paused = pauses.pause(transfer.servers), True
+                pauses.on_each_server(transfer.servers,
+                                      lambda s: this.on_server(s, inputs, version=self.version, mode=mode),
                                       version=self.version, resume=self.resume)
                 self.resumed_each = self.resume
         except Exception as err:
             self.resumed = err.resumed if isinstance(err, PartlyFailed) else []
             if transfer.pool.took(self.resumed, err, transfer.servers):
                 self.swapped = True  # the servers that took it serve it, resumed; the others are set aside
-                pauses.servers = transfer.pool.active
             else:
                 self.outcome = f"{type(err).__name__}: {err}"
                 if not transfer.background.enabled:
@@ -261,11 +264,10 @@ class RoundRun:
         if self.swapped:
             return
         try:
-            transfer.pauses.finish(self.paused_at, self.resume, resumed=self.resumed_each)
+            transfer.pauses.finish(transfer.servers, self.paused_at, self.resume, resumed=self.resumed_each)
         except PartlyFailed as err:
-            if not transfer.pool.took(err.resumed, err, transfer.servers):
+            if not transfer.pool.took(err.resumed, err, transfer.servers):  # (the others set aside)
                 raise
-            transfer.pauses.servers = transfer.pool.active
 
     def fail(self, err: BaseException) -> None:
         """Every rank, the round failed: the next one rebuilds the group and is dense. Rank 0: servers this round never
@@ -273,12 +275,12 @@ class RoundRun:
         hold a whole version; a server that went silent is named (gloo names only its address)."""
         transfer = self.transfer
         transfer.broken = True
-        transfer.pauses.held_since = None
+        transfer.pauses.release()
         transfer.forget()
         gone = transfer.pool.silent  # (rank 0: found silent by the round's watch: not asked again)
         if transfer.rank == 0 and self.paused:
             if not self.sent and self.own_pause:  # nothing of this round reached them: they serve what they served
-                transfer.pauses.resume_after(err)  # raises, saying so
+                transfer.pauses.resume_after(transfer.servers, err)  # raises, saying so
             else:
                 close_rounds([s for s in transfer.servers if s not in self.resumed and s.url not in gone],
                              timeout=transfer.timeout, empty_round=not transfer.options.closes_failed_rounds)
@@ -331,10 +333,12 @@ def plan_digest(transport: NetworkTransport, source: Any) -> str:
     return repr(source_metadata(source)) if transport.layout is SourceLayout.M2N else ""
 
 
-def _for_round(pool: ServerPool, servers: list[Server]) -> tuple[list[Server], BaseException | None]:
-    """Rank 0: the pool's servers for this round, or ``servers`` and why it cannot start (a server required for it
-    does not answer ``/health``), for every rank of the group to learn before anything is paused."""
+def _for_round(pool: ServerPool) -> BaseException | None:
+    """Rank 0: the pool made current for this round (its ``active`` servers take it), or why the round cannot start (a
+    server required for it does not answer ``/health``), for every rank of the group to learn before anything is
+    paused."""
     try:
-        return pool.for_round(), None
+        pool.for_round()
+        return None
     except ServerError as err:
-        return servers, err
+        return err

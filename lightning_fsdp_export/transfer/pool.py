@@ -215,11 +215,10 @@ class ServerPool:
                                 " the others; it is asked again before the next round.", s.url)
                     for s in servers if s in failed or s in gave_up}
 
-    def agree(self, ranks: SyncGroup, *, rank_zero: bool) -> tuple[list[Server] | None, list[str]]:
-        """Every rank, before each push where the pool can change: rank 0 refreshes it; returns rank 0's servers for
-        the round (``None`` elsewhere) and, on every rank, the URLs that serve (not those that just joined). Rank 0's
-        failure (every server required, one silent) is raised on every rank."""
-        active: list[Server] | None = None
+    def agree(self, ranks: SyncGroup, *, rank_zero: bool) -> list[str]:
+        """Every rank, before each push where the pool can change: rank 0 refreshes it (its :attr:`active` servers take
+        the round); returns, on every rank, the URLs that serve (not those that just joined). Rank 0's failure (every
+        server required, one silent) is raised on every rank."""
         failure: ServerError | None = None
         serving: Any = None
         if rank_zero:
@@ -231,7 +230,7 @@ class ServerPool:
         serving = ranks.broadcast(serving)
         if isinstance(serving, dict):
             raise failure or ServerError(f"trainer rank 0: {serving['error']}", serving["url"])
-        return active, serving
+        return list(serving)
 
     def for_round(self) -> list[Server]:
         """Rank 0, as a round starts: the servers it updates. Refreshed now, unless the sync's agreement
