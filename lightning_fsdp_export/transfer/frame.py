@@ -36,7 +36,7 @@ from lightning_fsdp_export.transfer.adapters import (
 from lightning_fsdp_export.transfer.base import Transfer
 from lightning_fsdp_export.transfer.clients import FanOutClient
 from lightning_fsdp_export.transfer.http import Server, ServerError, on_all, on_each
-from lightning_fsdp_export.transfer.pipeline import RoundRun, weight_source
+from lightning_fsdp_export.transfer.pipeline import RoundEnd, RoundRun, plan_digest, weight_source
 from lightning_fsdp_export.transfer.pool import ServerPool
 from lightning_fsdp_export.transfer.preflight import check_servers
 from lightning_fsdp_export.transfer.rounds import (
@@ -148,9 +148,25 @@ class NativeTransfer(Transfer):
         info = self.options.init_info(rank=self.rank, address=plan["address"], port=plan["port"],
                                       world_size=self.world_size, trainers=self.trainers, group=plan["group"],
                                       timeout=self.timeout)
+        self.plan_digest = plan_digest(self.options, source)
         source = None if self.options.sends_patch_lists else source  # vLLM's sparse engine takes lists, no source
         self.engine = WeightTransferTrainerFactory.trainer_init(info, client=self.client, source=source)
         self.broken = False
+
+    def round_ended(self, end: RoundEnd) -> None:
+        """Every rank: what a round leaves (:class:`~lightning_fsdp_export.transfer.pipeline.RoundEnd`), applied here
+        only: its sparse report; after a success the workers' copy and the group as it stands; after a failure a
+        group to rebuild, a dense next round and no pause held."""
+        if end.patch is not None:
+            self.last_patch = end.patch
+        if end.succeeded:
+            self.kept = end.kept
+            self.broken = False  # also on a rank outside the group (sparse_nccl's others), which never connects again
+            return
+        self.broken = True
+        if end.started:
+            self.pauses.release()
+            self.forget()
 
     def remove_adapter_files(self) -> None:
         """At the fit's end, rank 0: this fit's adapter directories on this host (the servers hold them loaded)."""
