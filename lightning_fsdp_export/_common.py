@@ -8,8 +8,11 @@ the others waiting in an all-gather until the process group's timeout (30 minute
 from __future__ import annotations
 
 import contextlib
+import difflib
+import inspect
 import time
-from collections.abc import Collection, Iterator
+from collections.abc import Callable, Collection, Iterator, Mapping
+from dataclasses import MISSING, fields
 from datetime import timedelta
 from typing import Any
 
@@ -18,7 +21,7 @@ import torch.distributed as dist
 from lightning_fsdp_export._compat import default_store
 
 __all__ = ["DEFAULT_SHARD_BYTES", "STAGINGS", "EngineNotRestored", "SyncGroup", "WeightSyncError", "check_staging",
-           "compare_shapes", "find_relocation", "Relocation", "trainer_part"]
+           "compare_shapes", "find_relocation", "options_signature", "Relocation", "trainer_part", "unknown_options"]
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
 """Largest safetensors file a directory version is split into (``DirectoryTarget`` and the ``Directory`` transport)."""
@@ -219,3 +222,34 @@ def compare_shapes(exported: list[tuple[str, tuple[int, ...]]], expected: dict[s
         lines.append(f"the engine's checkpoint holds {held} (a text model of a vision-language checkpoint): start the"
                      " trainer with LazyExportFSDP2(pretrained=<that checkpoint>), which names the export so")
     return lines
+
+
+def unknown_options(given: Mapping[str, Any], declared: type, owner: str) -> None:
+    """Raise a ``TypeError`` naming the first of ``given``'s keywords that ``declared`` (a ``TypedDict`` of options)
+    lacks, the nearest option's name, and every option's (the check a plain keyword signature would make)."""
+    names = list(declared.__annotations__)
+    for key in given:
+        if key not in names:
+            near = difflib.get_close_matches(key, names, n=1)
+            hint = f" Did you mean {near[0]!r}?" if near else ""
+            raise TypeError(f"{owner}() got an unexpected keyword argument {key!r}.{hint} Its options:"
+                            f" {', '.join(names)}.")
+
+
+def options_signature(declared: type, defaults: type) -> Callable[[Callable[..., None]], Callable[..., None]]:
+    """Decorate an ``__init__`` taking ``**options: Unpack[declared]``: its ``__signature__`` lists each option as a
+    keyword-only parameter with its annotation (from ``declared``) and default (``defaults``' dataclass field), so
+    ``inspect.signature``, ``help()`` and editors that read it show them one by one (mypy reads the ``Unpack``)."""
+    default_of = {f.name: f.default for f in fields(defaults) if f.default is not MISSING}
+
+    def decorate(init: Callable[..., None]) -> Callable[..., None]:
+        signature = inspect.signature(init)
+        kept = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+        options = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default_of[name],
+                                     annotation=annotation)
+                   for name, annotation in declared.__annotations__.items()]
+        listed = signature.replace(parameters=[*kept, *options])
+        init.__signature__ = listed  # type: ignore[attr-defined]  # (a function's attribute inspect.signature reads)
+        return init
+
+    return decorate

@@ -7,22 +7,19 @@ strategy (:mod:`lightning_fsdp_export.fabric`) is the same glue for a loop the u
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from torch import nn
 from torch.distributed.constants import default_pg_timeout
-from torch.distributed.fsdp import MixedPrecisionPolicy
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
-from lightning_fsdp_export.export.lazy import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH
+from lightning_fsdp_export._common import options_signature
 from lightning_fsdp_export.phases.compute import PhaseListener
 from lightning_fsdp_export.phases.offload import move_optimizer_state
-from lightning_fsdp_export.strategy_core import LazyExportCore, LazyExportOptions
+from lightning_fsdp_export.strategy_core import LazyExportArgs, LazyExportCore, LazyExportOptions
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -42,30 +39,11 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
     Unlike :class:`~lightning.pytorch.strategies.ModelParallelStrategy`, the LightningModule need not
     override ``configure_model``: a model that ``configure_model`` did not shard is sharded here.
 
+    Beside Lightning's own keywords it takes the options both strategies take
+    (:class:`~lightning_fsdp_export.strategy_core.LazyExportArgs`: keywords declared once, for this class and
+    Fabric's), listed below after Lightning's.
+
     Args:
-        shard_modules: classes (or class names) whose instances are ``fully_shard``-ed one by one
-            before the root. Default: every Hugging Face model's ``_no_split_modules`` (for Qwen2,
-            ``Qwen2DecoderLayer``). Ignored when ``configure_model`` applied ``fully_shard`` itself.
-        export_module: dotted name of the submodule of the LightningModule that ``export_weights``
-            exports (say ``"policy"``). Default: the single ``transformers.PreTrainedModel`` (or peft
-            model) found inside it. Any LightningModule trains; with none or several candidates,
-            ``export_weights()`` (and a sync) raises and lists them.
-        pretrained: a ``save_pretrained`` directory (safetensors) loaded into the exported model's shards
-            right after sharding, each rank reading only its slices, cast to the model's dtype; under
-            ``trainer.init_module(empty_init=True)`` nothing it holds is randomly initialised first (peft
-            adapters keep their init). ``{"policy": dir, "reference": dir}`` loads submodules by name.
-        mixed_precision: FSDP2's ``MixedPrecisionPolicy`` for the automatic sharding.
-        reshard_after_forward: FSDP2's ``reshard_after_forward`` for the automatic sharding.
-        offload: ``None`` keeps shards on the device; ``"params"`` moves sharded parameters to the host (a
-            pinned buffer per shard, reused, on CUDA) outside each step's compute phase (its first forward through
-            a sharded module to the optimizer step; :meth:`add_phase_listener`) and back for it. ``"policy"`` uses
-            FSDP2's ``CPUOffloadPolicy`` (shards always on the host, gathered to the device per layer).
-        offload_optimizer: with ``offload="params"``, move the optimizer state along with the parameters.
-        export_bucket_bytes: the most bytes (full tensors, after the cast) one all-gather moves: consecutive
-            shards of one decoder layer share a gather, a larger tensor is gathered in row blocks of it
-            (bit-identical either way; bounds the export's transient memory). 0 (default): each tensor alone.
-        export_prefetch: all-gathers kept in flight (``async_op=True``) while the consumer takes the current
-            tensor (each costs one more tensor of memory). Default 1; 0: none. Measured: BENCHMARKS.md.
         data_parallel_size: ranks to shard over. Default: the whole world (pure FSDP).
         tensor_parallel_size: tensor-parallel ranks, applied by your own ``configure_model``. Default 1.
         save_distributed_checkpoint: as in ``ModelParallelStrategy``.
@@ -73,19 +51,14 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
         timeout: as in ``ModelParallelStrategy``; also bounds every collective of an export.
     """
 
-    def __init__(self, *, shard_modules: Sequence[type[nn.Module] | str] | None = None,
-                 export_module: str | None = None,
-                 pretrained: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None,
-                 mixed_precision: MixedPrecisionPolicy | None = None, reshard_after_forward: bool = True,
-                 offload: Literal["params", "policy"] | None = None, offload_optimizer: bool = False,
-                 export_bucket_bytes: int = DEFAULT_BUCKET_BYTES, export_prefetch: int = DEFAULT_PREFETCH,
-                 data_parallel_size: Literal["auto"] | int = "auto", tensor_parallel_size: int = 1,
+    @options_signature(LazyExportArgs, LazyExportOptions)
+    def __init__(self, *, data_parallel_size: Literal["auto"] | int = "auto", tensor_parallel_size: int = 1,
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout) -> None:
+                 timeout: timedelta | None = default_pg_timeout, **options: Unpack[LazyExportArgs]) -> None:
         super().__init__(data_parallel_size=data_parallel_size, tensor_parallel_size=tensor_parallel_size,
                          save_distributed_checkpoint=save_distributed_checkpoint,
                          process_group_backend=process_group_backend, timeout=timeout)
-        self._build_parts(LazyExportOptions.of(locals()), tensor_parallel_size=tensor_parallel_size,
+        self._build_parts(LazyExportOptions.of(options, type(self).__name__), tensor_parallel_size=tensor_parallel_size,
                           model=lambda: self.model, optimizers=lambda: self.optimizers)
 
     # -- the set-up order ----------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from lightning_fsdp_export.export.source import ExportSource, SourceLayout
 from lightning_fsdp_export.phases.compute import ComputePhases, PhaseListener
 from lightning_fsdp_export.phases.offload import OffloadMode
 from lightning_fsdp_export.prepare.preparation import (
+    LazyExportArgs,
     LazyExportOptions,
     ModelPreparation,
     move_unsharded,
@@ -41,7 +42,7 @@ from lightning_fsdp_export.prepare.preparation import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LazyExportCore", "LazyExportOptions"]
+__all__ = ["LazyExportArgs", "LazyExportCore", "LazyExportOptions"]
 
 
 class LazyExportCore:

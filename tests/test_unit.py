@@ -524,16 +524,18 @@ def test_fsdp_param_groups_of_torch_2_13_and_of_earlier_releases() -> None:
 
 
 def test_both_strategies_take_exactly_the_shared_options_with_their_defaults() -> None:
-    # issue 45: the strategies' options are declared once (LazyExportOptions); the Trainer's and Fabric's keyword
-    # signatures (what users and IDEs see) must list those names with those defaults, beside Lightning's own
+    # issue 45, issue 68 item 5: the strategies' options are declared once (LazyExportArgs, taken as
+    # **options: Unpack[LazyExportArgs]); the Trainer's and Fabric's signatures (inspect.signature: what help() and
+    # editors show) list those names with LazyExportOptions' defaults, beside Lightning's own; an unknown one is refused
     import dataclasses
     import inspect
 
     from lightning_fsdp_export import LazyExportFSDP2
     from lightning_fsdp_export.fabric import LazyExportFSDP2 as FabricLazyExportFSDP2
-    from lightning_fsdp_export.strategy_core import LazyExportOptions
+    from lightning_fsdp_export.strategy_core import LazyExportArgs, LazyExportOptions
 
     shared = {f.name: f.default for f in dataclasses.fields(LazyExportOptions)}
+    assert list(LazyExportArgs.__annotations__) == list(shared)
     lightning = {"data_parallel_size", "tensor_parallel_size", "save_distributed_checkpoint", "process_group_backend",
                  "timeout", "parallelize_fn"}
     for strategy in (LazyExportFSDP2, FabricLazyExportFSDP2):
@@ -541,12 +543,19 @@ def test_both_strategies_take_exactly_the_shared_options_with_their_defaults() -
         ours = {name: p.default for name, p in params.items() if name != "self" and name not in lightning}
         assert ours == shared, strategy
         assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in shared)
-    assert LazyExportOptions.of({**shared, "self": None, "timeout": 1}) == LazyExportOptions()
+    assert LazyExportOptions.of({"offload": "params"}, "X") == LazyExportOptions(offload="params")
+    with pytest.raises(TypeError, match=r"LazyExportFSDP2\(\) got an unexpected keyword argument 'ofload'\. Did you"
+                                        r" mean 'offload'\?"):
+        FabricLazyExportFSDP2(ofload="params")
+    with pytest.raises(TypeError, match=r"got an unexpected keyword argument 'parallelize_fn'"):
+        LazyExportFSDP2(parallelize_fn=None)  # (Fabric's alone)
 
 
 def test_the_syncs_options_are_declared_once_and_both_syncs_hold_an_engine_the_same_way() -> None:
-    # issue 57 item 3: SyncOptions is the one declaration; the Trainer's and Fabric's keyword signatures list exactly
-    # its names and defaults, both hand it whole to the engine they hold, and the engine's start/push/end are public
+    # issue 57 item 3, issue 68 item 5: SyncArgs is the one declaration of the keywords both syncs take
+    # (**options: Unpack[SyncArgs]); their signatures (inspect.signature: what help() and editors show) list exactly its
+    # names with SyncOptions' defaults, both hand them whole to the engine they hold, a keyword that is no option is
+    # refused naming the nearest, and the engine's start/push/end are public
     import dataclasses
     import inspect
     from datetime import timedelta
@@ -555,9 +564,10 @@ def test_the_syncs_options_are_declared_once_and_both_syncs_hold_an_engine_the_s
     from lightning_fsdp_export.fabric import WeightSync
     from lightning_fsdp_export.sync.engine import SyncEngine
     from lightning_fsdp_export.sync.holder import HoldsSyncEngine
-    from lightning_fsdp_export.sync.options import OnError, SyncOptions
+    from lightning_fsdp_export.sync.options import OnError, SyncArgs, SyncOptions
 
     shared = {f.name: f.default for f in dataclasses.fields(SyncOptions)}
+    assert list(SyncArgs.__annotations__) == list(shared)
     triggers = {"every_n_train_steps", "every_n_epochs", "sync_on_train_start"}
     for cls in (VLLMWeightSync, WeightSync):
         params = inspect.signature(cls.__init__).parameters
@@ -570,6 +580,11 @@ def test_the_syncs_options_are_declared_once_and_both_syncs_hold_an_engine_the_s
     assert all(callable(getattr(SyncEngine, step)) for step in ("start", "push", "end"))
     with pytest.raises(ValueError, match=r"WeightSync\(timeout=-1\) must be a positive"):
         WeightSync(InMemoryTarget(), timeout=-1)
+    with pytest.raises(TypeError, match=r"VLLMWeightSync\(\) got an unexpected keyword argument 'verfy'\. Did you"
+                                        r" mean 'verify'\? Its options: dtype, verify, "):
+        VLLMWeightSync(InMemoryTarget(), verfy="logprobs")
+    with pytest.raises(TypeError, match=r"WeightSync\(\) got an unexpected keyword argument 'every_n_train_steps'"):
+        WeightSync(InMemoryTarget(), every_n_train_steps=1)
     with pytest.raises(ValueError, match=r"SyncOptions\(verify_tolerance=0\) must be positive"):
         SyncOptions(verify_tolerance=0)
 

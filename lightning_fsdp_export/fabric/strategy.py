@@ -8,8 +8,7 @@ calls the strategy's ``optimizer_step``), where the Trainer has hooks.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -17,14 +16,14 @@ from lightning.fabric.strategies import ModelParallelStrategy
 from torch import nn
 from torch.distributed.constants import default_pg_timeout
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecisionPolicy
+from torch.distributed.fsdp import FullyShardedDataParallel
 from torch.optim import Optimizer
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
+from lightning_fsdp_export._common import options_signature
 from lightning_fsdp_export._fsdp import unsharded_class
-from lightning_fsdp_export.export.lazy import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH
 from lightning_fsdp_export.phases.offload import move_optimizer_state
-from lightning_fsdp_export.strategy_core import LazyExportCore, LazyExportOptions
+from lightning_fsdp_export.strategy_core import LazyExportArgs, LazyExportCore, LazyExportOptions
 
 __all__ = ["LazyExportFSDP2"]
 
@@ -43,8 +42,9 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
         for name, tensor in fabric.strategy.export_weights(dtype=torch.bfloat16):  # on every rank
             ...
 
-    The export (``export_weights()``, ``export_source()``, ``weight_source()``), the phases and the offload are the
-    Trainer strategy's (:class:`lightning_fsdp_export.LazyExportFSDP2`, whose docstring documents every option); a
+    The export (``export_weights()``, ``export_source()``, ``weight_source()``), the phases, the offload and the
+    options (:class:`~lightning_fsdp_export.strategy_core.LazyExportArgs`, listed below) are the Trainer strategy's
+    (:class:`lightning_fsdp_export.LazyExportFSDP2`); a
     step's compute phase runs from its first forward through a sharded module to the end of ``optimizer.step()``.
     One module per strategy is prepared and exported: the module given to ``fabric.setup_module`` (or
     ``fabric.setup``), or the model ``export_module=`` names inside it.
@@ -53,23 +53,19 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
         parallelize_fn: Fabric's ``(module, device_mesh) -> module`` applying your own ``fully_shard`` (and tensor
             parallelism on ``device_mesh["tensor_parallel"]``). Default ``None``: the strategy shards the model as
             the Trainer's does (``shard_modules``, then the root).
-        shard_modules: as in the Trainer's ``LazyExportFSDP2``; so are ``export_module``, ``pretrained``,
-            ``mixed_precision``, ``reshard_after_forward``, ``offload``, ``offload_optimizer``, ``export_bucket_bytes``,
-            ``export_prefetch``, ``save_distributed_checkpoint``, ``process_group_backend`` and ``timeout``.
         data_parallel_size: ranks to shard over. Default: the world divided by ``tensor_parallel_size`` (pure FSDP;
             Fabric's own ``ModelParallelStrategy`` defaults to the number of nodes).
         tensor_parallel_size: tensor-parallel ranks, applied by your ``parallelize_fn``. Default 1.
+        save_distributed_checkpoint: as in ``ModelParallelStrategy``.
+        process_group_backend: as in ``ModelParallelStrategy`` (``"gloo"`` on CPU, ``"nccl"`` on CUDA).
+        timeout: as in ``ModelParallelStrategy``; also bounds every collective of an export.
     """
 
+    @options_signature(LazyExportArgs, LazyExportOptions)
     def __init__(self, *, parallelize_fn: Callable[[nn.Module, DeviceMesh], nn.Module] | None = None,
-                 shard_modules: Sequence[type[nn.Module] | str] | None = None, export_module: str | None = None,
-                 pretrained: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None = None,
-                 mixed_precision: MixedPrecisionPolicy | None = None, reshard_after_forward: bool = True,
-                 offload: Literal["params", "policy"] | None = None, offload_optimizer: bool = False,
-                 export_bucket_bytes: int = DEFAULT_BUCKET_BYTES, export_prefetch: int = DEFAULT_PREFETCH,
                  data_parallel_size: Literal["auto"] | int = "auto", tensor_parallel_size: int = 1,
                  save_distributed_checkpoint: bool = True, process_group_backend: str | None = None,
-                 timeout: timedelta | None = default_pg_timeout) -> None:
+                 timeout: timedelta | None = default_pg_timeout, **options: Unpack[LazyExportArgs]) -> None:
         if parallelize_fn is not None and not callable(parallelize_fn):
             raise TypeError(f"LazyExportFSDP2(parallelize_fn={parallelize_fn!r}) must be a function (module,"
                             " device_mesh) -> module, or None to let the strategy shard the model.")
@@ -79,7 +75,7 @@ class LazyExportFSDP2(LazyExportCore, ModelParallelStrategy):
                          process_group_backend=process_group_backend, timeout=timeout)
         self._module: nn.Module | None = None
         self._optimizers: list[Optimizer] = []
-        self._build_parts(LazyExportOptions.of(locals()), tensor_parallel_size=tensor_parallel_size,
+        self._build_parts(LazyExportOptions.of(options, type(self).__name__), tensor_parallel_size=tensor_parallel_size,
                           model=lambda: self._module, optimizers=lambda: self._optimizers)
 
     @override

