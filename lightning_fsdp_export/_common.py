@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable, Collection, Iterator, Mapping
 from dataclasses import MISSING, fields
 from datetime import timedelta
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -22,6 +22,8 @@ from lightning_fsdp_export._compat import default_store
 
 __all__ = ["DEFAULT_SHARD_BYTES", "STAGINGS", "EngineNotRestored", "SyncGroup", "WeightSyncError", "check_staging",
            "compare_shapes", "find_relocation", "options_signature", "Relocation", "trainer_part", "unknown_options"]
+
+_Init = TypeVar("_Init", bound=Callable[..., None])
 
 DEFAULT_SHARD_BYTES = 2 * 2**30
 """Largest safetensors file a directory version is split into (``DirectoryTarget`` and the ``Directory`` transport)."""
@@ -236,13 +238,14 @@ def unknown_options(given: Mapping[str, Any], declared: type, owner: str) -> Non
                             f" {', '.join(names)}.")
 
 
-def options_signature(declared: type, defaults: type) -> Callable[[Callable[..., None]], Callable[..., None]]:
+def options_signature(declared: type, defaults: type) -> Callable[[_Init], _Init]:
     """Decorate an ``__init__`` taking ``**options: Unpack[declared]``: its ``__signature__`` lists each option as a
     keyword-only parameter with its annotation (from ``declared``) and default (``defaults``' dataclass field), so
-    ``inspect.signature``, ``help()`` and editors that read it show them one by one (mypy reads the ``Unpack``)."""
+    ``inspect.signature``, ``help()`` and editors that read it show them one by one; the type checker keeps reading
+    the ``Unpack`` (the decorated function's type is unchanged)."""
     default_of = {f.name: f.default for f in fields(defaults) if f.default is not MISSING}
 
-    def decorate(init: Callable[..., None]) -> Callable[..., None]:
+    def decorate(init: _Init) -> _Init:
         signature = inspect.signature(init)
         kept = [p for p in signature.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
         options = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, default=default_of[name],

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ from lightning_fsdp_export import ExportReport, LazyExportFSDP2, export_name, la
 from lightning_fsdp_export.export.names import is_lora_name
 from lightning_fsdp_export.phases.offload import OffloadMode
 from lightning_fsdp_export.testing import tiny_qwen2
+from tests.conftest import ROOT
 
 NAMES = [
     ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.q_proj.weight"),
@@ -587,6 +589,29 @@ def test_the_syncs_options_are_declared_once_and_both_syncs_hold_an_engine_the_s
         WeightSync(InMemoryTarget(), every_n_train_steps=1)
     with pytest.raises(ValueError, match=r"SyncOptions\(verify_tolerance=0\) must be positive"):
         SyncOptions(verify_tolerance=0)
+
+
+@pytest.mark.subprocess  # (mypy in its own process; warm after make test's own mypy run)
+def test_a_type_checker_refuses_a_misspelt_or_wrong_option_where_users_call_the_syncs_and_strategies(
+        tmp_path: Path) -> None:
+    # issue 68 item 5: the options a user passes are checked against the one declaration (SyncArgs, LazyExportArgs)
+    user = tmp_path / "user.py"
+    user.write_text("from lightning_fsdp_export import LazyExportFSDP2, VLLMWeightSync\n"
+                    "from lightning_fsdp_export.fabric import WeightSync\n"
+                    "from lightning_fsdp_export.targets import RemoteVLLM\n"
+                    "target = RemoteVLLM('http://h:8000')\n"
+                    "VLLMWeightSync(target, every_n_train_steps=1, verfy='logprobs')\n"
+                    "WeightSync(target, on_error='ignore')\n"
+                    "LazyExportFSDP2(offload='param', timeout=None)\n"
+                    "VLLMWeightSync(target, verify='logprobs', timeout=30, lora='adapter')\n"
+                    "LazyExportFSDP2(offload='params', export_prefetch=2, data_parallel_size=2)\n")
+    proc = subprocess.run([sys.executable, "-m", "mypy", "--no-error-summary", str(user)], cwd=ROOT,
+                          capture_output=True, text=True, timeout=600)
+    errors = re.findall(r"user\.py:(\d+): error: (.*)", proc.stdout)
+    assert [int(line) for line, _ in errors] == [5, 6, 7], proc.stdout  # (lines 8 and 9 are right)
+    assert 'Unexpected keyword argument "verfy" for "VLLMWeightSync"; did you mean "verify"?' in errors[0][1]
+    assert 'Argument "on_error" to "WeightSync" has incompatible type "Literal[\'ignore\']"' in errors[1][1]
+    assert 'Argument "offload" to "LazyExportFSDP2" has incompatible type "Literal[\'param\']"' in errors[2][1]
 
 
 def test_the_finite_check_finds_a_nan_or_an_inf_anywhere_in_any_float_dtype() -> None:
