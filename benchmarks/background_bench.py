@@ -43,9 +43,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from benchmarks.lora_bench import SIZES
 from benchmarks.sparse_bench import LM
 from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export.servers.http import Server, ServerError
 from lightning_fsdp_export.targets import Gloo
 from lightning_fsdp_export.testing import tiny_qwen2
-from lightning_fsdp_export.transfer.http import Server, ServerError
 from tests.scripts.common import start_server, stop_server, wait_for_server
 
 

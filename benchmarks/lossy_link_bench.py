@@ -41,9 +41,9 @@ def trainer(args: argparse.Namespace) -> None:
 
     from lightning_fsdp_export import RemoteVLLM
     from lightning_fsdp_export.export.source import ExportSource
+    from lightning_fsdp_export.servers.http import HealthProbe, Server, ServerError
+    from lightning_fsdp_export.servers.pool import HEALTH_TIMEOUT_S
     from lightning_fsdp_export.targets import Gloo
-    from lightning_fsdp_export.transfer.http import HealthProbe, Server, ServerError
-    from lightning_fsdp_export.transfer.pool import HEALTH_TIMEOUT_S
 
     dist.init_process_group("gloo")
     weights = load_file(str(Path(args.model) / "model.safetensors"))

@@ -28,7 +28,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from lightning_fsdp_export._network import free_port, is_loopback, route_address
-from lightning_fsdp_export.transfer.http import Server, ServerError
+from lightning_fsdp_export.servers.http import Server, ServerError
 
 if sys.platform != "win32":
     import fcntl

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import torch
 
+from lightning_fsdp_export.servers.http import Server, ServerError
 from lightning_fsdp_export.testing import save_word_tokenizer, tiny_qwen2
-from lightning_fsdp_export.transfer.http import Server, ServerError
 from tests.conftest import free_port
 from tests.hosts import Hosts, hosts_or_skip
 from tests.scripts.common import LORA_ARGS, LORA_ENV, start_server, stop_server, wait_for_server

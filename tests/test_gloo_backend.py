@@ -614,8 +614,8 @@ def test_an_llm_in_this_process_through_the_adapter(tmp_path: Any) -> None:
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
 
+    from lightning_fsdp_export.servers.clients import LLMClient
     from lightning_fsdp_export.testing import tiny_qwen2
-    from lightning_fsdp_export.transfer.clients import LLMClient
 
     tiny_qwen2(seed=99).to(torch.bfloat16).save_pretrained(tmp_path)
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")

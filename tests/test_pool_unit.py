@@ -17,8 +17,8 @@ import pytest
 
 from lightning_fsdp_export import RemoteVLLM
 from lightning_fsdp_export._common import SyncGroup
+from lightning_fsdp_export.servers.http import ServerError
 from lightning_fsdp_export.sync.engine import SyncEngine
-from lightning_fsdp_export.transfer.http import ServerError
 from lightning_fsdp_export.transfer.transports import Directory
 from tests.test_transfer_unit import ROUND, Rank, Stub, recording_engine, source
 
@@ -377,7 +377,7 @@ def test_a_set_aside_server_that_stays_frozen_costs_the_next_syncs_nothing_and_r
 
 def test_the_watchs_probe_tells_a_refused_host_from_a_silent_one() -> None:
     from lightning_fsdp_export._network import free_port
-    from lightning_fsdp_export.transfer.http import HealthProbe, Server
+    from lightning_fsdp_export.servers.http import HealthProbe, Server
 
     stub = Stub()  # (HTTP/1.0: it closes each connection; the probe opens a new one at once)
     probe = HealthProbe(Server(stub.url, api_key=None, timeout=5), timeout=1.0)

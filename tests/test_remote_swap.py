@@ -26,10 +26,10 @@ import pytest
 import torch
 
 from lightning_fsdp_export.export.source import ExportSource
+from lightning_fsdp_export.servers.http import Server, ServerError
+from lightning_fsdp_export.servers.pool import ServerPool
 from lightning_fsdp_export.testing import tiny_qwen2
 from lightning_fsdp_export.transfer.frame import NativeTransfer
-from lightning_fsdp_export.transfer.http import Server, ServerError
-from lightning_fsdp_export.transfer.pool import ServerPool
 from lightning_fsdp_export.transfer.transports import Gloo
 from tests.conftest import ROOT, free_port
 from tests.scripts.remote_transfer import gap
@@ -49,8 +49,8 @@ _TRAINER = textwrap.dedent("""
     from lightning_fsdp_export.export.shards import ShardSource
     from lightning_fsdp_export.export.source import ExportSource
     from lightning_fsdp_export.transfer.frame import NativeTransfer
-    from lightning_fsdp_export.transfer.http import Server
-    from lightning_fsdp_export.transfer.pool import ServerPool
+    from lightning_fsdp_export.servers.http import Server
+    from lightning_fsdp_export.servers.pool import ServerPool
     from lightning_fsdp_export.transfer.transports import Gloo
     from lightning_fsdp_export.testing import tiny_qwen2
 
@@ -170,8 +170,8 @@ _FOREGROUND = textwrap.dedent("""
     from lightning_fsdp_export.backend.trainer import GlooTrainerWeightTransferEngine
     from lightning_fsdp_export.export.source import ExportSource
     from lightning_fsdp_export.transfer.frame import NativeTransfer
-    from lightning_fsdp_export.transfer.http import Server
-    from lightning_fsdp_export.transfer.pool import ServerPool
+    from lightning_fsdp_export.servers.http import Server
+    from lightning_fsdp_export.servers.pool import ServerPool
     from lightning_fsdp_export.transfer.transports import Gloo
     from lightning_fsdp_export.testing import tiny_qwen2
 

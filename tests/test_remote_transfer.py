@@ -209,8 +209,8 @@ _DYING_TRAINER = textwrap.dedent("""
     import sys, time, torch
     sys.path.insert(0, {root!r})
     from lightning_fsdp_export.export.source import ExportSource
-    from lightning_fsdp_export.transfer.http import Server
-    from lightning_fsdp_export.transfer.pool import ServerPool
+    from lightning_fsdp_export.servers.http import Server
+    from lightning_fsdp_export.servers.pool import ServerPool
     from lightning_fsdp_export.transfer.frame import NativeTransfer
     from lightning_fsdp_export.transfer.transports import Gloo
     from lightning_fsdp_export.testing import tiny_qwen2
@@ -234,9 +234,9 @@ _DYING_TRAINER = textwrap.dedent("""
 @pytest.mark.parametrize("background", [False, True], ids=["paused_round", "background_round"])
 def test_a_trainer_killed_mid_round_frees_the_server_after_the_timeout(servers: Any, background: bool) -> None:
     from lightning_fsdp_export.export.source import ExportSource
+    from lightning_fsdp_export.servers.http import Server
+    from lightning_fsdp_export.servers.pool import ServerPool
     from lightning_fsdp_export.transfer.frame import NativeTransfer
-    from lightning_fsdp_export.transfer.http import Server
-    from lightning_fsdp_export.transfer.pool import ServerPool
     from lightning_fsdp_export.transfer.transports import Gloo
 
     _, urls = servers
@@ -277,9 +277,9 @@ def test_a_server_killed_mid_background_transfer_is_named_and_the_other_keeps_se
     # both; the round fails naming it within the timeout, and the session's server was never paused: it serves the
     # version it had and answers. The trainer side is one rank in this process (as the killed-trainer test above).
     from lightning_fsdp_export.export.source import ExportSource
+    from lightning_fsdp_export.servers.http import Server
+    from lightning_fsdp_export.servers.pool import ServerPool
     from lightning_fsdp_export.transfer.frame import NativeTransfer
-    from lightning_fsdp_export.transfer.http import Server
-    from lightning_fsdp_export.transfer.pool import ServerPool
     from lightning_fsdp_export.transfer.transports import Gloo
 
     model_dir, urls = servers

@@ -146,7 +146,7 @@ def test_a_request_to_a_server_that_never_answers_is_interrupted_at_once() -> No
     import threading
     import time
 
-    from lightning_fsdp_export.transfer.http import Server, ServerError, interrupt
+    from lightning_fsdp_export.servers.http import Server, ServerError, interrupt
 
     listener = socket.socket()
     listener.bind(("127.0.0.1", 0))
@@ -174,7 +174,7 @@ def test_a_request_to_a_server_that_never_answers_is_interrupted_at_once() -> No
 
 @pytest.mark.parametrize("lora, model", [("merged", None), ("adapter", "policy")])
 def test_with_an_adapter_sync_the_rollouts_ask_for_the_adapter(lora: str, model: str | None) -> None:
-    from lightning_fsdp_export.transfer.http import ServerError
+    from lightning_fsdp_export.servers.http import ServerError
 
     sync = VLLMWeightSync(RemoteVLLM(URL, transport="gloo", adapter_name="policy"), lora=lora)  # type: ignore[arg-type]
     r = AsyncRollouts(sync, [[1, 2, 3]], lambda s: 0.0, batch_size=1)

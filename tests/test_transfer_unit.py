@@ -23,7 +23,7 @@ pytest.importorskip("vllm")
 from lightning_fsdp_export import RemoteVLLM
 from lightning_fsdp_export._compat import iter_full, source_metadata, weight_source_contract
 from lightning_fsdp_export.export.source import ExportSource, layerwise_entries, layerwise_groups
-from lightning_fsdp_export.transfer.http import ServerError
+from lightning_fsdp_export.servers.http import ServerError
 from lightning_fsdp_export.transfer.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL, StagedNCCL
 from tests.conftest import free_port
 
@@ -628,7 +628,7 @@ def shard_source() -> Any:
 
 def test_after_a_failed_round_rank_0_names_the_servers_that_stopped_answering() -> None:
     # gloo's "Connection closed by peer [address]" names no server: rank 0 asks each one's /health
-    from lightning_fsdp_export.transfer.http import Server, not_answering
+    from lightning_fsdp_export.servers.http import Server, not_answering
 
     alive = Stub()
     gone = Server(f"http://127.0.0.1:{free_port()}", api_key=None, timeout=5)  # nothing listens there
@@ -739,7 +739,7 @@ def test_every_problem_of_every_server_is_named_with_its_fix(recording_engine: A
 
 
 def test_a_quantized_checkpoint_is_refused_but_online_quantization_of_bf16_files_is_not(tmp_path: Any) -> None:
-    from lightning_fsdp_export.transfer.preflight import quantization_problem
+    from lightning_fsdp_export.servers.preflight import quantization_problem
 
     stored, plain = tmp_path / "fp8", tmp_path / "bf16"
     stored.mkdir()
@@ -753,8 +753,8 @@ def test_a_quantized_checkpoint_is_refused_but_online_quantization_of_bf16_files
 
 
 def test_a_server_without_dev_mode_is_named_with_the_variable() -> None:
-    from lightning_fsdp_export.transfer.http import Server
-    from lightning_fsdp_export.transfer.preflight import server_info
+    from lightning_fsdp_export.servers.http import Server
+    from lightning_fsdp_export.servers.preflight import server_info
 
     stub = Stub()
     stub.fail["/server_info"] = (404, {"detail": "Not Found"})
@@ -772,7 +772,7 @@ def test_a_server_without_dev_mode_is_named_with_the_variable() -> None:
 def test_a_colocated_quantized_engine_is_refused() -> None:
     from types import SimpleNamespace
 
-    from lightning_fsdp_export.transfer.preflight import engine_quantization_problem
+    from lightning_fsdp_export.servers.preflight import engine_quantization_problem
 
     def llm(quantization: str | None, stored: Any) -> Any:
         config = SimpleNamespace(quantization=quantization, model="/ckpt",
@@ -1059,8 +1059,8 @@ def test_the_trainer_binds_the_address_that_routes_to_remote_servers_never_a_loo
     # issue 55: the default store address was the hostname's (127.0.1.1 on stock Debian/Ubuntu hosts), which a server
     # on another host cannot reach: now the address of the interface the kernel routes to the servers through
     from lightning_fsdp_export._network import is_loopback, route_address
+    from lightning_fsdp_export.servers.http import Server
     from lightning_fsdp_export.transfer.frame import _store_address
-    from lightning_fsdp_export.transfer.http import Server
 
     def servers(*urls: str) -> list[Server]:
         return [Server(u, api_key=None, timeout=1.0) for u in urls]
@@ -1156,7 +1156,7 @@ def test_a_replica_that_stops_answering_health_fails_the_round_unpaused_and_the_
 
 def test_a_server_whose_process_ended_is_named_as_gone_not_as_misconfigured() -> None:
     """Issue 58 item 4: a server that died (its worker's 'Executor failed') refuses connections; the error says so."""
-    from lightning_fsdp_export.transfer.http import Server
+    from lightning_fsdp_export.servers.http import Server
 
     gone = Server(f"http://127.0.0.1:{free_port()}", api_key=None, timeout=5)
     with pytest.raises(ServerError, match=r"connection refused: no server listens there now. Its process ended") as err:

@@ -186,7 +186,7 @@ def test_the_package_has_no_import_cycle() -> None:
         visit(module, [])
 
 
-ROOMS = ("prepare", "phases", "export", "sync", "targets", "transfer", "backend", "rollouts", "fabric")
+ROOMS = ("prepare", "phases", "export", "sync", "targets", "transfer", "servers", "backend", "rollouts", "fabric")
 BOTTOM = ("_common", "_compat", "_faults", "_fsdp", "_network")
 GLUE = ("strategy", "strategy_core")  # the Trainer strategy and the core both strategies share
 
@@ -285,7 +285,7 @@ def test_few_type_ignores_are_left_each_with_its_reason() -> None:
 
 
 def test_each_server_route_is_spelled_in_one_module_of_each_side() -> None:
-    # issue 57 item 2: the trainer's routes live on transfer/http.Server; what both sides share in backend/shared.py
+    # issue 57 item 2: the trainer's routes live on servers/http.Server; what both sides share in backend/shared.py
     import re
 
     root = Path(__file__).resolve().parent.parent
@@ -295,7 +295,7 @@ def test_each_server_route_is_spelled_in_one_module_of_each_side() -> None:
     spelled = {str(path.relative_to(root)) for path in [*root.joinpath("lightning_fsdp_export").rglob("*.py"),
                                                         root / "lightning_fsdp_export_plugin" / "__init__.py"]
                if route.search(path.read_text())}
-    assert spelled == {"lightning_fsdp_export/transfer/http.py", "lightning_fsdp_export/backend/shared.py",
+    assert spelled == {"lightning_fsdp_export/servers/http.py", "lightning_fsdp_export/backend/shared.py",
                        "lightning_fsdp_export/backend/server_swap.py",
                        "lightning_fsdp_export/backend/server_lease.py"}, spelled
     # (the server's middleware: server_swap, vLLM's guarded prefixes; server_lease, the trainer's routes that renew a
@@ -420,7 +420,7 @@ def test_a_server_that_drafts_with_no_model_is_named_before_a_drafter_is_sent(mo
     # RemoteVLLM.check_draft (the sync's precheck, before any gather): each server's dev-mode /server_info must name a
     # speculative_config, asked once per server; otherwise the drafter's round would fail after the policy's
     from lightning_fsdp_export import RemoteVLLM
-    from lightning_fsdp_export.transfer.http import Server
+    from lightning_fsdp_export.servers.http import Server
 
     class FakeServer(Server):  # the typed routes over a request() that answers as the server would
         def __init__(self, url: str, speculative: Any) -> None:

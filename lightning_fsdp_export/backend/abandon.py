@@ -1,6 +1,6 @@
 """Leaving a round that waits on a silent member (issue 67).
 
-Trainer rank 0 watches the servers while a round runs (``transfer/watch.py``); when one goes silent it posts why in the
+Trainer rank 0 watches the servers while a round runs (``servers/watch.py``); when one goes silent it posts why in the
 group's store (:meth:`Abandon.post`). Every member's waits on the group (trainer ranks and workers alike) look there
 whenever a wait has lasted a slice (:data:`SLICE_S`) and raise :class:`RoundAbandoned` with the reason, so no member
 waits for the group's timeout on a peer that will never answer: the healthy servers' workers leave the round within

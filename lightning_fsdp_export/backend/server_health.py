@@ -7,7 +7,7 @@ the transfer group's timeout (measured: 20 s with ``timeout=20``, 300 s by defau
 
 The plugin's middleware (``server_swap.middleware``) answers ``/health`` with 503 when a process under the API server
 (its engine core, its workers) is stopped (:func:`stopped_processes`, read from ``/proc``), naming it. The pool's
-``/health`` before a round and the round's watch (``transfer/watch.py``) then find the server unhealthy within seconds,
+``/health`` before a round and the round's watch (``servers/watch.py``) then find the server unhealthy within seconds,
 set it aside where ``min_servers`` allows, and let it rejoin once the process runs again. A process that hangs without
 being stopped (a kernel that never returns) is not seen here: the round's timeout still ends that one. Linux only
 (elsewhere no process is ever found stopped).

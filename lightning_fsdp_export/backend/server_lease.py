@@ -3,7 +3,7 @@ own when that trainer has gone silent, if the model it holds is one whole versio
 
 A round's ``/pause`` carries ``lease=<seconds>`` and ``round_mode=<the round's pause mode>`` (``Server.pause``; vLLM's
 route ignores both). From then on every request of the trainer renews the lease: the round's weight routes, and its
-watch's ``/health?watch``, asked every second while the round runs (``transfer/watch.py``). When no such request is
+watch's ``/health?watch``, asked every second while the round runs (``servers/watch.py``). When no such request is
 in flight and none came for ``lease`` seconds (the trainer died, froze, or its link was cut), the server ends the
 pause by what the round did to it:
 
@@ -137,7 +137,7 @@ class RoundFence:
     link is back or the process runs again, after the trainer began the next round (measured: a link cut for a few
     seconds mid-data; the cut round's ``/update_weights`` arrived after the redo's ``/init_weight_transfer_engine``
     and held the engine in the new group with the old round's plan for the group's whole timeout, failing the redo).
-    Every request of a trainer carries ``ROUND_HEADER`` (``<session>:<round>``, :func:`~..transfer.http.next_round`);
+    Every request of a trainer carries ``ROUND_HEADER`` (``<session>:<round>``, :func:`~..servers.http.next_round`);
     a request of another session (another trainer, a restarted one) starts the fence over; one without the header (a
     client other than this package) is never refused.
     """

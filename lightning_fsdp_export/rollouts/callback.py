@@ -22,10 +22,10 @@ from lightning_fsdp_export.rollouts.loop import FabricLoop
 from lightning_fsdp_export.rollouts.pacing import Pacing
 from lightning_fsdp_export.rollouts.samples import Prompt, RolloutBatch, RolloutError, Sample
 from lightning_fsdp_export.rollouts.state import RolloutState
+from lightning_fsdp_export.servers.http import Server, ServerError
 from lightning_fsdp_export.sync.callback import VLLMWeightSync, trainer_callbacks
 from lightning_fsdp_export.sync.holder import HoldsSyncEngine
 from lightning_fsdp_export.targets.base import ServesRollouts
-from lightning_fsdp_export.transfer.http import Server, ServerError
 
 __all__ = ["AsyncRollouts"]
 

@@ -21,9 +21,9 @@ from lightning_fsdp_export.rollouts.samples import (
     split_prompt,
 )
 from lightning_fsdp_export.rollouts.state import RolloutState
+from lightning_fsdp_export.servers.http import Server, ServerError, interrupt
 from lightning_fsdp_export.sync.holder import HoldsSyncEngine
 from lightning_fsdp_export.targets.base import ServesRollouts
-from lightning_fsdp_export.transfer.http import Server, ServerError, interrupt
 
 __all__ = ["RolloutClients"]
 

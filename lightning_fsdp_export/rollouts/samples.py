@@ -11,7 +11,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_fsdp_export.transfer.http import GENERATE_ROUTE
+from lightning_fsdp_export.servers.http import GENERATE_ROUTE
 
 __all__ = ["GENERATE_ROUTE", "UNKNOWN_VERSION", "Prompt", "RolloutBatch", "RolloutError", "Sample", "SampleGroup",
            "image_parts", "split_prompt", "staleness_mask", "truncated_importance_weights"]

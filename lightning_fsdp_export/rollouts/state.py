@@ -7,7 +7,7 @@ from collections import deque
 from typing import Any
 
 from lightning_fsdp_export.rollouts.samples import SampleGroup
-from lightning_fsdp_export.transfer.http import Server
+from lightning_fsdp_export.servers.http import Server
 
 __all__ = ["RolloutState"]
 

@@ -7,6 +7,7 @@ A target subclasses :class:`WeightTarget` (and the capabilities it has: :class:`
 transports are its options objects (``Gloo(shard_direct=True)``, ``Directory(path)``), re-exported here.
 """
 
+from lightning_fsdp_export.servers.clients import LLMClient
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,
     LoadsAdapters,
@@ -21,7 +22,6 @@ from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.targets.memory import InMemoryTarget
 from lightning_fsdp_export.targets.remote import RemoteVLLM
 from lightning_fsdp_export.targets.vision_layout import vision_layout_problem, write_vllm_layout
-from lightning_fsdp_export.transfer.clients import LLMClient
 from lightning_fsdp_export.transfer.transports import IPC, NCCL, NCCLM2N, Directory, Gloo, SparseNCCL, StagedNCCL
 
 __all__ = ["IPC", "NCCL", "NCCLM2N", "ColocatedVLLM", "Directory", "DirectoryTarget", "ExactCheckable", "Gloo",

@@ -41,7 +41,7 @@ from lightning_fsdp_export.export.source import ExportSource, SourceLayout
 
 if TYPE_CHECKING:
 
-    from lightning_fsdp_export.transfer.http import Server
+    from lightning_fsdp_export.servers.http import Server
 
 __all__ = ["ExactCheckable", "LoadsAdapters", "PushesDrafts", "ScoresLogprobs", "SendsPatches", "ServesRollouts",
            "SleepsDuringCompute", "SyncRun", "WeightTarget"]

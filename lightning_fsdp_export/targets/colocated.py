@@ -30,6 +30,7 @@ from lightning_fsdp_export._compat import (
     set_weight_version,
 )
 from lightning_fsdp_export.export.source import ExportSource
+from lightning_fsdp_export.servers.preflight import engine_quantization_problem
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,
     LoadsAdapters,
@@ -41,7 +42,6 @@ from lightning_fsdp_export.targets.base import (
 )
 from lightning_fsdp_export.targets.directory import CheckpointCheck
 from lightning_fsdp_export.targets.vision_layout import vision_layout_problem
-from lightning_fsdp_export.transfer.preflight import engine_quantization_problem
 
 if TYPE_CHECKING:
     pass

@@ -23,6 +23,9 @@ from typing_extensions import override
 from lightning_fsdp_export._common import SyncGroup
 from lightning_fsdp_export.backend.shared import PAUSE_MODES, PauseMode
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
+from lightning_fsdp_export.servers.http import Server, ServerError, on_all, on_each
+from lightning_fsdp_export.servers.pool import ServerPool, Urls
+from lightning_fsdp_export.servers.preflight import adapter_problems
 from lightning_fsdp_export.targets.base import (
     ExactCheckable,
     LoadsAdapters,
@@ -35,11 +38,9 @@ from lightning_fsdp_export.targets.base import (
 )
 from lightning_fsdp_export.targets.directory import CheckpointCheck
 from lightning_fsdp_export.targets.remote_directory import DirectoryReload
-from lightning_fsdp_export.transfer.adapters import AdapterFiles, adapter_problems, adapter_rank
+from lightning_fsdp_export.transfer.adapters import AdapterFiles, adapter_rank
 from lightning_fsdp_export.transfer.base import Transfer
 from lightning_fsdp_export.transfer.frame import NativeTransfer
-from lightning_fsdp_export.transfer.http import Server, ServerError, on_all, on_each
-from lightning_fsdp_export.transfer.pool import ServerPool, Urls
 from lightning_fsdp_export.transfer.transports import Directory, Transport, parse_transport
 
 if TYPE_CHECKING:
@@ -64,7 +65,7 @@ class RemoteVLLM(WeightTarget, ScoresLogprobs, ExactCheckable, LoadsAdapters, Pu
     leaves a server serving half-loaded weights (it stays paused, named) and resumes every server that holds one whole
     version; the next sync rebuilds the group and pushes every tensor. By default every server takes every version
     and one that fails fails the sync; with ``min_servers=k`` the sync succeeds while ``k`` take it, and the others
-    are set aside and rejoin when they answer again (:mod:`~lightning_fsdp_export.transfer.pool`).
+    are set aside and rejoin when they answer again (:mod:`~lightning_fsdp_export.servers.pool`).
 
     Args:
         base_url: a server's address (``"http://10.0.0.5:8000"``), a list of them (replicas), or, for servers that

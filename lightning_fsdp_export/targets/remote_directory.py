@@ -1,6 +1,6 @@
 """``RemoteVLLM``'s round over a shared directory (``transport=Directory(path)``): the version written as safetensors by
 a :class:`~lightning_fsdp_export.targets.directory.DirectoryTarget`, then reloaded by every server from it, under the
-same pause as a network round (:class:`~lightning_fsdp_export.transfer.pauses.Pauses`); it keeps the adapters' two
+same pause as a network round (:class:`~lightning_fsdp_export.servers.pauses.Pauses`); it keeps the adapters' two
 newest versions per name under the shared directory and holds no group, so it has nothing to shut down."""
 
 from __future__ import annotations
@@ -17,13 +17,13 @@ from typing_extensions import override
 
 from lightning_fsdp_export.backend.shared import PauseMode
 from lightning_fsdp_export.export.source import ExportSource
+from lightning_fsdp_export.servers.http import Server
+from lightning_fsdp_export.servers.pauses import reset_prefix_caches, set_versions
+from lightning_fsdp_export.servers.pool import ServerPool
+from lightning_fsdp_export.servers.preflight import check_servers
 from lightning_fsdp_export.targets.directory import DirectoryTarget
 from lightning_fsdp_export.transfer.adapters import AdapterFiles, prune_versions
 from lightning_fsdp_export.transfer.base import Transfer
-from lightning_fsdp_export.transfer.http import Server
-from lightning_fsdp_export.transfer.pauses import reset_prefix_caches, set_versions
-from lightning_fsdp_export.transfer.pool import ServerPool
-from lightning_fsdp_export.transfer.preflight import check_servers
 from lightning_fsdp_export.transfer.transports import Directory
 
 __all__ = ["DirectoryReload"]

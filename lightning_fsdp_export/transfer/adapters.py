@@ -9,7 +9,6 @@ adapter's blocks by its path, so no cached prompt of an older adapter is reused.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,9 +18,8 @@ from safetensors.torch import load_file
 from torch import Tensor
 
 from lightning_fsdp_export.backend.adapter_dirs import SERVER_ADAPTER_ROOT, prune_versions
-from lightning_fsdp_export.transfer.http import Server, ServerError, on_all
 
-__all__ = ["SERVER_ADAPTER_ROOT", "AdapterFiles", "AdapterTensors", "adapter_problems", "adapter_rank", "load_adapter",
+__all__ = ["SERVER_ADAPTER_ROOT", "AdapterFiles", "AdapterTensors", "adapter_rank",
            "prune_versions"]
 
 @dataclass(frozen=True)
@@ -67,34 +65,3 @@ class AdapterTensors:
 def adapter_rank(shapes: Sequence[tuple[str, tuple[int, ...]]]) -> int:
     """The adapter's LoRA rank: the largest first dimension of its ``lora_A`` tensors (0: none)."""
     return max((shape[0] for name, shape in shapes if ".lora_A." in name and shape), default=0)
-
-
-def adapter_problems(servers: Sequence[Server], rank: int) -> list[str]:
-    """What keeps each server from loading a rank-``rank`` adapter at run time, one line per problem with its fix:
-    LoRA off, a smaller ``--max-lora-rank``, or runtime updating off (its route answers 404)."""
-    def check(server: Server) -> list[str]:
-        info = server.config()
-        lora = (info.get("vllm_config") or {}).get("lora_config")  # None without --enable-lora
-        problems = []
-        if not lora:
-            problems.append(f"{server.url} was started without --enable-lora: restart it with --enable-lora"
-                            f" --max-lora-rank {rank} (or more)")
-        elif lora.get("max_lora_rank") is not None and int(lora["max_lora_rank"]) < rank:
-            problems.append(f"{server.url} takes LoRA ranks up to --max-lora-rank {lora['max_lora_rank']}, and this"
-                            f" adapter has rank {rank}: restart it with --max-lora-rank {rank} (or more)")
-        try:  # an empty body: 400/422 from the route, or 404 without runtime updating
-            server.load_adapter({})
-        except ServerError as err:
-            if " answered 404" in str(err):
-                problems.append(f"{server.url} does not load adapters at run time (POST /v1/load_lora_adapter answered"
-                                " 404): start it with the environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
-        return problems
-
-    return [line for lines in on_all(servers, check) for line in lines]
-
-
-def load_adapter(servers: Sequence[Server], name: str, path: str) -> None:
-    """Every server loads the peft directory ``path`` (on its host) as ``name``, replacing the adapter of that name in
-    place; a server that cannot is named with vLLM's reason (its previous adapter stays loaded)."""
-    body = {"lora_name": name, "lora_path": os.fspath(path), "load_inplace": True}
-    on_all(servers, lambda s: s.load_adapter(body))

@@ -1,8 +1,8 @@
 """What ``RemoteVLLM`` drives, whichever the transport: a :class:`Transfer`. Two exist: a network group's rounds
 (:class:`~lightning_fsdp_export.transfer.frame.NativeTransfer`) and a shared directory's
 (:class:`~lightning_fsdp_export.targets.remote_directory.DirectoryReload`). Each reads the round's servers from the pool
-(:class:`~lightning_fsdp_export.transfer.pool.ServerPool`, their one owner), holds the servers' pause (a
-:class:`~lightning_fsdp_export.transfer.pauses.Pauses`) and its pushes in the background (a
+(:class:`~lightning_fsdp_export.servers.pool.ServerPool`, their one owner), holds the servers' pause (a
+:class:`~lightning_fsdp_export.servers.pauses.Pauses`) and its pushes in the background (a
 :class:`~lightning_fsdp_export.transfer.background.BackgroundPushes`, never enabled for a directory); what only some
 transfers do has a default here that does nothing, so the target asks no transfer what class it is.
 """
@@ -17,11 +17,11 @@ from torch import Tensor
 
 from lightning_fsdp_export.backend.shared import PauseMode
 from lightning_fsdp_export.export.source import ExportSource
+from lightning_fsdp_export.servers.http import Server, on_all
+from lightning_fsdp_export.servers.pauses import Pauses
+from lightning_fsdp_export.servers.pool import ServerPool
 from lightning_fsdp_export.transfer.adapters import AdapterFiles
 from lightning_fsdp_export.transfer.background import BackgroundPushes
-from lightning_fsdp_export.transfer.http import Server, on_all
-from lightning_fsdp_export.transfer.pauses import Pauses
-from lightning_fsdp_export.transfer.pool import ServerPool
 
 __all__ = ["Transfer"]
 

@@ -1,6 +1,6 @@
 """The transfer group of a network transport (:class:`NativeTransfer`): its rendezvous, this rank's trainer engine
 (vLLM's ``WeightTransferTrainerFactory.trainer_init`` over a ``WeightSource`` and a
-:class:`~lightning_fsdp_export.transfer.clients.FanOutClient`), its teardown, and the entry of every push, which
+:class:`~lightning_fsdp_export.servers.clients.FanOutClient`), its teardown, and the entry of every push, which
 runs one round (:class:`~lightning_fsdp_export.transfer.pipeline.RoundRun`, where a round reads top to bottom).
 
 Shard-direct transports (``gloo`` with ``shard_direct=True``, vLLM's ``nccl_m2n``) put every trainer rank in the
@@ -28,17 +28,17 @@ from lightning_fsdp_export.backend.shared import PauseMode
 from lightning_fsdp_export.export.patches import PatchBase
 from lightning_fsdp_export.export.shards import ShardSource
 from lightning_fsdp_export.export.source import ExportSource, SourceLayout
+from lightning_fsdp_export.servers.clients import FanOutClient
+from lightning_fsdp_export.servers.http import Server, ServerError, on_all, on_each
+from lightning_fsdp_export.servers.pool import ServerPool
+from lightning_fsdp_export.servers.preflight import check_servers
 from lightning_fsdp_export.transfer.adapters import (
     SERVER_ADAPTER_ROOT,
     AdapterFiles,
     AdapterTensors,
 )
 from lightning_fsdp_export.transfer.base import Transfer
-from lightning_fsdp_export.transfer.clients import FanOutClient
-from lightning_fsdp_export.transfer.http import Server, ServerError, on_all, on_each
 from lightning_fsdp_export.transfer.pipeline import RoundEnd, RoundRun, plan_digest, weight_source
-from lightning_fsdp_export.transfer.pool import ServerPool
-from lightning_fsdp_export.transfer.preflight import check_servers
 from lightning_fsdp_export.transfer.rounds import (
     Round,
     round_for,

@@ -24,7 +24,7 @@ What a round leaves its transfer (the workers' copy, the sparse report, whether 
 :class:`RoundEnd`, applied by the transfer in one place (``round_ended``).
 The transfer group itself (its rendezvous, engines and teardown) is :class:`~.frame.NativeTransfer`'s; what each kind
 of round sends and tells the servers is :mod:`.rounds`'; the servers' pause and what a failure leaves is
-:mod:`.pauses`'.
+:mod:`~lightning_fsdp_export.servers.pauses`'.
 """
 
 from __future__ import annotations
@@ -36,19 +36,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from lightning_fsdp_export._compat import source_metadata
 from lightning_fsdp_export.export.source import SourceLayout
-from lightning_fsdp_export.transfer.http import Server, ServerError, next_round, not_answering
-from lightning_fsdp_export.transfer.pauses import PartlyFailed, close_rounds
-from lightning_fsdp_export.transfer.pool import ServerPool
+from lightning_fsdp_export.servers.http import Server, ServerError, next_round, not_answering
+from lightning_fsdp_export.servers.pauses import PartlyFailed, close_rounds
+from lightning_fsdp_export.servers.pool import ServerPool
+from lightning_fsdp_export.servers.watch import HealthWatch
 from lightning_fsdp_export.transfer.rounds import Round, RoundInputs, RoundResult, Staged
 from lightning_fsdp_export.transfer.transports import NetworkTransport
-from lightning_fsdp_export.transfer.watch import HealthWatch
 
 if TYPE_CHECKING:
     from lightning_fsdp_export._common import SyncGroup
     from lightning_fsdp_export.export.patches import PatchBase
+    from lightning_fsdp_export.servers.clients import FanOutClient
+    from lightning_fsdp_export.servers.pauses import Pauses
     from lightning_fsdp_export.transfer.background import BackgroundPushes
-    from lightning_fsdp_export.transfer.clients import FanOutClient
-    from lightning_fsdp_export.transfer.pauses import Pauses
 
 __all__ = ["NotTaken", "RoundEnd", "RoundHost", "RoundPlan", "RoundRun", "Sent", "Taken", "plan_digest",
            "weight_source"]
@@ -405,7 +405,7 @@ class RoundRun:
         return isinstance(self.round, Staged) and self.resume
 
     def _watch(self) -> contextlib.AbstractContextManager[Any]:
-        """Rank 0: the round's servers watched while it runs (``transfer/watch.py``): one found silent has its
+        """Rank 0: the round's servers watched while it runs (``servers/watch.py``): one found silent has its
         requests given up, the group's data abandoned on every member, and is recorded in the pool (set aside with
         ``min_servers``)."""
         transfer = self.transfer

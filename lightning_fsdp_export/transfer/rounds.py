@@ -38,10 +38,9 @@ from lightning_fsdp_export._faults import fault, hold_at
 from lightning_fsdp_export.backend.shared import PauseMode
 from lightning_fsdp_export.export.patches import PatchBase
 from lightning_fsdp_export.export.shards import ShardSource
-from lightning_fsdp_export.transfer.adapters import load_adapter
-from lightning_fsdp_export.transfer.http import Server, ServerError
+from lightning_fsdp_export.servers.http import Server, ServerError
+from lightning_fsdp_export.servers.pauses import load_adapter, reset_prefix_caches, set_versions
 from lightning_fsdp_export.transfer.patch_lists import DEFAULT_CHUNK_BYTES, send_patch_lists
-from lightning_fsdp_export.transfer.pauses import reset_prefix_caches, set_versions
 from lightning_fsdp_export.transfer.transports import NetworkTransport, RoundKind, SparseNCCL
 
 __all__ = ["ROUNDS", "AdapterRound", "DenseRound", "DraftRound", "PatchListRound", "PatchRound", "Round",

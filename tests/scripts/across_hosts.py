@@ -28,8 +28,8 @@ from lightning.pytorch import Trainer, seed_everything
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import LazyExportFSDP2, RemoteVLLM, VLLMWeightSync
+from lightning_fsdp_export.servers.http import Server
 from lightning_fsdp_export.targets import Gloo
-from lightning_fsdp_export.transfer.http import Server
 from tests.scripts.common import CausalLM, end_script, token_loader
 from tests.scripts.remote_lora import LoraLM
 

@@ -38,9 +38,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 from lightning_fsdp_export import RemoteVLLM, VLLMWeightSync
 from lightning_fsdp_export._network import trainer_gloo_interface
 from lightning_fsdp_export.backend.trainer import GlooTrainerWeightTransferEngine
+from lightning_fsdp_export.servers.http import Server
+from lightning_fsdp_export.servers.pauses import Pauses
 from lightning_fsdp_export.targets import Gloo
-from lightning_fsdp_export.transfer.http import Server
-from lightning_fsdp_export.transfer.pauses import Pauses
 from lightning_fsdp_export.transfer.pipeline import RoundRun
 from tests.hosts import on_host, set_link
 from tests.scripts.common import (

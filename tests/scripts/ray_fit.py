@@ -45,8 +45,8 @@ def train_func(config: dict[str, Any]) -> None:
     from lightning_fsdp_export import RemoteVLLM, VLLMWeightSync
     from lightning_fsdp_export.ray import RayLazyExportFSDP2, VLLMServers
     from lightning_fsdp_export.rollouts import AsyncRollouts
+    from lightning_fsdp_export.servers.http import Server
     from lightning_fsdp_export.targets import Gloo
-    from lightning_fsdp_export.transfer.http import Server
     from tests.scripts.rollouts import PROMPTS, Policy, reward, score
 
     servers: VLLMServers = config["servers"]
@@ -126,7 +126,7 @@ def main() -> None:
     from ray.train.torch import TorchConfig, TorchTrainer
 
     from lightning_fsdp_export.ray import VLLMServers
-    from lightning_fsdp_export.transfer.http import Server
+    from lightning_fsdp_export.servers.http import Server
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--model-dir", required=True)

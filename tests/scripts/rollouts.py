@@ -109,7 +109,7 @@ def trainer_for(callbacks: list[pl.Callback], steps: int, root: Path) -> Trainer
 
 
 def server_states(urls: list[str]) -> list[dict[str, Any]]:
-    from lightning_fsdp_export.transfer.http import Server
+    from lightning_fsdp_export.servers.http import Server
 
     out = []
     for url in urls:
@@ -220,7 +220,7 @@ def a_request_frozen_by_a_push(trainer: Trainer, sync: VLLMWeightSync, rollouts:
     the send instead: a third of the last request's duration after a late pause, twice the last delay after an
     early one. Each attempt is a push."""
     from lightning_fsdp_export.rollouts import GENERATE_ROUTE
-    from lightning_fsdp_export.transfer.http import Server
+    from lightning_fsdp_export.servers.http import Server
 
     rank0 = trainer.global_rank == 0
     server, prompt = Server(url, api_key=None, timeout=TIMEOUT), PROMPTS[0]
@@ -477,7 +477,7 @@ def scenario_replica_dies(root: Path, urls: list[str]) -> dict[str, Any]:
     dist.all_gather_object(errors, rollouts.errors[-3:])
     events["request_errors"] = [e for rank in errors for e in rank]
     if dist.get_rank() == 0:  # the first server's state after the failed sync; resumed in any case for what follows
-        from lightning_fsdp_export.transfer.http import Server
+        from lightning_fsdp_export.servers.http import Server
 
         events["first_server_after"] = server_states(urls[:1])[0]
         Server(urls[0], api_key=None, timeout=10).request("POST", "/resume")
@@ -490,7 +490,7 @@ def scenario_pool_heals(root: Path, urls: list[str]) -> dict[str, Any]:
     proxy drops every connection) and is set aside while training goes on; after step 8 it answers again at its URL,
     holding the version it had when it died, and rejoins with every tensor. Rank 0 records, after each step, which
     servers the pool updates, which it set aside, which the rollouts may use, and what each server holds."""
-    from lightning_fsdp_export.transfer.http import Server
+    from lightning_fsdp_export.servers.http import Server
 
     seed_everything(3)
     rank0 = dist.get_rank() == 0

@@ -21,8 +21,8 @@ from collections.abc import Callable, Mapping, Sequence
 from contextvars import Token
 from types import TracebackType
 
-from lightning_fsdp_export.transfer.http import SILENT, HealthProbe, Server, ServerError
-from lightning_fsdp_export.transfer.pool import HEALTH_TIMEOUT_S, MISSES
+from lightning_fsdp_export.servers.http import SILENT, HealthProbe, Server, ServerError
+from lightning_fsdp_export.servers.pool import HEALTH_TIMEOUT_S, MISSES
 
 __all__ = ["MISSES", "PERIOD_S", "HealthWatch"]
 

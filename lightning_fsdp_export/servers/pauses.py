@@ -10,15 +10,15 @@ half-loaded weights (:func:`close_rounds`), which stay paused until the next ful
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 from collections.abc import Callable, Sequence
 
 from lightning_fsdp_export.backend.shared import PauseMode
-from lightning_fsdp_export.transfer.adapters import load_adapter
-from lightning_fsdp_export.transfer.http import HealthProbe, Server, ServerError, on_all, on_each
+from lightning_fsdp_export.servers.http import HealthProbe, Server, ServerError, on_all, on_each
 
-__all__ = ["PartlyFailed", "Pauses", "close_rounds", "reset_prefix_caches", "set_versions"]
+__all__ = ["PartlyFailed", "Pauses", "close_rounds", "load_adapter", "reset_prefix_caches", "set_versions"]
 
 
 class PartlyFailed(ServerError):
@@ -248,3 +248,10 @@ def reset_prefix_caches(servers: Sequence[Server], mode: PauseMode) -> None:
                           " ({'success': false}: blocks still held); their cached prompts would use the old"
                           " weights.", refused[0])
     on_all(servers, lambda s: s.reset_encoder_cache())  # no image embedding of the old weights
+
+
+def load_adapter(servers: Sequence[Server], name: str, path: str) -> None:
+    """Every server loads the peft directory ``path`` (on its host) as ``name``, replacing the adapter of that name in
+    place; a server that cannot is named with vLLM's reason (its previous adapter stays loaded)."""
+    body = {"lora_name": name, "lora_path": os.fspath(path), "load_inplace": True}
+    on_all(servers, lambda s: s.load_adapter(body))

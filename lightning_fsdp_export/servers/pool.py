@@ -27,8 +27,8 @@ from typing import Any
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
 from lightning_fsdp_export._common import SyncGroup
-from lightning_fsdp_export.transfer.http import Server, ServerError
-from lightning_fsdp_export.transfer.pauses import PartlyFailed
+from lightning_fsdp_export.servers.http import Server, ServerError
+from lightning_fsdp_export.servers.pauses import PartlyFailed
 
 __all__ = ["HEALTH_TIMEOUT_S", "MISSES", "OUT_GRACE_S", "ServerPool", "Urls", "answers", "read_urls"]
 
@@ -88,7 +88,7 @@ class ServerPool:
         self.own_swaps: set[Server] = set()
         """Staged rounds: the servers that swap on their own (``/lfe/swap``), found at each group build."""
         self.silent: dict[str, str] = {}
-        """The servers the running round's watch found silent, by URL: why (``transfer/watch.py``; cleared as the
+        """The servers the running round's watch found silent, by URL: why (``servers/watch.py``; cleared as the
         next round's servers are asked for ``/health``)."""
         self._warned_swaps: set[str] = set()
         self._late: set[str] = set()  # set-aside servers whose last /health answered after the grace: waited for

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from lightning_fsdp_export.transfer.http import Server, ServerError, on_all
+from lightning_fsdp_export.servers.http import Server, ServerError, on_all
 
-__all__ = ["ServerInfo", "check_servers", "checkpoint_quantization", "server_info"]
+__all__ = ["ServerInfo", "adapter_problems", "check_servers", "checkpoint_quantization", "server_info"]
 
 # Quantization methods that only load checkpoints already stored quantized: pushing unquantized tensors into
 # them is wrong whether or not rank 0 can read the server's config.json. Any other method is refused only when
@@ -140,3 +140,27 @@ def _local_vllm_version() -> str:
     except ImportError:
         return ""
     return str(getattr(vllm, "__version__", ""))
+
+
+def adapter_problems(servers: Sequence[Server], rank: int) -> list[str]:
+    """What keeps each server from loading a rank-``rank`` adapter at run time, one line per problem with its fix:
+    LoRA off, a smaller ``--max-lora-rank``, or runtime updating off (its route answers 404)."""
+    def check(server: Server) -> list[str]:
+        info = server.config()
+        lora = (info.get("vllm_config") or {}).get("lora_config")  # None without --enable-lora
+        problems = []
+        if not lora:
+            problems.append(f"{server.url} was started without --enable-lora: restart it with --enable-lora"
+                            f" --max-lora-rank {rank} (or more)")
+        elif lora.get("max_lora_rank") is not None and int(lora["max_lora_rank"]) < rank:
+            problems.append(f"{server.url} takes LoRA ranks up to --max-lora-rank {lora['max_lora_rank']}, and this"
+                            f" adapter has rank {rank}: restart it with --max-lora-rank {rank} (or more)")
+        try:  # an empty body: 400/422 from the route, or 404 without runtime updating
+            server.load_adapter({})
+        except ServerError as err:
+            if " answered 404" in str(err):
+                problems.append(f"{server.url} does not load adapters at run time (POST /v1/load_lora_adapter answered"
+                                " 404): start it with the environment variable VLLM_ALLOW_RUNTIME_LORA_UPDATING=True")
+        return problems
+
+    return [line for lines in on_all(servers, check) for line in lines]

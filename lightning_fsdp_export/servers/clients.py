@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from lightning_fsdp_export._compat import json_safe_update_info
-from lightning_fsdp_export.transfer.http import Server, on_all
+from lightning_fsdp_export.servers.http import Server, on_all
 
 __all__ = ["FanOutClient", "LLMClient"]
 

@@ -38,7 +38,7 @@ def next_round() -> None:
 
 
 SILENT: ContextVar[Mapping[str, str] | None] = ContextVar("lfe_silent_servers", default=None)
-"""While a round runs on rank 0 (``transfer/watch.py``): the servers its watch found silent, by URL: why. Requests to
+"""While a round runs on rank 0 (``servers/watch.py``): the servers its watch found silent, by URL: why. Requests to
 them that are still waited for are given up (:func:`on_each`, :func:`on_all`)."""
 
 
