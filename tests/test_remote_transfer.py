@@ -72,6 +72,26 @@ def test_every_sync_reaches_both_replicas_with_the_trainers_weights(results: dic
         assert min(record["stale_gaps"]) > 10 * LOGPROB_TOLERANCE, record
 
 
+def test_one_sync_walks_the_modules_and_rooms_architecture_md_tells(results: dict[str, Any]) -> None:
+    # issue 68 item 6: the walk of one sync (a shard-direct gloo push through RemoteVLLM with verify="logprobs",
+    # trainer rank 0, from SyncEngine.push until it returns) is docs/architecture.md's: the modules in the order first
+    # visited, how many, in how many rooms, and how often that reading order comes back to a room it had left (a
+    # refactor that changes any of it says so there)
+    from tests.test_unit import _room
+
+    walk = scenario(results, "fit_shards")["walk"]
+    first = list(dict.fromkeys(walk))
+    rooms = [r for i, r in enumerate(_room(m) for m in first) if i == 0 or r != _room(first[i - 1])]
+    returns = sum(1 for i, room in enumerate(rooms) if room in rooms[:i])
+    modules = [m.removeprefix("lightning_fsdp_export.") for m in first]
+    doc = (ROOT / "docs" / "architecture.md").read_text()
+    section = doc[doc.index("## The walk of one sync"):]
+    told = re.search(r"visits \*\*(\d+) modules in (\d+) rooms\*\*, coming back (\d+) times", section)
+    assert told is not None
+    assert (len(modules), len(set(rooms)), returns) == tuple(map(int, told.groups())), (modules, rooms)
+    assert modules == re.findall(r"^\d+\. `([a-z_.]+)`", section, re.M), modules
+
+
 @pytest.mark.parametrize("mode", ["", "_shards"])
 def test_a_refused_tensor_fails_the_round_and_leaves_both_servers_paused_until_a_full_push(
         results: dict[str, Any], mode: str) -> None:

@@ -178,15 +178,49 @@ class SentBytes(pl.Callback):
         self.record(trainer)
 
 
+class Walk:
+    """Rank 0: the package's modules one sync runs through, in order (``sys.setprofile`` on the calling thread, from
+    ``SyncEngine.push`` until it returns; each function called records its module once per run of calls in it):
+    the walk docs/architecture.md tells (issue 68, item 6). The ``push``-th push is walked."""
+
+    def __init__(self, sync: VLLMWeightSync, push: int) -> None:
+        import lightning_fsdp_export
+
+        self.root = str(Path(lightning_fsdp_export.__file__).parent)
+        self.modules: list[str] = []
+        real, calls = sync.engine.push, [0]
+
+        def walked(run: Any) -> Any:
+            calls[0] += 1
+            if calls[0] != push or dist.get_rank() != 0:
+                return real(run)
+            sys.setprofile(self._call)
+            try:
+                return real(run)
+            finally:
+                sys.setprofile(None)
+
+        sync.engine.push = walked  # type: ignore[method-assign]
+
+    def _call(self, frame: Any, event: str, arg: Any) -> None:
+        if event != "call" or not frame.f_code.co_filename.startswith(self.root):
+            return
+        module = frame.f_globals.get("__name__", "?")
+        if not self.modules or self.modules[-1] != module:
+            self.modules.append(module)
+
+
 def scenario_fit(root: Path, urls: list[str], *, shards: bool = False) -> dict[str, Any]:
     seed_everything(0)
     sync = VLLMWeightSync(RemoteVLLM(urls, transport=Gloo(shard_direct=shards), timeout=TIMEOUT),
                           every_n_train_steps=2, verify="logprobs", verify_tolerance=0.1)
     sent = SentBytes(sync)
     after = AfterSync(sync)
+    walk = Walk(sync, push=3) if shards else None  # (the last sync of the fit: a steady one)
     trainer = trainer_for([sync, sent, after], steps=4, root=root)
     trainer.fit(CausalLM(lr=3e-2), token_loader(16))
-    return {"records": after.records, "version": sync.version, "sent": sent.records}
+    return {"records": after.records, "version": sync.version, "sent": sent.records,
+            "walk": walk.modules if walk is not None else None}
 
 
 def scenario_replica_down(root: Path, urls: list[str], model_dir: Path, *, shards: bool = False) -> dict[str, Any]:
