@@ -252,7 +252,7 @@ def options_signature(declared: type, defaults: type) -> Callable[[_Init], _Init
                                      annotation=annotation)
                    for name, annotation in declared.__annotations__.items()]
         listed = signature.replace(parameters=[*kept, *options])
-        init.__signature__ = listed  # type: ignore[attr-defined]  # (a function's attribute inspect.signature reads)
+        init.__dict__["__signature__"] = listed  # (the function's attribute inspect.signature reads)
         return init
 
     return decorate
