@@ -308,12 +308,13 @@ class StagedRecordingEngine(RecordingEngine):
 
     def send_weights(self, payload: Any = None) -> int:  # type: ignore[override]
         self.payloads.append(payload)
-        meta = source_metadata(self.source)
+        source = payload.source  # (our engines take the round's source with the round)
+        meta = source_metadata(source)
         self.client.start_weight_update()  # a staged round: the session ends before the data travels
         self.client.update_weights({"names": [m.name for m in meta], "dtype_names": [str(m.dtype) for m in meta],
                                     "shapes": [list(m.shape) for m in meta], "stage_as": payload.stage_as})
         self.client.finish_weight_update()
-        for _ in iter_full(self.source):
+        for _ in iter_full(source):
             pass
         return 0
 

@@ -76,6 +76,8 @@ class GlooRound:
             checks each trainer rank's bytes and CRC-32 before the round succeeds. Every rank of the group gives it.
         draft: rank 0: the source is a speculative-decoding drafter's, loaded into each server's draft model (the
             session starts with ``/start_draft_weight_update``).
+        source: this round's ``WeightSource`` (every rank; ``None``: the one the engine was built with, vLLM's
+            contract for its own engines, which read the source they were given at ``trainer_init``).
     """
 
     adapter: tuple[str, str] | None = None
@@ -84,6 +86,7 @@ class GlooRound:
     keep_as: str | None = None
     stage_as: str | None = None
     draft: bool = False
+    source: WeightSource | None = None
 
 
 DENSE = GlooRound()
@@ -159,10 +162,10 @@ class GlooTrainerWeightTransferEngine(TrainerWeightTransferEngine[GlooTrainerIni
             num_trainer_ranks=init_info.num_trainer_ranks)
 
     def send_weights(self, payload: GlooRound = DENSE) -> int:  # type: ignore[override]  # (vLLM's takes no round)
-        """One round of the source's weights (and ``payload``: an adapter, or patches against a kept copy); every rank
-        of the group calls it. Returns the bytes this rank sent."""
-        assert self.source is not None
-        source = self.source
+        """One round of ``payload.source``'s weights (and ``payload``: an adapter, or patches against a kept copy);
+        every rank of the group calls it. Returns the bytes this rank sent."""
+        source = payload.source if payload.source is not None else self.source
+        assert source is not None
         meta = source_metadata(source)
         self.sent_bytes = 0
         if not self.is_sender:

@@ -40,7 +40,7 @@ from lightning_fsdp_export.servers.http import Server, ServerError, next_round, 
 from lightning_fsdp_export.servers.pauses import PartlyFailed, close_rounds
 from lightning_fsdp_export.servers.pool import ServerPool
 from lightning_fsdp_export.servers.watch import HealthWatch
-from lightning_fsdp_export.transfer.rounds import Round, RoundInputs, RoundResult, Staged
+from lightning_fsdp_export.transfer.rounds import Round, RoundInputs, RoundResult, Staged, send_dense
 from lightning_fsdp_export.transfer.transports import NetworkTransport
 
 if TYPE_CHECKING:
@@ -210,7 +210,7 @@ class RoundRun:
         transfer = self.transfer
         if not transfer.every_rank and transfer.rank != 0 and not transfer.options.sends_patch_lists:
             self._engine_source()
-            transfer.engine.send_weights()  # iterates the source: this rank's part of the gathers
+            send_dense(self._inputs())  # iterates the source: this rank's part of the gathers
             return
         with self._watch():
             plan = self.plan()
@@ -422,8 +422,10 @@ class RoundRun:
         return HealthWatch(lambda: transfer.servers, on_silent)
 
     def _engine_source(self) -> None:
-        """This rank's engine iterates this round's source (vLLM's trainer engines read their ``source``)."""
-        if self.transfer.engine is not None and not self.transfer.options.sends_patch_lists:
+        """vLLM's own trainer engines read the ``source`` they hold (their contract: given at ``trainer_init``), so it
+        is this round's; ours take it with the round (``transport.takes_rounds``: the ``send_weights`` payload)."""
+        options = self.transfer.options
+        if self.transfer.engine is not None and not options.takes_rounds and not options.sends_patch_lists:
             self.transfer.engine.source = self.source
 
     def _inputs(self) -> RoundInputs:

@@ -45,7 +45,7 @@ from lightning_fsdp_export.transfer.transports import NetworkTransport, RoundKin
 
 __all__ = ["ROUNDS", "AdapterRound", "DenseRound", "DraftRound", "PatchListRound", "PatchRound", "Round",
            "RoundInputs", "RoundKind", "RoundResult", "Staged", "StagedPatchRound", "StagedRound",
-           "round_for", "swap_on_server",
+           "round_for", "send_dense", "swap_on_server",
            "swap_staged"]
 
 
@@ -130,7 +130,7 @@ class DenseRound(Round):
 
     @override
     def run(self, inputs: RoundInputs, *, version: int, sparse: bool) -> RoundResult:
-        inputs.engine.send_weights()
+        send_dense(inputs)
         return self.result
 
 
@@ -150,7 +150,8 @@ class AdapterRound(Round):
 
     @override
     def run(self, inputs: RoundInputs, *, version: int, sparse: bool) -> RoundResult:
-        inputs.engine.send_weights(inputs.transport.payload(adapter=(self.server_dir, self.config)))
+        payload = inputs.transport.payload(adapter=(self.server_dir, self.config), source=inputs.source)
+        inputs.engine.send_weights(payload)
         return self.result
 
     @override
@@ -169,7 +170,7 @@ class DraftRound(Round):
 
     @override
     def run(self, inputs: RoundInputs, *, version: int, sparse: bool) -> RoundResult:
-        inputs.engine.send_weights(inputs.transport.payload(draft=True))
+        inputs.engine.send_weights(inputs.transport.payload(draft=True, source=inputs.source))
         return self.result
 
 
@@ -219,7 +220,8 @@ class PatchRound(_CopyRound):
 
     @override
     def send(self, inputs: RoundInputs, patch_of: str | None) -> int:
-        payload = inputs.transport.payload(patches=inputs.patches, patch_of=patch_of, keep_as=self._keep)
+        payload = inputs.transport.payload(patches=inputs.patches, patch_of=patch_of, keep_as=self._keep,
+                                           source=inputs.source)
         return int(inputs.engine.send_weights(payload))
 
 
@@ -279,7 +281,7 @@ class StagedRound(Staged, DenseRound):
 
     @override
     def run(self, inputs: RoundInputs, *, version: int, sparse: bool) -> RoundResult:
-        inputs.engine.send_weights(inputs.transport.payload(stage_as=self.stage_id))
+        inputs.engine.send_weights(inputs.transport.payload(stage_as=self.stage_id, source=inputs.source))
         return self.result
 
 
@@ -292,8 +294,17 @@ class StagedPatchRound(Staged, PatchRound):
     @override
     def send(self, inputs: RoundInputs, patch_of: str | None) -> int:
         payload = inputs.transport.payload(patches=inputs.patches, patch_of=patch_of, keep_as=self._keep,
-                                           stage_as=self.stage_id)
+                                           stage_as=self.stage_id, source=inputs.source)
         return int(inputs.engine.send_weights(payload))
+
+
+def send_dense(inputs: RoundInputs) -> None:
+    """Every rank of the group: a dense round of ``inputs.source`` through this rank's engine: handed to ours with the
+    round (``transport.takes_rounds``), or read by vLLM's from the source it holds (set by the pipeline)."""
+    if inputs.transport.takes_rounds:
+        inputs.engine.send_weights(inputs.transport.payload(source=inputs.source))
+    else:
+        inputs.engine.send_weights()
 
 
 ROUNDS: dict[RoundKind, type[Round]] = {RoundKind.DENSE: DenseRound, RoundKind.PATCHES: PatchRound,

@@ -115,9 +115,13 @@ class NetworkTransport:
         """The trainer engine's init info for ``WeightTransferTrainerFactory.trainer_init`` (imports vLLM)."""
         raise NotImplementedError
 
+    takes_rounds: ClassVar[bool] = False
+    """Its trainer engine takes each round, its source included, as the argument of ``send_weights`` (this package's
+    backends: :meth:`payload`); ``False``: vLLM's engines, which read the source they hold (set before each round)."""
+
     def payload(self, **fields: Any) -> Any:
-        """Our backend's per-round argument of ``send_weights`` (``backend.trainer.GlooRound``): only a transport of
-        this package's backends has one (its rounds are the ones that carry more than a source)."""
+        """Our backend's per-round argument of ``send_weights`` (``backend.trainer.GlooRound``, the round's source
+        among its fields): only a transport of this package's backends has one (:attr:`takes_rounds`)."""
         raise TypeError(f"{type(self).__name__} runs vLLM's {self.name!r} engine, which takes no per-round payload.")
 
     def swap_info(self, stage_id: str, *, check_only: bool = False) -> dict[str, Any]:
@@ -205,6 +209,7 @@ class _OwnBackend(RendezvousTransport):
     adapter_round: ClassVar[RoundKind | None] = RoundKind.ADAPTER
     closes_failed_rounds: ClassVar[bool] = True
     draft_round: ClassVar[RoundKind | None] = RoundKind.DRAFT
+    takes_rounds: ClassVar[bool] = True
     buffer_bytes: int | None = None
     shard_direct: bool = False
     sparse: bool = False
