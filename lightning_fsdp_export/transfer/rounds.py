@@ -15,9 +15,9 @@ steps every round goes through are :class:`~lightning_fsdp_export.transfer.pipel
 A transport names the kinds it runs (``NetworkTransport.weights_round`` / ``adapter_round``, a ``RoundKind``);
 :func:`round_for` builds the round of a push. A new kind of round is one class here and its entry in ``ROUNDS``. A
 round gets what it reads as a :class:`RoundInputs` (engine, source, rank, copies, client, control group, the
-transport) and returns a :class:`RoundResult`; what it hands our gloo engine is the transport's ``payload(...)`` (a
-``backend.trainer.GlooRound``) argument to ``send_weights``, never state set on the engine, and it imports nothing
-of the backend.
+transport) and returns a :class:`RoundResult`; what it hands our gloo engine is ``inputs.payload(...)`` (the
+transport's ``backend.trainer.GlooRound``, the round's source included) as the argument of ``send_weights``, never
+state set on the engine, and it imports nothing of the backend.
 """
 
 from __future__ import annotations
@@ -74,6 +74,11 @@ class RoundInputs:
     kept: str | None = None
     client: Any = None
     control: SyncGroup | None = None
+
+    def payload(self, **fields: Any) -> Any:
+        """Our backend's ``send_weights`` argument for this round: ``fields`` and this round's source (``transport.
+        payload``; only a transport that ``takes_rounds`` has one)."""
+        return self.transport.payload(source=self.source, **fields)
 
 
 @dataclass(frozen=True)
@@ -150,7 +155,7 @@ class AdapterRound(Round):
 
     @override
     def run(self, inputs: RoundInputs, *, version: int, sparse: bool) -> RoundResult:
-        payload = inputs.transport.payload(adapter=(self.server_dir, self.config), source=inputs.source)
+        payload = inputs.payload(adapter=(self.server_dir, self.config))
         inputs.engine.send_weights(payload)
         return self.result
 
@@ -170,7 +175,7 @@ class DraftRound(Round):
 
     @override
     def run(self, inputs: RoundInputs, *, version: int, sparse: bool) -> RoundResult:
-        inputs.engine.send_weights(inputs.transport.payload(draft=True, source=inputs.source))
+        inputs.engine.send_weights(inputs.payload(draft=True))
         return self.result
 
 
@@ -220,8 +225,7 @@ class PatchRound(_CopyRound):
 
     @override
     def send(self, inputs: RoundInputs, patch_of: str | None) -> int:
-        payload = inputs.transport.payload(patches=inputs.patches, patch_of=patch_of, keep_as=self._keep,
-                                           source=inputs.source)
+        payload = inputs.payload(patches=inputs.patches, patch_of=patch_of, keep_as=self._keep)
         return int(inputs.engine.send_weights(payload))
 
 
@@ -281,7 +285,7 @@ class StagedRound(Staged, DenseRound):
 
     @override
     def run(self, inputs: RoundInputs, *, version: int, sparse: bool) -> RoundResult:
-        inputs.engine.send_weights(inputs.transport.payload(stage_as=self.stage_id, source=inputs.source))
+        inputs.engine.send_weights(inputs.payload(stage_as=self.stage_id))
         return self.result
 
 
@@ -293,8 +297,7 @@ class StagedPatchRound(Staged, PatchRound):
 
     @override
     def send(self, inputs: RoundInputs, patch_of: str | None) -> int:
-        payload = inputs.transport.payload(patches=inputs.patches, patch_of=patch_of, keep_as=self._keep,
-                                           stage_as=self.stage_id, source=inputs.source)
+        payload = inputs.payload(patches=inputs.patches, patch_of=patch_of, keep_as=self._keep, stage_as=self.stage_id)
         return int(inputs.engine.send_weights(payload))
 
 
@@ -302,7 +305,7 @@ def send_dense(inputs: RoundInputs) -> None:
     """Every rank of the group: a dense round of ``inputs.source`` through this rank's engine: handed to ours with the
     round (``transport.takes_rounds``), or read by vLLM's from the source it holds (set by the pipeline)."""
     if inputs.transport.takes_rounds:
-        inputs.engine.send_weights(inputs.transport.payload(source=inputs.source))
+        inputs.engine.send_weights(inputs.payload())
     else:
         inputs.engine.send_weights()
 
