@@ -43,16 +43,19 @@ $(VLLM033)/base.py: | $(VPY)
 vllm033: $(VLLM033)/base.py
 
 # The newest transformers a trainer may run (vLLM 0.33 brings 5.20; this checks 5.23): a second venv without
-# vLLM, for the families' export vs that version's save_pretrained (tests/test_families.py).
+# vLLM, for the families' export vs that version's save_pretrained (tests/test_families.py). It does not install
+# this package (the tests run its scripts from the clone), so a change to pyproject.toml leaves it be; its stamp names
+# the version, so a new TF_VERSION rebuilds it.
 TF_VENV := .venv-transformers
 TF_VERSION := 5.23.0
-$(TF_VENV)/.installed: pyproject.toml
+TF_STAMP := $(TF_VENV)/.installed-$(TF_VERSION)
+$(TF_STAMP):
 	@echo "make setup: transformers $(TF_VERSION) beside torch, without vLLM, into $(TF_VENV) (the families' export)"
 	$(PY) -m venv $(TF_VENV)
 	$(TF_VENV)/bin/python -m pip install -q --upgrade pip
 	$(TF_VENV)/bin/python -m pip install -q torch==2.13.0 transformers==$(TF_VERSION) 'lightning>=2.5,<2.7' \
 		'peft>=0.15' safetensors tokenizers
-	touch $(TF_VENV)/.installed
+	touch $(TF_STAMP)
 
 # vLLM serving vision-language checkpoints (Qwen3.5, Qwen2.5-VL): vLLM's qwen3_vl/qwen2_5_vl modules import torchvision,
 # whose only builds on PyPI are CUDA ones, matching PyPI's torch (a CUDA build that runs on the CPU) and not the CPU
@@ -78,7 +81,7 @@ slurm:
 		    DEBIAN_FRONTEND=noninteractive timeout 600 apt-get install -y -q slurm-wlm >/dev/null 2>&1; }; }; } || \
 		echo "make setup: SLURM not installed (tests/test_slurm.py skips)"
 
-setup: $(STAMP) $(VLLM033)/base.py $(TF_VENV)/.installed $(VLM_VENV)/.installed slurm
+setup: $(STAMP) $(VLLM033)/base.py $(TF_STAMP) $(VLM_VENV)/.installed slurm
 	$(VPY) -m pip uninstall -y -q torchvision torchaudio torchcodec 2>/dev/null || true
 	$(VPY) -c "import vllm, transformers.models.qwen2, lightning_fsdp_export; print('setup ok: vllm', vllm.__version__)"
 
