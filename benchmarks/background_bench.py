@@ -21,12 +21,19 @@ servers serving: the export and
 the agreement, and in the background round the transfer), the completions the busy server answered during the sync,
 and the paused
 ratio to ``keep``; at the end vLLM's checksums of both servers, which must be equal.
+
+``--profile`` takes the background round's blocked seconds apart: rank 0 runs each background sync's blocked part
+(its second on) under ``cProfile`` and prints, per sync, the cumulative seconds of the package's functions and of
+the torch calls they make (cProfile's overhead inflates the total, so read the shares, not the sums).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
 import os
+import pstats
 import statistics
 import sys
 import tempfile
@@ -85,7 +92,9 @@ class Rotate(pl.Callback):
     with ``link``, the bytes a link's own counter saw: ``benchmarks/link_bench.py``'s veth, read on rank 0)."""
 
     def __init__(self, syncs: dict[str, VLLMWeightSync], busy: Busy | None,
-                 link: Callable[[], int] | None = None) -> None:
+                 link: Callable[[], int] | None = None, profile: bool = False) -> None:
+        self.profile = cProfile.Profile() if profile else None
+        self.profiled = 0
         self.syncs = syncs
         self.busy = busy
         self.link = link
@@ -98,8 +107,15 @@ class Rotate(pl.Callback):
         for name in names[shift:] + names[:shift]:
             sync = self.syncs[name]
             sent = self.link() if self.link is not None else 0
+            profile = (self.profile if self.profile is not None and name == "background" and trainer.global_step > 1
+                       and trainer.is_global_zero else None)
             start = time.time()
+            if profile is not None:
+                profile.enable()
             sync.sync(trainer)
+            if profile is not None:
+                profile.disable()
+                self.profiled += 1
             blocked = time.time() - start  # background: the snapshot; the round goes on in a thread
             sync.settle()  # here at once, to time the round (a fit settles at its next sync, having trained meanwhile)
             end = time.time()
@@ -135,6 +151,7 @@ def main() -> None:
     parser.add_argument("--no-load", action="store_true", help="no client threads: idle servers")
     parser.add_argument("--workdir", default=None)
     parser.add_argument("--port", type=int, default=8371)
+    parser.add_argument("--profile", action="store_true", help="the background sync's blocked part under cProfile")
     args = parser.parse_args()
     os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     workdir = Path(args.workdir or tempfile.gettempdir()) / "background_bench"
@@ -160,7 +177,7 @@ def main() -> None:
                  "background": VLLMWeightSync(RemoteVLLM(urls[1], transport=Gloo(shard_direct=True, sparse=args.sparse,
                                                                                  background=True),
                                                          pause_mode="keep"), sync_on_train_start=False)}
-        rotate = Rotate(syncs, busy)
+        rotate = Rotate(syncs, busy, profile=args.profile)
         data = torch.randint(0, overrides["vocab_size"], (2 * args.steps, 32),
                              generator=torch.Generator().manual_seed(0))
         loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=1)
@@ -193,6 +210,25 @@ def main() -> None:
                   f" {m['sync'] / med['keep']['sync']:.2f}x | {m['paused'] / med['keep']['paused']:.2f}x |")
         print(f"exact: {rotate.exact['compared']} parameters compared between the two servers,"
               f" {len(rotate.exact['differ'])} differ {rotate.exact['differ'][:3]}")
+        if rotate.profile is not None and rotate.profiled:
+            print_profile(rotate.profile, rotate.profiled)
+
+
+def print_profile(profile: cProfile.Profile, syncs: int, top: int = 40) -> None:
+    """The package's functions (and the torch and threading calls under them) by cumulative seconds per sync."""
+    out = io.StringIO()
+    stats = pstats.Stats(profile, stream=out)
+    rows = []
+    for (path, line, func), (_, calls, _, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
+        if "lightning_fsdp_export" in path or "torch/distributed" in path or func.startswith("<method") \
+                or "threading" in path:
+            where = path.split("site-packages/")[-1].split("lightning_fsdp_export/")[-1]
+            rows.append((cumulative / syncs, calls / syncs, f"{where}:{line} {func}"))
+    rows.sort(reverse=True)
+    print(f"\nbackground sync, blocked part on rank 0 under cProfile: cumulative seconds per sync ({syncs} syncs)")
+    print("| s per sync | calls per sync | function |\n|---|---|---|")
+    for cumulative, calls, name in rows[:top]:
+        print(f"| {cumulative:.4f} | {calls:.0f} | `{name}` |")
 
 
 if __name__ == "__main__":
