@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
@@ -651,6 +652,29 @@ def test_a_shard_snapshot_replays_its_pass_after_the_weights_changed() -> None:
         assert all(torch.equal(t, b) for (_, t), (_, b) in zip(got, before))
     assert snapshot.metadata() == source.metadata() and snapshot.nbytes == 8 * 4 + 2 * 4
     assert snapshot.tensors == 2 and snapshot.done  # counted as a pass (the sync's metrics read it)
+
+
+def test_a_shard_snapshot_keeps_what_the_pass_made_and_copies_views_of_the_module() -> None:
+    # a cast (or a gathered tensor) is already the pass's own host memory: copying it again read every byte twice
+    # (0.1 s a sync at 200M, issue 70); a view of a parameter (a row slice, a transpose) must still be copied
+    from lightning_fsdp_export.export.shards import ShardSnapshot, ShardSource
+
+    weight, bias = torch.arange(8.0).reshape(4, 2), torch.ones(2)
+    made: list[torch.Tensor] = []
+
+    def export() -> Iterator[tuple[str, torch.Tensor]]:
+        made.append(weight.to(torch.bfloat16))  # a cast: a new tensor
+        yield "w", made[-1]
+        yield "b.t", bias[:1]  # a view of the module's own storage
+
+    source = ShardSource(lambda: [(["w"], weight), (["b"], bias)], export, layout=lambda names, t: None, world=1,
+                         dtype=torch.bfloat16)
+    snapshot = ShardSnapshot(source)
+    (_, w), (_, b) = list(snapshot)
+    assert w is made[0]  # kept, not copied
+    bias.add_(5)
+    weight.add_(5)
+    assert torch.equal(b, torch.ones(1)) and torch.equal(w, torch.arange(8.0).reshape(4, 2).to(torch.bfloat16))
 
 
 def test_nccl_m2n_drives_vllms_own_m2n_engine_with_our_shard_source(fake_m2n: FakeM2N) -> None:

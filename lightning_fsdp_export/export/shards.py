@@ -219,7 +219,8 @@ class ShardSource(ExportSource):
 
 
 class ShardSnapshot(ShardSource):
-    """One pass of a :class:`ShardSource` taken now into host memory (this rank's parts, in the wire dtype, copied), and
+    """One pass of a :class:`ShardSource` taken now into host memory (this rank's parts, in the wire dtype: copied where
+    they are the module's own or on a device; a cast or a gathered tensor the pass made on the host is kept as is), and
     replayed by every later iteration with no collective and no read of the module: what a background send reads while
     the model trains on (``RemoteVLLM`` over ``Gloo(shard_direct=True, background=True)``). Taking it is the pass (a
     collective: every rank takes its snapshot); ``nbytes`` is its host memory.
@@ -228,7 +229,10 @@ class ShardSnapshot(ShardSource):
     def __init__(self, source: ShardSource) -> None:
         meta, entries = source.metadata(), list(source._entries())  # read now: FSDP2 swaps params while it trains
         pin = torch.cuda.is_available()  # a GPU's shards: pinned host buffers (torch caches them across syncs)
-        pairs = [(name, _host_copy(tensor, pin)) for name, tensor in source]  # never a view of a parameter
+        module = {_storage(tensor) for _, tensor in entries}
+        pairs = [(name, _host_copy(tensor, pin) if tensor.device.type != "cpu" or _storage(tensor) in module
+                  else tensor)  # never a view of a parameter; a host tensor the pass made (cast, gathered) is kept
+                 for name, tensor in source]
         if pin:
             torch.cuda.synchronize()  # the copies were queued without waiting: all are done before it is read
         super().__init__(lambda: entries, lambda: iter(pairs), layout=source.layout, world=source.world,
@@ -239,6 +243,12 @@ class ShardSnapshot(ShardSource):
     def metadata(self) -> list[ShardMeta]:
         """The metadata of the pass it holds (read when it was taken)."""
         return self._meta
+
+
+def _storage(tensor: Tensor) -> int:
+    """The address of the storage under ``tensor`` (a DTensor's local shard's): equal for every view of it."""
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return local.untyped_storage().data_ptr()
 
 
 def _host_copy(tensor: Tensor, pin: bool) -> Tensor:
