@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import cProfile
-import io
 import os
 import pstats
 import statistics
@@ -216,10 +215,8 @@ def main() -> None:
 
 def print_profile(profile: cProfile.Profile, syncs: int, top: int = 40) -> None:
     """The package's functions (and the torch and threading calls under them) by cumulative seconds per sync."""
-    out = io.StringIO()
-    stats = pstats.Stats(profile, stream=out)
     rows = []
-    for (path, line, func), (_, calls, _, cumulative, _) in stats.stats.items():  # type: ignore[attr-defined]
+    for (path, line, func), (_, calls, _, cumulative, _) in pstats.Stats(profile).stats.items():
         if "lightning_fsdp_export" in path or "torch/distributed" in path or func.startswith("<method") \
                 or "threading" in path:
             where = path.split("site-packages/")[-1].split("lightning_fsdp_export/")[-1]
